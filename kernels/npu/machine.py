@@ -202,7 +202,7 @@ def _scalar(name: str, value: Any, type_name: str, where: str) -> Any:
     if type_name == "int" and not isinstance(value, int):
         raise TargetError(f"{where}: key '{name}' must be an integer, got {value!r}")
     if not math.isfinite(value) or value < 0:
-        raise TargetError(f"{where}: key '{name}' must be a finite non-negative number, got {value}")
+        raise TargetError(f"{where}: key '{name}' must be finite and non-negative, got {value}")
     if type_name == "int":
         return int(value)
     return float(value)

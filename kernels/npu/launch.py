@@ -1,0 +1,118 @@
+"""SPMD launch: split the work over cores, run each core's program, gather `RunStats`.
+
+Work is a sequence of items (tiles, rows, output blocks); core c of K gets a contiguous range,
+the first N % K cores one item more than the rest (the balanced split of the articles). A
+kernel's time is the launch head plus its slowest core's makespan.
+
+In timing-only mode, cores whose items have the same signature (same tile sizes, not the same
+data) run the same schedule, so one of them is simulated and its result reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from types import MappingProxyType
+from typing import TypeVar
+
+from .core import Core
+from .machine import Machine
+from .pipes import COMPUTE_PIPES, GM_PIPES, Pipe
+from .stats import RunStats
+from .timeline import Interval, Timeline
+
+W = TypeVar("W")
+
+
+def split_balanced(n: int, parts: int) -> list[range]:
+    """Split range(n) into `parts` contiguous ranges; the first n % parts get one more."""
+    if parts <= 0:
+        raise ValueError("parts must be positive")
+    base, extra = divmod(n, parts)
+    out: list[range] = []
+    start = 0
+    for p in range(parts):
+        size = base + (1 if p < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class _CoreResult:
+    __slots__ = ("busy", "intervals", "makespan", "moved")
+
+    def __init__(self, core: Core) -> None:
+        self.makespan = core.makespan
+        self.busy = core.busy
+        self.moved = core.moved
+        self.intervals = core.intervals
+
+
+def launch(
+    machine: Machine,
+    name: str,
+    work: Sequence[W],
+    body: Callable[[Core, Sequence[W]], None],
+    *,
+    max_cores: int,
+    functional: bool,
+    signature: Callable[[W], Hashable] | None = None,
+    timeline: bool = True,
+) -> RunStats:
+    """Run `body(core, items)` on each core for its share of `work`; return the run's stats.
+
+    `max_cores` caps the cores used (fewer when there is less work than cores).
+    """
+    n_cores = max(1, min(max_cores, len(work)))
+    shares = split_balanced(len(work), n_cores)
+    results: list[_CoreResult] = []
+    cache: dict[Hashable, _CoreResult] = {}
+    for c, share in enumerate(shares):
+        items = [work[i] for i in share]
+        key: Hashable | None = None
+        if not functional and signature is not None:
+            key = tuple(signature(w) for w in items)
+            if key in cache:
+                results.append(cache[key])
+                continue
+        core = Core(machine, c, n_cores, functional)
+        if items:
+            body(core, items)
+        res = _CoreResult(core)
+        if key is not None:
+            cache[key] = res
+        results.append(res)
+    return _gather(machine, name, results, timeline)
+
+
+def _gather(machine: Machine, name: str, results: list[_CoreResult], timeline: bool) -> RunStats:
+    launch_cycles = machine.kernel_launch_cycles
+    core_cycles = max(r.makespan for r in results)
+    cycles = launch_cycles + core_cycles
+    n = len(results)
+    busy = {p.value: sum(r.busy[p] for r in results) for p in Pipe}
+    util = {p: (b / (core_cycles * n) if core_cycles > 0 else 0.0) for p, b in busy.items()}
+    slowest = max(results, key=lambda r: r.makespan)
+    mem = max(slowest.busy[p] for p in GM_PIPES)
+    comp = max(slowest.busy[p] for p in COMPUTE_PIPES)
+    moved = {k: sum(r.moved[k] for r in results) for k in results[0].moved}
+    tl = None
+    if timeline:
+        intervals = tuple(
+            Interval(c, p.value, s + launch_cycles, e + launch_cycles, label)
+            for c, r in enumerate(results)
+            for p, s, e, label in r.intervals
+        )
+        tl = Timeline(machine.clock_hz, intervals, ((0.0, cycles, name),))
+    return RunStats(
+        cycles=cycles,
+        us=machine.cycles_to_us(cycles),
+        core_cycles=core_cycles,
+        pipe_busy=MappingProxyType(busy),
+        pipe_utilization=MappingProxyType(util),
+        launches=1,
+        cores=n,
+        bound="memory" if mem >= comp else "compute",
+        estimated=False,
+        timeline=tl,
+        **moved,
+    )
