@@ -1,0 +1,1 @@
+"""fuser: graph-level operator fusion for ONNX models."""

@@ -1,0 +1,142 @@
+"""The Python API: `fuse`, `inspect`, `validate`. Nothing here prints or writes unless asked."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+
+from . import engine
+from .decide import AlwaysFuse, Decider
+from .modelio import LoadedModel, ModelSource, load_model, save_model
+from .registry import select
+from .report import FusionRecord, FusionReport, RejectionRecord
+
+if TYPE_CHECKING:
+    from .validation import ValidationResult
+
+DEFAULT_TARGET = "ascend910b"
+
+
+@dataclass(frozen=True)
+class FusionResult:
+    """The fused model and what was done to it.
+
+    `model` may reference external data relative to the input's folder; `save` streams those
+    tensors next to the output.
+    """
+
+    model: onnx.ModelProto
+    report: FusionReport
+    source: LoadedModel
+
+    def save(self, path: str | os.PathLike[str], *, external: bool | None = None) -> list[Path]:
+        """Write the fused model atomically; returns the files written."""
+        return save_model(self.model, path, source=self.source, external=external)
+
+
+def fuse(
+    model: ModelSource,
+    patterns: Sequence[str] | None = None,
+    disable: Sequence[str] = (),
+    target: str = DEFAULT_TARGET,
+    *,
+    force: bool = False,
+    decider: Decider | None = None,
+) -> FusionResult:
+    """Fuse the operator chains of `model` (a path, bytes or ModelProto; never modified).
+
+    >>> result = fuse("model.onnx")                      # doctest: +SKIP
+    >>> result.report.summary                            # doctest: +SKIP
+    {'conv_bn_relu': 53, ...}
+    >>> result.save("model.fused.onnx")                  # doctest: +SKIP
+    """
+    clock = engine.timed()
+    next(clock)
+    chosen = select(patterns, disable)
+    loaded = load_model(model)
+    engine.check_structure(loaded)
+    types = engine.infer_types(loaded.model)
+    seconds = {"load": next(clock)}
+    before = engine.count_nodes(loaded.model.graph)
+    log = engine.run_passes(loaded, chosen, decider or _default_decider(target, force), types)
+    seconds["match_rewrite"] = next(clock)
+    if log.fusions:
+        engine.verify(loaded.model, loaded.label)
+    seconds["verify"] = next(clock)
+    report = FusionReport(
+        target=target,
+        patterns=tuple(p.name for p in chosen),
+        fusions=tuple(log.fusions),
+        rejected=tuple(log.rejected),
+        nodes_before=before,
+        nodes_after=engine.count_nodes(loaded.model.graph),
+        seconds=seconds,
+    )
+    return FusionResult(loaded.model, report, loaded)
+
+
+def _default_decider(target: str, force: bool) -> Decider:
+    """The target's cost model when it is available, else fuse every valid match."""
+    try:
+        from .costmodel import CostModelDecider
+    except ImportError:
+        return AlwaysFuse()
+    return CostModelDecider.for_target(target, force=force)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """Every match and every near-miss of the enabled patterns, with reasons."""
+
+    matches: tuple[FusionRecord, ...]
+    near_misses: tuple[RejectionRecord, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {
+            "matches": [
+                {"pattern": m.pattern, "op": m.op, "nodes": list(m.replaced), "graph": m.graph,
+                 "notes": list(m.notes)}
+                for m in self.matches
+            ],
+            "near_misses": [asdict(r) | {"nodes": list(r.nodes)} for r in self.near_misses],
+        }
+
+
+def inspect(
+    model: ModelSource,
+    patterns: Sequence[str] | None = None,
+    disable: Sequence[str] = (),
+    target: str = DEFAULT_TARGET,
+) -> Inspection:
+    """What `fuse` would do, without keeping the result: matches and near-misses."""
+    result = fuse(model, patterns, disable, target)
+    return Inspection(result.report.fusions, result.report.rejected)
+
+
+def validate(
+    original: ModelSource,
+    fused: ModelSource,
+    *,
+    runs: int = 3,
+    seed: int = 0,
+    rtol: float | None = None,
+    atol: float | None = None,
+    inputs: Mapping[str, Any] | None = None,
+    dim_size: int = 3,
+    kernel: str = "reference",
+    target: str = DEFAULT_TARGET,
+) -> ValidationResult:
+    """Run both models in onnxruntime on the same inputs and compare every output."""
+    from .validation import validate_models
+
+    return validate_models(
+        load_model(original), load_model(fused), runs=runs, seed=seed, rtol=rtol, atol=atol,
+        inputs=inputs, dim_size=dim_size, kernel=kernel, target=target,
+    )

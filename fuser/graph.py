@@ -1,0 +1,471 @@
+"""The graph index: who produces and who reads each value, in a topological order kept valid.
+
+Built once per graph in O(nodes + edges) and updated incrementally by each rewrite, so a whole
+fusion pass stays linear in the size of the graph. Nodes are addressed by integer ids that stay
+stable across rewrites; `order` holds them in a valid topological order (dead slots are None).
+
+Values read by a subgraph (If/Loop/Scan bodies) from the enclosing scope count as read by the
+node that owns the subgraph: a fusion must never hide a value a subgraph still needs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from .errors import ModelLoadError
+from .modelio import LoadedModel, read_tensor
+
+# Ops whose value is not a function of their inputs: never treated as constants.
+_NONDETERMINISTIC = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+     "Bernoulli", "Dropout"}
+)
+# A constant cone larger than this is not folded at fuse time (it would cost more than it saves).
+_MAX_CONSTANT_CONE = 64
+
+Dim = int | str | None
+Shape = tuple[Dim, ...]
+
+
+@dataclass(frozen=True)
+class ValueType:
+    """Element type (onnx.TensorProto enum) and shape (None if rank unknown) of a tensor."""
+
+    elem_type: int
+    shape: Shape | None
+
+
+def subgraph_free_names(graph: onnx.GraphProto) -> set[str]:
+    """Names a graph reads from its enclosing scope (used but not defined inside it)."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined |= {s.values.name for s in graph.sparse_initializer}
+    used: set[str] = set()
+    for node in graph.node:
+        used.update(name for name in node.input if name)
+        for sub in _node_subgraphs(node):
+            used |= subgraph_free_names(sub)
+        defined.update(node.output)
+    used.update(o.name for o in graph.output)
+    return used - defined
+
+
+def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _value_type(proto: onnx.ValueInfoProto) -> ValueType | None:
+    if not proto.type.HasField("tensor_type"):
+        return None
+    tensor = proto.type.tensor_type
+    shape: Shape | None = None
+    if tensor.HasField("shape"):
+        dims: list[Dim] = []
+        for dim in tensor.shape.dim:
+            if dim.HasField("dim_value"):
+                dims.append(dim.dim_value)
+            elif dim.HasField("dim_param"):
+                dims.append(dim.dim_param)
+            else:
+                dims.append(None)
+        shape = tuple(dims)
+    return ValueType(tensor.elem_type, shape)
+
+
+@dataclass
+class GraphIndex:
+    """Producers, consumers, constants and types of one graph (a model's or a subgraph)."""
+
+    graph: onnx.GraphProto
+    source: LoadedModel
+    opsets: Mapping[str, int]
+    types: dict[str, ValueType]
+    outer: GraphIndex | None = None
+    path: str = ""  # where this graph lives, for messages: "" for the main graph
+
+    nodes: dict[int, onnx.NodeProto] = field(default_factory=dict)
+    order: list[int | None] = field(default_factory=list)
+    pos: dict[int, int] = field(default_factory=dict)
+    producer: dict[str, int] = field(default_factory=dict)
+    consumers: dict[str, dict[int, None]] = field(default_factory=dict)
+    initializers: dict[str, onnx.TensorProto] = field(default_factory=dict)
+    graph_inputs: set[str] = field(default_factory=set)
+    graph_outputs: set[str] = field(default_factory=set)
+    node_names: set[str] = field(default_factory=set)
+    reserved_names: set[str] = field(default_factory=set)
+    dead_initializers: set[str] = field(default_factory=set)
+    new_initializers: list[onnx.TensorProto] = field(default_factory=list)
+    _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
+    _next_id: int = 0
+    modified: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        graph: onnx.GraphProto,
+        source: LoadedModel,
+        opsets: Mapping[str, int],
+        types: dict[str, ValueType],
+        *,
+        outer: GraphIndex | None = None,
+        path: str = "",
+    ) -> GraphIndex:
+        """Index `graph`, sorting its nodes topologically; a cycle or dangling input is an error."""
+        index = cls(graph=graph, source=source, opsets=opsets, types=types, outer=outer, path=path)
+        index.initializers = {t.name: t for t in graph.initializer}
+        index.graph_inputs = {v.name for v in graph.input}
+        index.graph_outputs = {v.name for v in graph.output}
+        for value in list(graph.input) + list(graph.output) + list(graph.value_info):
+            vt = _value_type(value)
+            if vt is not None:
+                types.setdefault(value.name, vt)
+        for tensor in graph.initializer:
+            types.setdefault(tensor.name, ValueType(tensor.data_type, tuple(tensor.dims)))
+        for node in graph.node:
+            index._add_node(node, at_end=False)
+        index._sort_topologically()
+        return index
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _add_node(self, node: onnx.NodeProto, *, at_end: bool) -> int:
+        node_id = self._next_id
+        self._next_id += 1
+        self.nodes[node_id] = node
+        if node.name:
+            self.node_names.add(node.name)
+        for name in self.read_names(node):
+            self.consumers.setdefault(name, {})[node_id] = None
+        for name in node.output:
+            if name:
+                if name in self.producer:
+                    raise ModelLoadError(
+                        f"{self.where()}value '{name}' is produced by two nodes "
+                        f"('{self.nodes[self.producer[name]].name}' and '{node.name}')"
+                    )
+                self.producer[name] = node_id
+        if at_end:
+            self.pos[node_id] = len(self.order)
+            self.order.append(node_id)
+        return node_id
+
+    @staticmethod
+    def read_names(node: onnx.NodeProto) -> list[str]:
+        """Every value a node reads: its inputs and what its subgraphs take from outer scope."""
+        names = [name for name in node.input if name]
+        for sub in _node_subgraphs(node):
+            names.extend(sorted(subgraph_free_names(sub)))
+        return names
+
+    def _known_outside(self, name: str) -> bool:
+        if name in self.graph_inputs or name in self.initializers:
+            return True
+        return self.outer is not None and self.outer.defines(name)
+
+    def defines(self, name: str) -> bool:
+        """Whether `name` is visible in this graph (or, for subgraphs, an enclosing one)."""
+        return name in self.producer or self._known_outside(name)
+
+    def _sort_topologically(self) -> None:
+        """Kahn's algorithm, stable: a sorted graph keeps its order exactly."""
+        ids = list(self.nodes)
+        waiting: dict[int, int] = {}
+        readers: dict[int, list[int]] = {}
+        for node_id in ids:
+            count = 0
+            for name in self.read_names(self.nodes[node_id]):
+                src = self.producer.get(name)
+                if src is None:
+                    if not self._known_outside(name):
+                        raise ModelLoadError(
+                            f"{self.where()}node '{self.describe(node_id)}' reads '{name}', "
+                            "which no node, input or initializer provides (dangling input)"
+                        )
+                    continue
+                if src == node_id:
+                    raise ModelLoadError(
+                        f"{self.where()}node '{self.describe(node_id)}' reads its own output "
+                        f"'{name}' (cycle)"
+                    )
+                count += 1
+                readers.setdefault(src, []).append(node_id)
+            waiting[node_id] = count
+        ready = deque(i for i in ids if waiting[i] == 0)
+        order: list[int | None] = []
+        # A min-heap on original id would keep order when possible; a deque in original order
+        # already does so for graphs that are sorted, which is nearly all of them.
+        while ready:
+            node_id = ready.popleft()
+            order.append(node_id)
+            for reader in readers.get(node_id, ()):
+                waiting[reader] -= 1
+                if waiting[reader] == 0:
+                    ready.append(reader)
+        if len(order) != len(ids):
+            stuck = next(i for i in ids if waiting[i] > 0)
+            raise ModelLoadError(
+                f"{self.where()}the graph has a cycle through node '{self.describe(stuck)}'"
+            )
+        self.order = order
+        self.pos = {node_id: i for i, node_id in enumerate(order) if node_id is not None}
+        if [n for n in order] != ids:
+            self.modified = True
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    def where(self) -> str:
+        return f"subgraph {self.path}: " if self.path else ""
+
+    def describe(self, node_id: int) -> str:
+        node = self.nodes[node_id]
+        return node.name or f"{node.op_type}#{node_id}"
+
+    def live_nodes(self) -> Iterator[int]:
+        """Node ids in topological order."""
+        return (node_id for node_id in self.order if node_id is not None)
+
+    def node(self, node_id: int) -> onnx.NodeProto:
+        return self.nodes[node_id]
+
+    def producer_of(self, name: str) -> onnx.NodeProto | None:
+        node_id = self.producer.get(name)
+        return None if node_id is None else self.nodes[node_id]
+
+    def readers(self, name: str) -> list[int]:
+        return list(self.consumers.get(name, ()))
+
+    def is_graph_output(self, name: str) -> bool:
+        return name in self.graph_outputs
+
+    def value_type(self, name: str) -> ValueType | None:
+        found = self.types.get(name)
+        if found is None and self.outer is not None:
+            return self.outer.value_type(name)
+        return found
+
+    def elem_type(self, name: str) -> int | None:
+        vt = self.value_type(name)
+        return None if vt is None else vt.elem_type
+
+    def shape(self, name: str) -> Shape | None:
+        vt = self.value_type(name)
+        return None if vt is None else vt.shape
+
+    def opset(self, domain: str = "") -> int:
+        return self.opsets.get("ai.onnx" if domain == "" else domain, self.opsets.get(domain, 0))
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of `name` if it is known at fuse time, else None.
+
+        Known: a non-overridable initializer, a Constant node, or a small deterministic subgraph
+        of those (ConstantOfShape, Cast, Reshape, ...), evaluated with onnx's reference runtime.
+        An initializer that is also a graph input can be overridden at run time: not constant.
+        """
+        if name in self._constants:
+            return self._constants[name]
+        value = self._compute_constant(name)
+        self._constants[name] = value
+        return value
+
+    def _compute_constant(self, name: str) -> np.ndarray | None:
+        if not name:
+            return None
+        if name in self.initializers:
+            if name in self.graph_inputs:
+                return None
+            return read_tensor(self.source, self.initializers[name])
+        if name not in self.producer:
+            if name in self.graph_inputs or self.outer is None:
+                return None
+            return self.outer.constant(name)
+        cone = self._constant_cone(name)
+        if cone is None:
+            return None
+        return self._evaluate(cone, name)
+
+    def _constant_cone(self, name: str) -> list[int] | None:
+        """Producer nodes of `name` back to constants, or None if any leaf is not constant."""
+        cone: dict[int, None] = {}
+        stack = [name]
+        while stack:
+            value = stack.pop()
+            node_id = self.producer.get(value)
+            if node_id is None:
+                if self.constant(value) is None:
+                    return None
+                continue
+            if node_id in cone:
+                continue
+            node = self.nodes[node_id]
+            if node.op_type in _NONDETERMINISTIC or any(True for _ in _node_subgraphs(node)):
+                return None
+            cone[node_id] = None
+            if len(cone) > _MAX_CONSTANT_CONE:
+                return None
+            stack.extend(i for i in node.input if i)
+        return sorted(cone, key=self.pos.__getitem__)
+
+    def _evaluate(self, cone: list[int], name: str) -> np.ndarray | None:
+        from onnx.reference import ReferenceEvaluator
+
+        nodes = [self.nodes[i] for i in cone]
+        produced = {o for n in nodes for o in n.output}
+        leaves = sorted({i for n in nodes for i in n.input if i and i not in produced})
+        feeds = {}
+        for leaf in leaves:
+            value = self.constant(leaf)
+            if value is None:
+                return None
+            feeds[leaf] = value
+        inputs = [onnx.helper.make_tensor_value_info(leaf, onnx.TensorProto.UNDEFINED, None)
+                  for leaf in leaves]
+        outputs = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)]
+        graph = onnx.helper.make_graph(nodes, "constant_cone", inputs, outputs)
+        opsets = [onnx.helper.make_opsetid(d, v) for d, v in self.opsets.items()]
+        model = onnx.helper.make_model(graph, opset_imports=opsets)
+        try:
+            (value,) = ReferenceEvaluator(model).run(None, feeds)
+        except Exception:  # an op the reference runtime lacks: then it is simply not constant
+            return None
+        return np.asarray(value)
+
+    # -- rewriting ------------------------------------------------------------------------------
+
+    def unique_node_name(self, base: str) -> str:
+        name, counter = base, 1
+        while name in self.node_names:
+            counter += 1
+            name = f"{base}_{counter}"
+        self.node_names.add(name)
+        return name
+
+    def unique_value_name(self, base: str) -> str:
+        name, counter = base, 1
+        while (name in self.producer or name in self.initializers or name in self.types
+               or name in self.reserved_names):
+            counter += 1
+            name = f"{base}_{counter}"
+        self.reserved_names.add(name)
+        return name
+
+    def descendants_in_window(self, members: Iterable[int]) -> tuple[list[int], str | None]:
+        """Nodes outside `members` that read (transitively) what `members` produce, limited to
+        the topological window of the members; and the first value through which such a node
+        feeds back into a member (a rewrite would then create a cycle), or None.
+
+        A node placed after the window cannot reach back into it, so the search stays local.
+        """
+        member_set = set(members)
+        hi = max(self.pos[m] for m in member_set)
+        found: dict[int, None] = {}
+        queue = deque(member_set)
+        while queue:
+            node_id = queue.popleft()
+            for out in self.nodes[node_id].output:
+                for reader in self.consumers.get(out, ()):
+                    if reader in member_set:
+                        if node_id not in member_set:
+                            return [], out
+                        continue
+                    if self.pos[reader] <= hi and reader not in found:
+                        found[reader] = None
+                        queue.append(reader)
+        return sorted(found, key=self.pos.__getitem__), None
+
+    def replace(
+        self,
+        members: Iterable[int],
+        fused: onnx.NodeProto,
+        new_initializers: Iterable[onnx.TensorProto] = (),
+    ) -> int:
+        """Replace `members` by `fused`, keeping the order topological. Returns the new id.
+
+        The caller has checked (via `descendants_in_window`) that no cycle results.
+        """
+        member_set = set(members)
+        lo = min(self.pos[m] for m in member_set)
+        hi = max(self.pos[m] for m in member_set)
+        after, back_edge = self.descendants_in_window(member_set)
+        if back_edge is not None:
+            raise AssertionError(f"rewrite would create a cycle through '{back_edge}'")
+        removed_inputs: list[str] = []
+        for member in member_set:
+            node = self.nodes.pop(member)
+            for name in self.read_names(node):
+                readers = self.consumers.get(name)
+                if readers is not None:
+                    readers.pop(member, None)
+                removed_inputs.append(name)
+            for name in node.output:
+                if self.producer.get(name) == member:
+                    del self.producer[name]
+            del self.pos[member]
+        for tensor in new_initializers:
+            self.initializers[tensor.name] = tensor
+            self.new_initializers.append(tensor)
+            self.types[tensor.name] = ValueType(tensor.data_type, tuple(tensor.dims))
+        fused_id = self._add_node(fused, at_end=False)
+        after_set = set(after)
+        window = [i for i in self.order[lo : hi + 1] if i is not None and i not in member_set]
+        before = [i for i in window if i not in after_set]
+        new_slots: list[int | None] = [*before, fused_id, *after]
+        new_slots += [None] * (hi + 1 - lo - len(new_slots))
+        self.order[lo : hi + 1] = new_slots
+        for offset, node_id in enumerate(new_slots):
+            if node_id is not None:
+                self.pos[node_id] = lo + offset
+        self._drop_dead(removed_inputs)
+        self.modified = True
+        return fused_id
+
+    def _drop_dead(self, names: Iterable[str]) -> None:
+        """Remove initializers and producer nodes that the rewrite left without readers."""
+        stack = list(names)
+        while stack:
+            name = stack.pop()
+            if self.consumers.get(name) or name in self.graph_outputs:
+                continue
+            if name in self.initializers and name not in self.graph_inputs:
+                del self.initializers[name]
+                self.dead_initializers.add(name)
+                continue
+            node_id = self.producer.get(name)
+            if node_id is None:
+                continue
+            node = self.nodes[node_id]
+            if node.op_type in _NONDETERMINISTIC or any(
+                self.consumers.get(o) or o in self.graph_outputs for o in node.output if o
+            ):
+                continue
+            self.nodes.pop(node_id)
+            for out in node.output:
+                self.producer.pop(out, None)
+            self.order[self.pos.pop(node_id)] = None
+            for read in self.read_names(node):
+                readers = self.consumers.get(read)
+                if readers is not None:
+                    readers.pop(node_id, None)
+                stack.append(read)
+
+    def write_back(self) -> None:
+        """Write nodes and initializers back into the GraphProto; untouched graphs stay as is."""
+        if not self.modified:
+            return
+        live = [self.nodes[i] for i in self.live_nodes()]
+        del self.graph.node[:]
+        self.graph.node.extend(live)
+        if self.dead_initializers:
+            kept = [t for t in self.graph.initializer if t.name not in self.dead_initializers]
+            del self.graph.initializer[:]
+            self.graph.initializer.extend(kept)
+        new = [t for t in self.new_initializers if t.name in self.initializers]
+        self.graph.initializer.extend(new)
+        self.new_initializers = []

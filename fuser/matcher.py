@@ -1,0 +1,107 @@
+"""The universal rules every match must pass, enforced here rather than in each pattern.
+
+1. Members are live, standard nodes: a node already fused (domain `fuser`) is never re-fused,
+   so matches cannot overlap.
+2. An internal value read outside the match, or that is a graph output, is either carried out
+   by an optional output of the fused op (when the pattern allows it) or blocks the match.
+3. The rewrite creates no cycle.
+4. Input element types are among those the fused op's type constraints allow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import onnx
+
+from .fusedop import DOMAIN, FusedOp
+from .graph import GraphIndex
+from .pattern import Match, Rejection, rejection
+
+_TYPE_NAMES = {
+    f"tensor({name})": value
+    for name, value in (
+        ("float16", onnx.TensorProto.FLOAT16),
+        ("float", onnx.TensorProto.FLOAT),
+        ("double", onnx.TensorProto.DOUBLE),
+        ("bfloat16", onnx.TensorProto.BFLOAT16),
+        ("int64", onnx.TensorProto.INT64),
+        ("int32", onnx.TensorProto.INT32),
+        ("int8", onnx.TensorProto.INT8),
+        ("uint8", onnx.TensorProto.UINT8),
+        ("bool", onnx.TensorProto.BOOL),
+    )
+}
+
+
+def type_name(elem_type: int | None) -> str:
+    if elem_type is None or elem_type == 0:
+        return "unknown"
+    return onnx.helper.tensor_dtype_to_np_dtype(elem_type).name
+
+
+def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
+    """Apply the universal rules; returns the match (outputs completed) or why it cannot be."""
+    members = set(match.nodes)
+    for node_id in match.nodes:
+        if node_id not in graph.nodes:
+            return rejection(match.pattern, graph, [], "a node of the match was already removed")
+        if graph.node(node_id).domain == DOMAIN:
+            return rejection(
+                match.pattern, graph, [node_id],
+                f"overlaps an earlier fusion ('{graph.describe(node_id)}')",
+            )
+
+    outputs = list(match.outputs)
+    for node_id in match.nodes:
+        for value in graph.node(node_id).output:
+            if not value or value in outputs:
+                continue
+            outside = [r for r in graph.readers(value) if r not in members]
+            if not outside and not graph.is_graph_output(value):
+                continue
+            slot = match.exportable.get(value)
+            if slot is not None and not outputs[slot]:
+                outputs[slot] = value
+                continue
+            if outside:
+                reader = graph.node(outside[0])
+                why = f"is also read by '{graph.describe(outside[0])}' ({reader.op_type}) outside the match"
+            else:
+                why = "is a graph output"
+            return rejection(
+                match.pattern, graph, list(match.nodes),
+                f"internal value '{value}' {why}, and {match.op.name} cannot output it",
+                value,
+            )
+
+    _, back_edge = graph.descendants_in_window(members)
+    if back_edge is not None:
+        return rejection(
+            match.pattern, graph, list(match.nodes),
+            f"fusing would create a cycle: value '{back_edge}' leaves the match and feeds back into it",
+            back_edge,
+        )
+
+    bad_type = _unsupported_type(graph, match)
+    if bad_type is not None:
+        return rejection(match.pattern, graph, list(match.nodes), *bad_type)
+    return replace(match, outputs=tuple(outputs))
+
+
+def _unsupported_type(graph: GraphIndex, match: Match) -> tuple[str, str] | None:
+    op: FusedOp = match.op
+    allowed = {name: {_TYPE_NAMES.get(t) for t in types} for name, types, _ in op.type_constraints}
+    new = {t.name: t.data_type for t in match.new_initializers}
+    for position, value in enumerate(match.inputs):
+        if not value:
+            continue
+        param = op.inputs[min(position, len(op.inputs) - 1)]
+        if param.type_str not in allowed:
+            continue
+        elem = new.get(value) or graph.elem_type(value)
+        if elem is None or elem == 0:
+            return (f"element type of '{value}' is unknown (shape inference found none)", value)
+        if elem not in allowed[param.type_str]:
+            return (f"'{value}' is {type_name(elem)}, which {op.name} does not support", value)
+    return None

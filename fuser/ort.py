@@ -1,0 +1,231 @@
+"""onnxruntime plugin: run fused models (and collectives) in a normal InferenceSession.
+
+onnxruntime-extensions serves custom Python ops only in domain `ai.onnx.contrib`, passes only
+int/float/string attributes, and registers ops with a fixed input/output count and dtypes. So
+the plugin rewrites a copy of the model in memory: every node it handles becomes a contrib op
+named after its signature (op, present inputs/outputs, dtypes), registered once per process,
+with all of the node's attributes packed into one JSON string. The saved model keeps domain
+`fuser` and its real attribute types.
+
+Handlers: every fused op runs its numpy `reference` or its simulated NPU kernel (`kernel=`);
+com.microsoft AllGather runs on an in-process communicator (one session per rank, see
+`fuser.collective`), which also serves fused ops that gather.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from . import fusedop
+from .engine import infer_types
+from .errors import UsageError
+from .graph import ValueType
+from .modelio import LoadedModel, ModelSource, has_external_data, load_model, save_model
+from .registry import ensure_fused_ops_registered
+
+if TYPE_CHECKING:
+    import onnxruntime
+
+    from .collective import Communicator
+
+CONTRIB = "ai.onnx.contrib"
+KERNELS = ("reference", "npu")
+_PACKED = "fuser_node"
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a handler knows besides its inputs: how to compute and where it runs."""
+
+    kernel: str
+    target: str
+    rank: int
+    communicator: Communicator | None
+
+
+Handler = Callable[[Sequence["np.ndarray | None"], Mapping[str, Any], RunContext], Sequence[np.ndarray]]
+_HANDLERS: dict[tuple[str, str], Handler] = {}
+_CONTEXTS: dict[str, RunContext] = {}
+
+
+def register_handler(domain: str, op_type: str, handler: Handler) -> None:
+    """Make nodes of (domain, op_type) run through `handler` in plugin sessions."""
+    _HANDLERS[(domain, op_type)] = handler
+
+
+def _fused_handler(inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any],
+                   ctx: RunContext) -> Sequence[np.ndarray]:
+    op = fusedop.get(attrs["__op__"])
+    values = {k: v for k, v in attrs.items() if not k.startswith("__")}
+    full = {a.name: a.default for a in op.attributes} | values
+    if ctx.kernel == "npu":
+        from .npu_run import run_fused_on_npu
+
+        return run_fused_on_npu(op.name, inputs, full, ctx)
+    return op.reference(inputs, full)
+
+
+def session(
+    model: ModelSource | LoadedModel,
+    *,
+    kernel: str = "reference",
+    target: str = "ascend910b",
+    rank: int = 0,
+    communicator: Communicator | None = None,
+    options: onnxruntime.SessionOptions | None = None,
+) -> onnxruntime.InferenceSession:
+    """An onnxruntime session that runs `model`, fused ops and collectives included.
+
+    >>> sess = session("model.fused.onnx")              # doctest: +SKIP
+    >>> sess.run(None, {"x": x})                        # doctest: +SKIP
+    """
+    import onnxruntime
+    from onnxruntime_extensions import get_library_path
+
+    if kernel not in KERNELS:
+        raise UsageError(f"unknown kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
+    ensure_fused_ops_registered()
+    _ensure_builtin_handlers()
+    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(loaded.model)
+    context = RunContext(kernel, target, rank, communicator)
+    context_id = f"ctx{len(_CONTEXTS)}"
+    _CONTEXTS[context_id] = context
+    types = infer_types(copy)
+    if _remap_graph(copy.graph, "", types, context_id):
+        kept = [o for o in copy.opset_import if o.domain not in (fusedop.DOMAIN, CONTRIB)]
+        del copy.opset_import[:]
+        copy.opset_import.extend([*kept, helper.make_opsetid(CONTRIB, 1)])
+    opts = options or onnxruntime.SessionOptions()
+    opts.register_custom_ops_library(get_library_path())
+    providers = ["CPUExecutionProvider"]
+    if has_external_data(copy):
+        # Big models cannot pass through one protobuf: stage them (data streamed) in a folder.
+        with tempfile.TemporaryDirectory(prefix="fuser-ort-") as folder:
+            path = Path(folder) / "model.onnx"
+            save_model(copy, path, source=loaded, external=True)
+            return onnxruntime.InferenceSession(str(path), opts, providers=providers)
+    return onnxruntime.InferenceSession(copy.SerializeToString(), opts, providers=providers)
+
+
+def _remap_graph(graph: onnx.GraphProto, path: str, types: dict[str, dict[str, ValueType]],
+                 context_id: str) -> bool:
+    from .engine import _sub_path
+
+    changed = False
+    table = types.get(path, {})
+    for node in graph.node:
+        for attr in node.attribute:
+            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for i, sub in enumerate(subs):
+                changed |= _remap_graph(sub, _sub_path(path, node, attr.name, i, len(subs)),
+                                        types, context_id)
+        key = (node.domain, node.op_type)
+        if node.domain == fusedop.DOMAIN or key in _HANDLERS:
+            _remap_node(node, table, types, context_id)
+            changed = True
+    return changed
+
+
+def _elem_type(name: str, table: Mapping[str, ValueType], types: dict[str, dict[str, ValueType]]) -> int:
+    found = table.get(name)
+    if found is None:
+        for other in types.values():  # outer scopes
+            if name in other:
+                found = other[name]
+                break
+    if found is None or found.elem_type == 0:
+        raise UsageError(f"cannot run: element type of '{name}' is unknown to shape inference")
+    return found.elem_type
+
+
+def _remap_node(node: onnx.NodeProto, table: Mapping[str, ValueType],
+                types: dict[str, dict[str, ValueType]], context_id: str) -> None:
+    in_pos = [i for i, n in enumerate(node.input) if n]
+    out_pos = [i for i, n in enumerate(node.output) if n]
+    in_types = [_elem_type(node.input[i], table, types) for i in in_pos]
+    out_types = [_elem_type(node.output[i], table, types) for i in out_pos]
+    attrs: dict[str, Any] = {}
+    for attr in node.attribute:
+        value = helper.get_attribute_value(attr)
+        attrs[attr.name] = value.decode() if isinstance(value, bytes) else value
+        if isinstance(attrs[attr.name], list | tuple):
+            attrs[attr.name] = [v.decode() if isinstance(v, bytes) else v for v in attrs[attr.name]]
+    packed = {
+        "__op__": node.op_type, "__domain__": node.domain, "__context__": context_id,
+        "__inputs__": in_pos, "__n_inputs__": len(node.input),
+        "__outputs__": out_pos, "__name__": node.name,
+        **attrs,
+    }
+    signature = json.dumps([node.domain, node.op_type, in_types, out_types])
+    contrib_name = f"{node.op_type}_{hashlib.sha1(signature.encode()).hexdigest()[:12]}"
+    _register_contrib_op(contrib_name, in_types, out_types)
+    inputs = [node.input[i] for i in in_pos]
+    outputs = [node.output[i] for i in out_pos]
+    del node.input[:], node.output[:], node.attribute[:]
+    node.input.extend(inputs)
+    node.output.extend(outputs)
+    node.attribute.append(helper.make_attribute(_PACKED, json.dumps(packed)))
+    node.op_type, node.domain = contrib_name, CONTRIB
+
+
+_REGISTERED_CONTRIB: set[str] = set()
+
+
+def _register_contrib_op(name: str, in_types: list[int], out_types: list[int]) -> None:
+    if name in _REGISTERED_CONTRIB:
+        return
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op
+
+    def dt(elem: int) -> int:
+        np_name = helper.tensor_dtype_to_np_dtype(elem).name
+        mapping = {"float32": "float", "float64": "double", "bool": "bool"}
+        attr = f"dt_{mapping.get(np_name, np_name)}"
+        if not hasattr(PyCustomOpDef, attr):
+            raise UsageError(f"onnxruntime-extensions cannot pass tensors of type {np_name}")
+        return int(getattr(PyCustomOpDef, attr))
+
+    onnx_op(op_type=name, inputs=[dt(t) for t in in_types], outputs=[dt(t) for t in out_types],
+            attrs={_PACKED: PyCustomOpDef.dt_string})(_dispatch)
+    _REGISTERED_CONTRIB.add(name)
+
+
+def _dispatch(*arrays: np.ndarray, **kwargs: Any) -> Any:
+    packed = json.loads(kwargs[_PACKED])
+    inputs: list[np.ndarray | None] = [None] * packed["__n_inputs__"]
+    for position, array in zip(packed["__inputs__"], arrays, strict=True):
+        inputs[position] = array
+    ctx = _CONTEXTS[packed["__context__"]]
+    domain, op_type = packed["__domain__"], packed["__op__"]
+    handler = _fused_handler if domain == fusedop.DOMAIN else _HANDLERS[(domain, op_type)]
+    try:
+        results = handler(inputs, packed, ctx)
+    except Exception as exc:
+        # onnxruntime reports a Python failure without its type; keep the node and the cause.
+        raise RuntimeError(f"fuser: node '{packed['__name__']}' ({op_type}) failed: {exc!r}") from exc
+    selected = [np.ascontiguousarray(results[i]) for i in packed["__outputs__"]]
+    return selected[0] if len(selected) == 1 else tuple(selected)
+
+
+_BUILTINS_LOADED = False
+
+
+def _ensure_builtin_handlers() -> None:
+    """Handlers for standard ops onnxruntime's CPU package lacks (com.microsoft collectives)."""
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        from . import collective  # registers its handlers on import
+
+        del collective
+        _BUILTINS_LOADED = True

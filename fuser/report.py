@@ -1,0 +1,100 @@
+"""The fusion report: data first (JSON), text second (the CLI renders it)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's view of one fusion, in cycles of the target NPU."""
+
+    fused_cycles: float
+    unfused_cycles: float
+    tiling: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        return self.unfused_cycles / self.fused_cycles if self.fused_cycles > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class FusionRecord:
+    """One rewrite: which nodes became which fused node."""
+
+    pattern: str
+    node: str
+    op: str
+    replaced: tuple[str, ...]
+    attributes: Mapping[str, Any]
+    graph: str = ""
+    notes: tuple[str, ...] = ()
+    prediction: Prediction | None = None
+
+
+@dataclass(frozen=True)
+class RejectionRecord:
+    """One near-miss or refused fusion, with the reason and the value at fault."""
+
+    pattern: str
+    nodes: tuple[str, ...]
+    reason: str
+    value: str | None = None
+    graph: str = ""
+
+
+@dataclass(frozen=True)
+class FusionReport:
+    """What `fuse` did to a model."""
+
+    target: str
+    patterns: tuple[str, ...]
+    fusions: tuple[FusionRecord, ...]
+    rejected: tuple[RejectionRecord, ...]
+    nodes_before: int
+    nodes_after: int
+    seconds: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def summary(self) -> dict[str, int]:
+        """Pattern name -> number of fusions (every enabled pattern listed, zeros included)."""
+        counts = dict.fromkeys(self.patterns, 0)
+        for fusion in self.fusions:
+            counts[fusion.pattern] = counts.get(fusion.pattern, 0) + 1
+        return counts
+
+    def to_dict(self) -> dict[str, Any]:
+        def fusion(f: FusionRecord) -> dict[str, Any]:
+            data = asdict(f)
+            data["replaced"] = list(f.replaced)
+            data["notes"] = list(f.notes)
+            data["attributes"] = {k: _jsonable(v) for k, v in f.attributes.items()}
+            if f.prediction is not None:
+                data["prediction"]["speedup"] = f.prediction.speedup
+            return data
+
+        return {
+            "target": self.target,
+            "summary": self.summary,
+            "fusions": [fusion(f) for f in self.fusions],
+            "rejected": [asdict(r) | {"nodes": list(r.nodes)} for r in self.rejected],
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "seconds": dict(self.seconds),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value

@@ -1,0 +1,226 @@
+"""Conv -> BatchNormalization (inference) -> Relu (optional)  =>  fuser.ConvBnRelu.
+
+Math. Inference-mode BN is an affine map per output channel c:
+    BN(y)_c = (y_c - mean_c) * scale_c / sqrt(var_c + eps) + bias_c
+and Conv is linear in its weight, so with  a_c = scale_c / sqrt(var_c + eps):
+    BN(Conv(x, W, B)) = Conv(x, W', B'),  W'[c] = W[c] * a_c,  B'_c = (B_c - mean_c) * a_c + bias_c.
+When W, B and the four BN parameters are known at fuse time, the fused op gets W', B' and no BN
+inputs (folded in float64, then cast to the weight's dtype). When any is computed at run time,
+the fused op takes the BN parameters as inputs and applies BN itself in its epilogue.
+Relu, when it is the only reader of the BN output, is applied on the way out.
+
+Refused, with the reason: BN in training mode (training_mode=1 or extra outputs) or with
+spatial=0, 3-D and higher convolutions, a weight whose rank is unknown, parameters of the wrong
+size. If the BN output is read elsewhere, Relu is left out of the fusion rather than refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo
+from fuser.graph import GraphIndex
+from fuser.pattern import Match, Rejection, rejection
+
+from ._conv import conv, conv_output_spatial
+
+NAME = "conv_bn_relu"
+PRIORITY = 10
+
+
+def _infer(inputs: Sequence[TensorInfo | None], attrs: Mapping[str, Any]) -> list[TensorInfo | None]:
+    x, w = inputs[0], inputs[1]
+    if x is None:
+        return [None]
+    if x.shape is None or w is None or w.shape is None or not all(isinstance(d, int) for d in w.shape):
+        return [TensorInfo(x.elem_type, None)]
+    w_shape = [int(d) for d in w.shape]  # type: ignore[arg-type]
+    spatial = conv_output_spatial(x.shape[2:], attrs, w_shape)
+    return [TensorInfo(x.elem_type, (x.shape[0], w_shape[0], *spatial))]
+
+
+def reference(inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]) -> tuple[np.ndarray, ...]:
+    """relu?(BN?(Conv(X, W, B))) with ONNX semantics, computed in float64."""
+    x, w, b = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
+    assert x is not None and w is not None
+    y = conv(x, w, b, attrs)
+    bn = list(inputs[3:7]) if len(inputs) > 3 else []
+    if any(p is not None for p in bn):
+        scale, bias, mean, var = (np.asarray(p, dtype=np.float64) for p in bn)  # type: ignore[arg-type]
+        shape = (1, -1) + (1,) * (y.ndim - 2)
+        y = (y - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + float(attrs["epsilon"]))
+        y = y * scale.reshape(shape) + bias.reshape(shape)
+    if int(attrs["relu"]):
+        y = np.maximum(y, 0.0)
+    return (y.astype(x.dtype),)
+
+
+CONV_BN_RELU = FusedOp(
+    name="ConvBnRelu",
+    doc="Conv, then inference BatchNormalization (folded or applied), then optional Relu.",
+    inputs=(
+        Param("X", "T", "input, [N, C, *spatial]"),
+        Param("W", "T", "weight, [Cout, C/group, *kernel]; BN-folded when no BN inputs"),
+        Param("B", "T", "bias, [Cout]", "optional"),
+        Param("scale", "T", "BN scale, [Cout] (absent when folded)", "optional"),
+        Param("bias", "T", "BN bias, [Cout]", "optional"),
+        Param("mean", "T", "BN running mean, [Cout]", "optional"),
+        Param("var", "T", "BN running variance, [Cout]", "optional"),
+    ),
+    outputs=(Param("Y", "T", "output, [N, Cout, *out_spatial]"),),
+    attributes=(
+        Attr("auto_pad", "string", "as Conv", "NOTSET"),
+        Attr("dilations", "ints", "as Conv", []),
+        Attr("group", "int", "as Conv", 1),
+        Attr("kernel_shape", "ints", "as Conv", []),
+        Attr("pads", "ints", "as Conv", []),
+        Attr("strides", "ints", "as Conv", []),
+        Attr("epsilon", "float", "BN epsilon (used with BN inputs)", 1e-5),
+        Attr("relu", "int", "1 = apply Relu on the way out", 0),
+    ),
+    type_constraints=(("T", FLOAT_TYPES, "float tensors"),),
+    infer=_infer,
+    reference=reference,
+)
+
+
+@dataclass(frozen=True)
+class ConvBnReluPattern:
+    """Conv -> BatchNormalization -> Relu (optional), anchored at the Conv."""
+
+    name: str = NAME
+    description: str = "Conv -> BatchNormalization (inference) -> Relu (optional) => ConvBnRelu"
+    anchors: tuple[tuple[str, str], ...] = (("", "Conv"),)
+    ops: tuple[FusedOp, ...] = (CONV_BN_RELU,)
+
+    def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
+        conv_node = graph.node(node_id)
+        conv_out = conv_node.output[0]
+        bn_ids = [r for r in graph.readers(conv_out)
+                  if graph.node(r).op_type == "BatchNormalization" and graph.node(r).domain == ""
+                  and graph.node(r).input[0] == conv_out]
+        if not bn_ids:
+            return None
+        bn_id = bn_ids[0]
+        bn = graph.node(bn_id)
+        ids = [node_id, bn_id]
+
+        problem = _bn_problem(graph, bn)
+        if problem is not None:
+            return rejection(self.name, graph, ids, *problem)
+        w_name = conv_node.input[1]
+        w_shape = graph.shape(w_name)
+        if w_shape is None or not all(isinstance(d, int) for d in w_shape):
+            return rejection(self.name, graph, ids,
+                             f"shape of Conv weight '{w_name}' is not known at fuse time", w_name)
+        if len(w_shape) not in (3, 4):
+            return rejection(self.name, graph, ids,
+                             f"{len(w_shape) - 2}-D convolution (weight '{w_name}'); ConvBnRelu "
+                             "supports 1-D and 2-D", w_name)
+        cout = int(w_shape[0])  # type: ignore[arg-type]
+        for param in bn.input[1:5]:
+            shape = graph.shape(param)
+            if shape is not None and tuple(shape) != (cout,):
+                return rejection(self.name, graph, ids,
+                                 f"BN parameter '{param}' has shape {list(shape)}, expected [{cout}] "
+                                 "(one value per Conv output channel)", param)
+
+        relu_ids, notes = _relu_after(graph, bn.output[0])
+        ids += relu_ids
+        out_value = graph.node(relu_ids[0]).output[0] if relu_ids else bn.output[0]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in conv_node.attribute}
+        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        attrs["relu"] = 1 if relu_ids else 0
+        epsilon = _bn_epsilon(bn)
+
+        folded = _fold(graph, conv_node, bn, epsilon)
+        conv_b = conv_node.input[2] if len(conv_node.input) > 2 else ""
+        if isinstance(folded, tuple):
+            w_new, b_new = folded
+            return Match(self.name, CONV_BN_RELU, tuple(ids), (conv_node.input[0], w_new.name, b_new.name),
+                         (out_value,), attrs, new_initializers=(w_new, b_new), notes=tuple(notes))
+        x_type = graph.elem_type(conv_node.input[0])
+        for param in bn.input[1:5]:
+            if graph.elem_type(param) != x_type:
+                return rejection(self.name, graph, ids,
+                                 f"BN parameter '{param}' is computed at run time and its dtype "
+                                 "differs from the Conv input's", param)
+        attrs["epsilon"] = epsilon
+        notes.append(f"BN kept as inputs: {folded}")
+        inputs = (conv_node.input[0], w_name, conv_b, *bn.input[1:5])
+        return Match(self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs, notes=tuple(notes))
+
+
+def _bn_problem(graph: GraphIndex, bn: onnx.NodeProto) -> tuple[str, str | None] | None:
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in bn.attribute}
+    if attrs.get("training_mode", 0) == 1:
+        return (f"BatchNormalization '{bn.name}' is in training mode (training_mode=1)", bn.output[0])
+    extra = [o for o in bn.output[1:] if o]
+    if extra:
+        return (f"BatchNormalization '{bn.name}' outputs running statistics ('{extra[0]}'): "
+                "training mode", extra[0])
+    if attrs.get("spatial", 1) == 0:
+        return (f"BatchNormalization '{bn.name}' has spatial=0 (per-activation statistics)", None)
+    if len(bn.input) < 5 or not all(bn.input[1:5]):
+        return (f"BatchNormalization '{bn.name}' lacks one of scale, bias, mean, var", None)
+    return None
+
+
+def _bn_epsilon(bn: onnx.NodeProto) -> float:
+    for attr in bn.attribute:
+        if attr.name == "epsilon":
+            return float(attr.f)
+    return 1e-5
+
+
+def _relu_after(graph: GraphIndex, bn_out: str) -> tuple[list[int], list[str]]:
+    readers = graph.readers(bn_out)
+    relus = [r for r in readers if graph.node(r).op_type == "Relu" and graph.node(r).domain == ""]
+    if not relus:
+        return [], []
+    if len(readers) == 1 and not graph.is_graph_output(bn_out):
+        return relus, []
+    other = "is a graph output" if graph.is_graph_output(bn_out) else (
+        f"is also read by '{graph.describe(next(r for r in readers if r != relus[0]))}'")
+    return [], [f"Relu '{graph.describe(relus[0])}' left unfused: BN output '{bn_out}' {other}"]
+
+
+def _fold(
+    graph: GraphIndex, conv_node: onnx.NodeProto, bn: onnx.NodeProto, epsilon: float
+) -> tuple[onnx.TensorProto, onnx.TensorProto] | str:
+    """Folded (W', B') as new initializers, or the reason folding is not possible."""
+    names = [conv_node.input[1], *bn.input[1:5]]
+    conv_b = conv_node.input[2] if len(conv_node.input) > 2 and conv_node.input[2] else ""
+    if conv_b:
+        names.append(conv_b)
+    values = {}
+    for name in names:
+        value = graph.constant(name)
+        if value is None:
+            why = "an overridable graph input" if name in graph.graph_inputs else "computed at run time"
+            return f"'{name}' is {why}"
+        values[name] = value
+    w = values[conv_node.input[1]]
+    scale, bias, mean, var = (values[n].astype(np.float64) for n in bn.input[1:5])
+    a = scale / np.sqrt(var + epsilon)
+    b0 = values[conv_b].astype(np.float64) if conv_b else np.zeros(w.shape[0])
+    w_new = w.astype(np.float64) * a.reshape(-1, *([1] * (w.ndim - 1)))
+    b_new = (b0 - mean) * a + bias
+    dtype = w.dtype
+    if not (np.all(np.isfinite(w_new)) and np.all(np.isfinite(b_new))):
+        return "folding gives non-finite weights (var + epsilon <= 0?)"
+    if not (np.all(np.isfinite(w_new.astype(dtype))) and np.all(np.isfinite(b_new.astype(dtype)))):
+        return f"folded weights overflow {dtype}"
+    base = conv_node.name or conv_node.output[0]
+    w_tensor = numpy_helper.from_array(w_new.astype(dtype), graph.unique_value_name(f"{base}.W_bn_folded"))
+    b_tensor = numpy_helper.from_array(b_new.astype(dtype), graph.unique_value_name(f"{base}.B_bn_folded"))
+    return w_tensor, b_tensor
+
+
+PATTERN = ConvBnReluPattern()
