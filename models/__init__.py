@@ -1,0 +1,63 @@
+"""Builders of realistic test models for fuser: no downloads, seeded random weights.
+
+``EXAMPLES`` maps the names accepted by ``fuser fuse example:NAME`` to zero-argument builders;
+each builder module documents what its models contain (which fusable chains, how many, and the
+exporter quirks they reproduce). The builders themselves take keyword arguments for sizes, seed,
+opset, dtype (``"float32"``/``"float16"``) and symbolic dims.
+
+>>> from fuser.models import get_example
+>>> model = get_example("resnet")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from types import MappingProxyType
+
+import onnx
+
+from .cnn import cnn_edge, conv1d, mobilenet, resnet
+from .transformer import LayerNormStyle, bert, gpt, gpt2
+
+_BERT18_LN = LayerNormStyle(divide="reciprocal", square="mul", noop_casts=True)
+
+EXAMPLES: Mapping[str, Callable[[], onnx.ModelProto]] = MappingProxyType(
+    {
+        "resnet": resnet,
+        "mobilenet": mobilenet,
+        "cnn-edge": cnn_edge,
+        "conv1d": conv1d,
+        "bert": bert,
+        "bert17": partial(bert, opset=17),
+        "bert18": partial(bert, opset=18, ln=_BERT18_LN),
+        "gpt": gpt,
+        "gpt-noaffine": partial(gpt, opset=13, ln=LayerNormStyle(affine=False)),
+        "gpt2": gpt2,
+        "gpt2-ln": partial(gpt2, opset=17),
+    }
+)
+
+
+def get_example(name: str) -> onnx.ModelProto:
+    """Build the example model ``name`` (see ``EXAMPLES``); ``KeyError`` lists the known names."""
+    try:
+        builder = EXAMPLES[name]
+    except KeyError:
+        known = ", ".join(sorted(EXAMPLES))
+        raise KeyError(f"unknown example model {name!r}; known: {known}") from None
+    return builder()
+
+
+__all__ = [
+    "EXAMPLES",
+    "LayerNormStyle",
+    "bert",
+    "cnn_edge",
+    "conv1d",
+    "get_example",
+    "gpt",
+    "gpt2",
+    "mobilenet",
+    "resnet",
+]

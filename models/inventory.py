@@ -1,0 +1,137 @@
+"""Count the unfused chains a model contains, structurally, as the test oracle for builders.
+
+This is deliberately not a matcher: it checks only op types and edges (no constants, no
+containment rules), so it says how many instances a builder put in, not whether each is legal
+to fuse. A chain whose intermediate value has extra readers is still counted.
+
+Keys of the returned mapping:
+- ``conv_bn_relu`` / ``conv_bn``: Conv -> BatchNormalization, with / without a Relu reading the BN.
+- ``layernorm``: LayerNormalization ops plus decomposed LayerNorms (one per ``Sqrt`` of
+  ``Add(ReduceMean(..), eps)``).
+- ``layernorm_matmul``: LayerNorms whose output (through no-op Casts) feeds at least one MatMul
+  (as left operand) or Reshape -> Gemm; ``layernorm_matmuls`` counts those MatMuls/Gemms.
+- ``softmax_topk``: Softmax -> (Cast ->) TopK; ``topk_softmax``: TopK values -> Softmax.
+- ``allgather_matmul``: com.microsoft AllGather -> MatMul (as left operand).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import onnx
+
+
+class _Index:
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.readers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+        for node in graph.node:
+            for out in node.output:
+                self.producer[out] = node
+            for i, name in enumerate(node.input):
+                self.readers[name].append((node, i))
+
+    def readers_of(
+        self, value: str, op_type: str, index: int | None = None
+    ) -> list[onnx.NodeProto]:
+        return [n for n, i in self.readers[value] if n.op_type == op_type and index in (None, i)]
+
+    def through_casts(self, value: str) -> list[str]:
+        """``value`` and every value reached from it through chains of Cast nodes."""
+        found, todo = [value], [value]
+        while todo:
+            for cast in self.readers_of(todo.pop(), "Cast"):
+                found.append(cast.output[0])
+                todo.append(cast.output[0])
+        return found
+
+    def producer_op(self, value: str) -> str:
+        node = self.producer.get(value)
+        return node.op_type if node is not None else ""
+
+
+def _decomposed_ln_output(idx: _Index, sqrt: onnx.NodeProto) -> str | None:
+    """Walk from the Sqrt of a decomposed LayerNorm to its last value (after the affine part)."""
+    add = idx.producer.get(sqrt.input[0])
+    if add is None or add.op_type != "Add":
+        return None
+    if not any(idx.producer_op(v) == "ReduceMean" for v in add.input):
+        return None
+    out = sqrt.output[0]
+    if (div := idx.readers_of(out, "Div", 1)) != []:
+        y = div[0].output[0]
+    elif (rec := idx.readers_of(out, "Reciprocal")) != [] and idx.readers[rec[0].output[0]]:
+        y = idx.readers[rec[0].output[0]][0][0].output[0]
+    else:
+        return None
+    for op_type in ("Mul", "Add"):  # optional affine part: Mul gamma, Add beta
+        nxt = [n for v in idx.through_casts(y) for n in idx.readers_of(v, op_type)]
+        if len(nxt) != 1:
+            break
+        y = nxt[0].output[0]
+    return y
+
+
+def _matmuls_on(idx: _Index, value: str) -> int:
+    count = 0
+    for v in idx.through_casts(value):
+        count += len(idx.readers_of(v, "MatMul", 0))
+        for reshape in idx.readers_of(v, "Reshape", 0):
+            count += len(idx.readers_of(reshape.output[0], "Gemm", 0))
+    return count
+
+
+KEYS = (
+    "conv_bn_relu",
+    "conv_bn",
+    "layernorm",
+    "layernorm_matmul",
+    "layernorm_matmuls",
+    "softmax_topk",
+    "topk_softmax",
+    "allgather_matmul",
+)
+
+
+def layernorm_outputs(model: onnx.ModelProto) -> list[str]:
+    """The output value of every LayerNorm (op or decomposed) in graph order."""
+    idx = _Index(model.graph)
+    outs = []
+    for node in model.graph.node:
+        if node.op_type == "LayerNormalization":
+            outs.append(node.output[0])
+        elif node.op_type == "Sqrt" and (out := _decomposed_ln_output(idx, node)) is not None:
+            outs.append(out)
+    return outs
+
+
+def count_chains(model: onnx.ModelProto) -> dict[str, int]:
+    """Count the fusable-family chains in ``model``'s main graph (see the module docstring).
+
+    Every key of ``KEYS`` is present, zero included.
+    """
+    graph = model.graph
+    idx = _Index(graph)
+    counts: Counter[str] = Counter()
+    for node in graph.node:
+        op = node.op_type
+        if op == "Conv":
+            for bn in idx.readers_of(node.output[0], "BatchNormalization", 0):
+                relu = idx.readers_of(bn.output[0], "Relu")
+                counts["conv_bn_relu" if relu else "conv_bn"] += 1
+        elif op == "LayerNormalization" or op == "Sqrt":
+            out = node.output[0] if op == "LayerNormalization" else _decomposed_ln_output(idx, node)
+            if out is None:
+                continue
+            counts["layernorm"] += 1
+            if n := _matmuls_on(idx, out):
+                counts["layernorm_matmul"] += 1
+                counts["layernorm_matmuls"] += n
+        elif op == "Softmax":
+            values = idx.through_casts(node.output[0])
+            counts["softmax_topk"] += sum(len(idx.readers_of(v, "TopK", 0)) for v in values)
+        elif op == "TopK":
+            counts["topk_softmax"] += len(idx.readers_of(node.output[0], "Softmax", 0))
+        elif op == "AllGather" and node.domain == "com.microsoft":
+            counts["allgather_matmul"] += len(idx.readers_of(node.output[0], "MatMul", 0))
+    return {key: counts[key] for key in KEYS}
