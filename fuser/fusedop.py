@@ -90,6 +90,10 @@ class FusedOp:
     type_constraints: tuple[tuple[str, tuple[str, ...], str], ...]
     infer: InferFn
     reference: ReferenceFn
+    # For ops that gather an input across ranks (AllGatherMatMul): which input. The plugin then
+    # exchanges that input with the other ranks and passes `reference` and the kernel all
+    # shards stacked on a new leading axis ([group_size, *shard]), and `rank` in attrs.
+    collective_input: int | None = None
     # Tiling attributes (tile_*) are accepted on every fused op: they are chosen by the cost
     # model and the set of fields belongs to the kernel, not to the op's semantics.
     tiling_prefix: str = field(default="tile_", init=False)

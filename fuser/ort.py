@@ -68,6 +68,14 @@ def _fused_handler(inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]
     op = fusedop.get(attrs["__op__"])
     values = {k: v for k, v in attrs.items() if not k.startswith("__")}
     full = {a.name: a.default for a in op.attributes} | values
+    if op.collective_input is not None:
+        from .collective import gather
+
+        local = inputs[op.collective_input]
+        assert local is not None
+        stacked = np.stack(gather(local, values, ctx))
+        inputs = [stacked if i == op.collective_input else x for i, x in enumerate(inputs)]
+        full["rank"] = ctx.rank
     if ctx.kernel == "npu":
         from .npu_run import run_fused_on_npu
 
