@@ -18,6 +18,8 @@ from types import MappingProxyType
 import onnx
 
 from .cnn import cnn_edge, conv1d, mobilenet, resnet
+from .moe import moe, qwen_router
+from .parallel import sp_mlp, tp_mlp
 from .transformer import LayerNormStyle, bert, gpt, gpt2
 
 _BERT18_LN = LayerNormStyle(divide="reciprocal", square="mul", noop_casts=True)
@@ -35,6 +37,14 @@ EXAMPLES: Mapping[str, Callable[[], onnx.ModelProto]] = MappingProxyType(
         "gpt-noaffine": partial(gpt, opset=13, ln=LayerNormStyle(affine=False)),
         "gpt2": gpt2,
         "gpt2-ln": partial(gpt2, opset=17),
+        "moe": moe,
+        "moe-fp16": partial(moe, dtype="float16", softmax_cast=True),
+        "qwen-router": qwen_router,
+        "topk-softmax-router": partial(moe, order="topk_softmax"),
+        "tp-mlp": tp_mlp,
+        "tp-mlp-negaxis": partial(tp_mlp, negative_axis=True),
+        "sp-mlp": sp_mlp,
+        "sp-mlp-bsh": partial(sp_mlp, layout="bsh", seq="seq"),
     }
 )
 
@@ -59,5 +69,9 @@ __all__ = [
     "gpt",
     "gpt2",
     "mobilenet",
+    "moe",
+    "qwen_router",
     "resnet",
+    "sp_mlp",
+    "tp_mlp",
 ]

@@ -10,10 +10,7 @@ from fuser.models.inventory import count_chains
 from model_checks import check, run
 
 # Models with com.microsoft AllGather: onnxruntime's CPU package has no kernel for it.
-NEEDS_COLLECTIVES = {name for name in EXAMPLES if name.endswith("-mlp")}
-
-CNN = {"conv_bn_relu", "conv_bn"}
-LN = {"layernorm", "layernorm_matmul", "layernorm_matmuls"}
+NEEDS_COLLECTIVES = {"tp-mlp", "tp-mlp-negaxis", "sp-mlp", "sp-mlp-bsh"}
 
 # The chain counts each builder's docstring claims, per example (absent keys are 0).
 EXPECTED: dict[str, dict[str, int]] = {
@@ -28,11 +25,21 @@ EXPECTED: dict[str, dict[str, int]] = {
     "gpt-noaffine": {"layernorm": 5, "layernorm_matmul": 5, "layernorm_matmuls": 11},
     "gpt2": {"layernorm": 5, "layernorm_matmul": 5, "layernorm_matmuls": 5},
     "gpt2-ln": {"layernorm": 5, "layernorm_matmul": 5, "layernorm_matmuls": 5},
+    "moe": {"softmax_topk": 1},
+    "moe-fp16": {"softmax_topk": 1},
+    "qwen-router": {"softmax_topk": 1},
+    "topk-softmax-router": {"topk_softmax": 1},
+    "tp-mlp": {"allgather_matmul": 1},
+    "tp-mlp-negaxis": {"allgather_matmul": 1},
+    "sp-mlp": {"layernorm": 1, "allgather_matmul": 1},
+    "sp-mlp-bsh": {"layernorm": 1, "allgather_matmul": 1},
 }
 
 
 def test_every_example_has_expected_counts() -> None:
     assert set(EXPECTED) == set(EXAMPLES)
+    with_allgather = {n for n in EXAMPLES if EXPECTED[n].get("allgather_matmul")}
+    assert with_allgather == NEEDS_COLLECTIVES
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
