@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,8 +26,7 @@ from .machine import Machine
 from .memory import Buffer, Tile
 from .pipes import Level, Pipe
 
-Load = Callable[[], np.ndarray]
-Store = Callable[[np.ndarray], None]
+Source = np.ndarray | Callable[[], np.ndarray] | None
 
 
 class Core:
@@ -49,6 +49,7 @@ class Core:
         )
         self.intervals: list[tuple[Pipe, float, float, str]] = []
         self._gm_bw = machine.dma_bytes_per_cycle(active_cores)
+        self._vector_costs: dict[tuple[str, np.dtype], tuple[float, float]] = {}
 
     # -- scheduling -------------------------------------------------------------------------
     def issue(
@@ -80,25 +81,28 @@ class Core:
         return max(self.pipe_free.values())
 
     # -- data movement ----------------------------------------------------------------------
-    def copy_in(self, dst: Tile, nbytes: int, load: Load | None = None, label: str = "") -> None:
-        """MTE2: GM -> `dst` (UB or L1). `load` returns the data (called in functional mode)."""
+    def copy_in(self, dst: Tile, nbytes: int, src: Source = None, label: str = "") -> None:
+        """MTE2: GM -> `dst` (UB or L1). `src` is the data (array or a function making it,
+        e.g. a halo tile with padding); it is only used in functional mode."""
         dst.check_fits(nbytes)
         m = self.machine
         cycles = m.copy_in_head(nbytes, self.active_cores) + nbytes / self._gm_bw
         self.issue(Pipe.MTE2, cycles, (), (dst,), label or f"in {dst.name}")
         self.moved["gm_read"] += nbytes
         self.moved[dst.level.value] += nbytes
-        if self.functional and load is not None:
-            dst.data = load()
+        if self.functional and src is not None:
+            dst.data = src() if callable(src) else src
 
-    def copy_out(self, src: Tile, nbytes: int, store: Store | None = None, label: str = "") -> None:
-        """MTE3: `src` (UB) -> GM. `store` receives the data (called in functional mode)."""
+    def copy_out(
+        self, src: Tile, nbytes: int, dst: np.ndarray | None = None, label: str = ""
+    ) -> None:
+        """MTE3: `src` (UB) -> GM view `dst` (written in functional mode)."""
         cycles = self.machine.copy_out_head_cycles + nbytes / self._gm_bw
         self.issue(Pipe.MTE3, cycles, (src,), (), label or f"out {src.name}")
         self.moved["gm_write"] += nbytes
-        if self.functional and store is not None:
-            assert src.data is not None, f"{src.name} read before written"
-            store(src.data)
+        if self.functional and dst is not None:
+            data = _data(src)
+            dst[...] = data.reshape(dst.shape)
 
     def load_l0(
         self,
@@ -116,26 +120,29 @@ class Core:
         self.issue(Pipe.MTE1, cycles, (src,), (dst,), label or f"load {dst.name}")
         self.moved[dst.level.value] += nbytes
         if self.functional:
-            assert src.data is not None, f"{src.name} read before written"
-            dst.data = transform(src.data) if transform is not None else src.data
+            data = _data(src)
+            dst.data = transform(data) if transform is not None else data
 
     def fixpipe(
         self,
         src: Tile,
         nbytes: int,
-        store: Store | None = None,
+        dst: np.ndarray | None = None,
+        epilogue: Callable[..., np.ndarray] | None = None,
         reads: Sequence[Tile] = (),
         label: str = "",
     ) -> None:
-        """FixPipe: L0C `src` -> GM; `store` applies the epilogue and writes (functional)."""
+        """FixPipe: L0C `src` -> GM view `dst`, through `epilogue(acc, *reads' data)`
+        (per-channel scale and bias, relu, cast) in functional mode."""
         m = self.machine
         bw = min(m.l0c_to_gm_bytes_per_cycle, self._gm_bw)
         cycles = m.copy_out_head_cycles + nbytes / bw
         self.issue(Pipe.FIXP, cycles, (src, *reads), (), label or f"fixpipe {src.name}")
         self.moved["gm_write"] += nbytes
-        if self.functional and store is not None:
-            assert src.data is not None, f"{src.name} read before written"
-            store(src.data)
+        if self.functional and dst is not None:
+            acc = _data(src)
+            out = epilogue(acc, *(_data(t) for t in reads)) if epilogue is not None else acc
+            dst[...] = out.reshape(dst.shape)
 
     # -- compute ----------------------------------------------------------------------------
     def mmad(
@@ -150,14 +157,10 @@ class Core:
         self.issue(Pipe.CUBE, float(blocks), reads, (l0c,), f"mmad {m}x{k}x{n}")
         self.moved["l0c"] += m * n * 4
         if self.functional:
-            a, b = l0a.data, l0b.data
-            assert a is not None, f"{l0a.name} read before written"
-            assert b is not None, f"{l0b.name} read before written"
-            prod = np.matmul(a.astype(np.float32, copy=False), b.astype(np.float32, copy=False))
-            if init or l0c.data is None:
-                l0c.data = prod
-            else:
-                l0c.data = l0c.data + prod
+            a = _data(l0a).astype(np.float32, copy=False)
+            b = _data(l0b).astype(np.float32, copy=False)
+            prod = np.matmul(a, b)
+            l0c.data = prod if init else _data(l0c) + prod
 
     def vector(
         self,
@@ -166,35 +169,52 @@ class Core:
         n: int,
         reads: Sequence[Tile],
         writes: Sequence[Tile],
-        compute: Callable[[], None] | None = None,
+        fn: Callable[..., Any] | None = None,
         out_bytes: int | None = None,
     ) -> None:
         """Vector: one instruction per op in `ops`, each on `n` elements, k * n + b cycles.
 
-        `compute` sets the written tiles' data (functional mode only).
+        In functional mode `fn(*reads' data)` returns the data of the written tile (a tuple
+        when several are written).
         """
         names = (ops,) if isinstance(ops, str) else tuple(ops)
         cycles = 0.0
         for op in names:
-            k, b = self.machine.vector_cost(op, dtype)
-            cycles += k * n + b
+            kb = self._vector_costs.get((op, dtype))
+            if kb is None:
+                kb = self._vector_costs[(op, dtype)] = self.machine.vector_cost(op, dtype)
+            cycles += kb[0] * n + kb[1]
         written = n * np.dtype(dtype).itemsize if out_bytes is None else out_bytes
         for t in writes:
             t.check_fits(written)
         self.issue(Pipe.VECTOR, cycles, reads, writes, "+".join(names) + f" {n}")
         self.moved["ub"] += written * len(writes)
-        if self.functional and compute is not None:
-            compute()
+        if self.functional and fn is not None:
+            _assign(writes, fn(*(_data(t) for t in reads)))
 
     def scalar(
         self,
         n_ops: int,
         reads: Sequence[Tile],
         writes: Sequence[Tile],
-        compute: Callable[[], None] | None = None,
+        fn: Callable[..., Any] | None = None,
         label: str = "scalar",
     ) -> None:
         """Scalar unit: `n_ops` arithmetic operations (e.g. folding per-channel parameters)."""
         self.issue(Pipe.SCALAR, n_ops * self.machine.scalar_op_cycles, reads, writes, label)
-        if self.functional and compute is not None:
-            compute()
+        if self.functional and fn is not None:
+            _assign(writes, fn(*(_data(t) for t in reads)))
+
+
+def _data(tile: Tile) -> np.ndarray:
+    if tile.data is None:
+        raise RuntimeError(f"{tile.name} is read before anything was written to it")
+    return tile.data
+
+
+def _assign(writes: Sequence[Tile], result: Any) -> None:
+    if len(writes) == 1:
+        writes[0].data = result
+        return
+    for t, r in zip(writes, result, strict=True):
+        t.data = r
