@@ -133,16 +133,21 @@ def _remap_graph(graph: onnx.GraphProto, path: str, types: dict[str, dict[str, V
 
     changed = False
     table = types.get(path, {})
+    rebuilt: list[onnx.NodeProto] = []
     for node in graph.node:
         for attr in node.attribute:
             subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
             for i, sub in enumerate(subs):
                 changed |= _remap_graph(sub, _sub_path(path, node, attr.name, i, len(subs)),
                                         types, context_id)
-        key = (node.domain, node.op_type)
-        if node.domain == fusedop.DOMAIN or key in _HANDLERS:
-            _remap_node(node, table, types, context_id)
+        if node.domain == fusedop.DOMAIN or (node.domain, node.op_type) in _HANDLERS:
+            rebuilt.extend(_remap_node(node, table, types, context_id))
             changed = True
+        else:
+            rebuilt.append(node)
+    if changed:
+        del graph.node[:]
+        graph.node.extend(rebuilt)
     return changed
 
 
@@ -158,8 +163,15 @@ def _elem_type(name: str, table: Mapping[str, ValueType], types: dict[str, dict[
     return found.elem_type
 
 
+# onnxruntime-extensions' Python ops abort the process on float16 ("Type float16 not supported
+# by python customops api"); such values cross the boundary as float32 (lossless both ways) and
+# the dispatcher restores the real dtype, so handlers see exactly what the graph holds.
+_TRANSPORT = {onnx.TensorProto.FLOAT16: onnx.TensorProto.FLOAT,
+              onnx.TensorProto.BFLOAT16: onnx.TensorProto.FLOAT}
+
+
 def _remap_node(node: onnx.NodeProto, table: Mapping[str, ValueType],
-                types: dict[str, dict[str, ValueType]], context_id: str) -> None:
+                types: dict[str, dict[str, ValueType]], context_id: str) -> list[onnx.NodeProto]:
     in_pos = [i for i, n in enumerate(node.input) if n]
     out_pos = [i for i, n in enumerate(node.output) if n]
     in_types = [_elem_type(node.input[i], table, types) for i in in_pos]
@@ -174,18 +186,38 @@ def _remap_node(node: onnx.NodeProto, table: Mapping[str, ValueType],
         "__op__": node.op_type, "__domain__": node.domain, "__context__": context_id,
         "__inputs__": in_pos, "__n_inputs__": len(node.input),
         "__outputs__": out_pos, "__name__": node.name,
+        "__in_dtypes__": [helper.tensor_dtype_to_np_dtype(t).name for t in in_types],
+        "__out_dtypes__": [helper.tensor_dtype_to_np_dtype(t).name for t in out_types],
         **attrs,
     }
-    signature = json.dumps([node.domain, node.op_type, in_types, out_types])
+    wire_in = [_TRANSPORT.get(t, t) for t in in_types]
+    wire_out = [_TRANSPORT.get(t, t) for t in out_types]
+    signature = json.dumps([node.domain, node.op_type, wire_in, wire_out])
     contrib_name = f"{node.op_type}_{hashlib.sha1(signature.encode()).hexdigest()[:12]}"
-    _register_contrib_op(contrib_name, in_types, out_types)
-    inputs = [node.input[i] for i in in_pos]
-    outputs = [node.output[i] for i in out_pos]
+    _register_contrib_op(contrib_name, wire_in, wire_out)
+    before: list[onnx.NodeProto] = []
+    after: list[onnx.NodeProto] = []
+    inputs, outputs = [], []
+    for i, t, w in zip(in_pos, in_types, wire_in, strict=True):
+        name = node.input[i]
+        if t != w:
+            wired = f"{name}__fuser_wire_{node.name or id(node)}_{i}"
+            before.append(helper.make_node("Cast", [name], [wired], to=w))
+            name = wired
+        inputs.append(name)
+    for i, t, w in zip(out_pos, out_types, wire_out, strict=True):
+        name = node.output[i]
+        if t != w:
+            wired = f"{name}__fuser_wire_out"
+            after.append(helper.make_node("Cast", [wired], [name], to=t))
+            name = wired
+        outputs.append(name)
     del node.input[:], node.output[:], node.attribute[:]
     node.input.extend(inputs)
     node.output.extend(outputs)
     node.attribute.append(helper.make_attribute(_PACKED, json.dumps(packed)))
     node.op_type, node.domain = contrib_name, CONTRIB
+    return [*before, node, *after]
 
 
 _REGISTERED_CONTRIB: set[str] = set()
@@ -212,8 +244,8 @@ def _register_contrib_op(name: str, in_types: list[int], out_types: list[int]) -
 def _dispatch(*arrays: np.ndarray, **kwargs: Any) -> Any:
     packed = json.loads(kwargs[_PACKED])
     inputs: list[np.ndarray | None] = [None] * packed["__n_inputs__"]
-    for position, array in zip(packed["__inputs__"], arrays, strict=True):
-        inputs[position] = array
+    for position, array, dtype in zip(packed["__inputs__"], arrays, packed["__in_dtypes__"], strict=True):
+        inputs[position] = array.astype(dtype, copy=False)
     ctx = _CONTEXTS[packed["__context__"]]
     domain, op_type = packed["__domain__"], packed["__op__"]
     handler = _fused_handler if domain == fusedop.DOMAIN else _HANDLERS[(domain, op_type)]
@@ -222,8 +254,15 @@ def _dispatch(*arrays: np.ndarray, **kwargs: Any) -> Any:
     except Exception as exc:
         # onnxruntime reports a Python failure without its type; keep the node and the cause.
         raise RuntimeError(f"fuser: node '{packed['__name__']}' ({op_type}) failed: {exc!r}") from exc
-    selected = [np.ascontiguousarray(results[i]) for i in packed["__outputs__"]]
+    selected = [
+        np.ascontiguousarray(np.asarray(results[i], dtype=dtype).astype(_wire_dtype(dtype), copy=False))
+        for i, dtype in zip(packed["__outputs__"], packed["__out_dtypes__"], strict=True)
+    ]
     return selected[0] if len(selected) == 1 else tuple(selected)
+
+
+def _wire_dtype(dtype: str) -> str:
+    return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 
 _BUILTINS_LOADED = False
