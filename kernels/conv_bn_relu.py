@@ -1,0 +1,462 @@
+"""Convolution as implicit GEMM on the Cube: `ConvBnRelu` (fused) and ONNX `Conv`.
+
+    Y = relu?( BN?( Conv(X, W, B) ) ),  GEMM view: M = N*Ho*Wo, K = Cin/group*Kh*Kw, N = Cout
+
+A work item is one output block: image n, `tile_h` x `tile_w` output pixels (the GEMM's m),
+`tile_co` output channels (its n). Items are split over the cube cores in balanced ranges.
+For each item the core walks the K dimension: per chunk of `tile_ci` input channels it copies
+the input rows the block reads, halo included ((rows - 1) * stride + (Kh - 1) * dilation + 1),
+and the weights into L1 (MTE2); then, per kernel tap, MTE1 builds the L0A operand from L1
+(img2col, as Load3D does) and loads the tap's weights into L0B, and the Cube accumulates in
+L0C (float32, also for float16 inputs). FixPipe writes the block to GM through the epilogue:
+per-channel scale and shift (BN folded, or bias) and Relu, cast to the output dtype.
+
+Grouped convolutions (depthwise included) run as dense GEMMs over the groups a channel block
+covers, with block-diagonal weights: the Cube pays for the zeros, as group packing does on
+hardware. The packed weight layout is prepared once per run, as weights are converted to the
+Cube's format at model load. With BN inputs the core folds scale / sqrt(var + eps) and the
+shift on its scalar unit once per channel block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+
+from ._budget import QueueSpec, check_flag, check_positive, fits, require_fits
+from ._conv_geometry import ConvGeometry, conv_geometry
+from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
+from .npu.core import Core
+from .npu.launch import launch
+from .npu.machine import Machine
+from .npu.pipes import Level
+
+
+@dataclass(frozen=True)
+class ConvTiling(Tiling):
+    """Output block `tile_h` x `tile_w` pixels x `tile_co` channels; K step `tile_ci` input
+    channels per tap; double buffering (0/1) of L1, L0 and L0C; cube cores used."""
+
+    tile_h: int
+    tile_w: int
+    tile_co: int
+    tile_ci: int
+    double_buffer: int
+    cores: int
+
+
+class _Item(NamedTuple):
+    n: int
+    h0: int
+    h1: int
+    w0: int
+    w1: int
+    co0: int
+    co1: int
+
+
+class _ConvKernel(Kernel):
+    """Implicit-GEMM convolution; subclasses say which inputs and epilogue they have."""
+
+    tiling_type = ConvTiling
+    fused: ClassVar[bool]
+
+    # -- inputs and shapes ------------------------------------------------------------------
+    def _metas(
+        self, inputs_meta: Sequence[TensorMeta | None]
+    ) -> tuple[TensorMeta, TensorMeta, TensorMeta | None, bool]:
+        """(X, W, B, has_bn) after checking presence and dtypes."""
+        metas = list(inputs_meta) + [None] * (7 - len(inputs_meta))
+        x, w, b = metas[0], metas[1], metas[2]
+        if x is None or w is None:
+            raise KernelError(f"{self.op_type}: X and W are required")
+        bn = metas[3:7] if self.fused else []
+        present = [m is not None for m in bn]
+        if any(present) and not all(present):
+            raise KernelError(f"{self.op_type}: BN inputs scale, bias, mean, var: all four or none")
+        if x.dtype not in (np.float16, np.float32):
+            raise KernelError(f"{self.op_type}: the Cube takes float16 or float32, got {x.dtype}")
+        if w.dtype != x.dtype:
+            raise KernelError(f"{self.op_type}: W dtype {w.dtype} differs from X dtype {x.dtype}")
+        return x, w, b, all(present) and bool(bn)
+
+    def _geometry(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> tuple[ConvGeometry, TensorMeta, bool, bool]:
+        x, w, b, has_bn = self._metas(inputs_meta)
+        g = conv_geometry(x, w, attrs, self.op_type)
+        cout = g.cout
+        if b is not None and b.shape != (cout,):
+            raise KernelError(f"{self.op_type}: B must have shape ({cout},), got {b.shape}")
+        if has_bn:
+            for i, name in zip(range(3, 7), ("scale", "bias", "mean", "var"), strict=True):
+                m = inputs_meta[i]
+                if m is not None and m.shape != (cout,):
+                    raise KernelError(
+                        f"{self.op_type}: {name} must have shape ({cout},), got {m.shape}"
+                    )
+        return g, x, b is not None, has_bn
+
+    def infer(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> tuple[TensorMeta, ...]:
+        g, x, _, _ = self._geometry(inputs_meta, attrs)
+        return (TensorMeta(g.out_shape(), x.dtype),)
+
+    # -- tiling -----------------------------------------------------------------------------
+    def _effective(self, g: ConvGeometry, t: ConvTiling) -> tuple[int, int, int, int]:
+        """Tile sizes clipped to the problem: (rows, cols, out channels, K-step channels)."""
+        th, tw, co = min(t.tile_h, g.ho), min(t.tile_w, g.wo), min(t.tile_co, g.cout)
+        lo, hi = g.channel_range(0, co)
+        return th, tw, co, min(t.tile_ci, hi - lo)
+
+    def _specs(
+        self, g: ConvGeometry, dtype: np.dtype, has_params: bool, t: ConvTiling
+    ) -> list[QueueSpec]:
+        th, tw, co, ci = self._effective(g, t)
+        # A channel block may straddle one more group than a block starting at 0.
+        ci = min(t.tile_ci, ci + g.cin_g) if g.group > 1 else ci
+        isz = dtype.itemsize
+        depth = 2 if t.double_buffer else 1
+        rows, cols = g.halo(th, tw)
+        m = th * tw
+        specs = [
+            QueueSpec(Level.L1, "x", ci * rows * cols * isz, depth),
+            QueueSpec(Level.L1, "w", co * ci * g.taps * isz, depth),
+            QueueSpec(Level.L0A, "a", m * ci * isz, depth),
+            QueueSpec(Level.L0B, "b", ci * co * isz, depth),
+            QueueSpec(Level.L0C, "acc", m * co * 4, depth),
+        ]
+        if has_params:
+            # Raw per-channel parameters (B and BN's four) and the folded scale and shift.
+            specs.append(QueueSpec(Level.L1, "params", co * (5 * isz + 8), 1))
+        return specs
+
+    def check_tiling(
+        self,
+        inputs_meta: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        machine: Machine,
+    ) -> None:
+        assert isinstance(tiling, ConvTiling)
+        t = tiling
+        check_positive(
+            self.op_type, tile_h=t.tile_h, tile_w=t.tile_w, tile_co=t.tile_co, tile_ci=t.tile_ci,
+            cores=t.cores,
+        )  # fmt: skip
+        check_flag(self.op_type, double_buffer=t.double_buffer)
+        if t.cores > machine.cube_cores:
+            raise TilingError(
+                f"{self.op_type}: tiling uses {t.cores} cores, {machine.name} has "
+                f"{machine.cube_cores} cube cores"
+            )
+        g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
+        require_fits(self.op_type, machine, self._specs(g, x.dtype, has_b or has_bn, t))
+
+    def default_tiling(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> ConvTiling:
+        g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
+        k0 = machine.cube_k_block(x.dtype)
+        co = min(_round_up(g.cout, machine.cube_n), 128)
+        lo, hi = g.channel_range(0, min(co, g.cout))
+        ci = min(_round_up(hi - lo, k0), 128)
+        tw = min(g.wo, 256)
+        th = max(1, min(g.ho, 256 // tw))
+        t = ConvTiling(th, tw, co, ci, 1, machine.cube_cores)
+        # Shrink until the queues fit: m first (down to one row), then K step, then channels.
+        while not fits(machine, self._specs(g, x.dtype, has_b or has_bn, t)):
+            if t.tile_h > 1:
+                t = _replace(t, tile_h=t.tile_h // 2)
+            elif t.tile_w > 16:
+                t = _replace(t, tile_w=max(16, t.tile_w // 2))
+            elif t.tile_ci > k0:
+                t = _replace(t, tile_ci=max(k0, t.tile_ci // 2))
+            elif t.tile_co > machine.cube_n:
+                t = _replace(t, tile_co=max(machine.cube_n, t.tile_co // 2))
+            elif t.tile_w > 1:
+                t = _replace(t, tile_w=t.tile_w // 2)
+            else:
+                raise TilingError(f"{self.op_type}: no tiling fits {machine.name}")
+        # Enough blocks for every core: fewer rows per block, then fewer channels.
+        while _items(g, t) < machine.cube_cores:
+            if t.tile_h > 1:
+                t = _replace(t, tile_h=(t.tile_h + 1) // 2)
+            elif t.tile_co > 2 * machine.cube_n:
+                t = _replace(t, tile_co=_round_up(t.tile_co // 2, machine.cube_n))
+            else:
+                break
+        return t
+
+    # -- the program ------------------------------------------------------------------------
+    def simulate(
+        self,
+        machine: Machine,
+        inputs: Sequence[np.ndarray | None],
+        inputs_meta: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        functional: bool,
+        timeline: bool,
+    ) -> KernelRun:
+        assert isinstance(tiling, ConvTiling)
+        g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
+        th, tw, co, _ = self._effective(g, tiling)
+        work = [
+            _Item(n, h0, min(h0 + th, g.ho), w0, min(w0 + tw, g.wo), c0, min(c0 + co, g.cout))
+            for n in range(g.n)
+            for h0 in range(0, g.ho, th)
+            for w0 in range(0, g.wo, tw)
+            for c0 in range(0, g.cout, co)
+        ]
+        data = None
+        y = None
+        if functional:
+            X, W = inputs[0], inputs[1]
+            assert X is not None
+            assert W is not None
+            y = np.empty(g.out_shape(), x.dtype)
+            data = _RunData(
+                x=X.reshape(g.n, g.cin, g.h, g.w),
+                packed=_pack_weights(W.reshape(g.cout, g.cin_g, g.kh, g.kw), g, co),
+                params=self._raw_params(inputs, g) if (has_b or has_bn) else None,
+                y=y.reshape(g.n, g.cout, g.ho, g.wo),
+            )
+        specs = self._specs(g, x.dtype, has_b or has_bn, tiling)
+        relu = bool(int(attrs.get("relu", 0))) if self.fused else False
+        eps = float(attrs.get("epsilon", 1e-5))
+        program = partial(_program, g, x.dtype, specs, tiling, has_b, has_bn, relu, eps, data)
+        stats = launch(
+            machine,
+            self.op_type,
+            work,
+            program,
+            max_cores=tiling.cores,
+            functional=functional,
+            signature=partial(_signature, g),
+            timeline=timeline,
+        )
+        return KernelRun((y,) if y is not None else (), stats)
+
+    def _raw_params(self, inputs: Sequence[np.ndarray | None], g: ConvGeometry) -> np.ndarray:
+        """[5, Cout] rows B, scale, bias, mean, var (B = 0 when absent; zeros without BN, and
+        then only row B is copied in), in the input dtype as they sit in GM."""
+        X = inputs[0]
+        assert X is not None
+        rows = [inputs[2] if len(inputs) > 2 and inputs[2] is not None else np.zeros(g.cout)]
+        for i in range(3, 7):
+            v = inputs[i] if len(inputs) > i else None
+            rows.append(v if v is not None else np.zeros(g.cout))
+        return np.stack([np.asarray(r, X.dtype).reshape(g.cout) for r in rows])
+
+
+class _RunData(NamedTuple):
+    x: np.ndarray
+    packed: dict[int, np.ndarray]
+    params: np.ndarray | None
+    y: np.ndarray
+
+
+def _program(
+    g: ConvGeometry,
+    dtype: np.dtype,
+    specs: list[QueueSpec],
+    t: ConvTiling,
+    has_b: bool,
+    has_bn: bool,
+    relu: bool,
+    eps: float,
+    data: _RunData | None,
+    core: Core,
+    items: Sequence[_Item],
+) -> None:
+    bufs = {Level.L1: core.l1, Level.L0A: core.l0a, Level.L0B: core.l0b, Level.L0C: core.l0c}
+    q = {s.name: bufs[s.level].queue(s.name, s.slot_bytes, s.depth) for s in specs}
+    isz = dtype.itemsize
+    for it in items:
+        rows_out, cols_out, nco = it.h1 - it.h0, it.w1 - it.w0, it.co1 - it.co0
+        m = rows_out * cols_out
+        ci_lo, ci_hi = g.channel_range(it.co0, it.co1)
+        params = None
+        if has_b or has_bn:
+            params = q["params"].alloc()
+            nrows = 5 if has_bn else 1
+            core.copy_in(
+                params,
+                nrows * nco * isz,
+                None if data is None or data.params is None
+                else data.params[:nrows, it.co0 : it.co1],
+                label="in params",
+            )  # fmt: skip
+            if has_bn:
+                # scale / sqrt(var + eps) and (B - mean) * that + bias, per channel.
+                core.scalar(4 * nco, (params,), (params,), partial(_fold_bn, eps), label="fold bn")
+        acc = q["acc"].alloc()
+        first = True
+        rows, cols = g.halo(rows_out, cols_out)
+        for c0 in range(ci_lo, ci_hi, t.tile_ci):
+            c1 = min(c0 + t.tile_ci, ci_hi)
+            cc = c1 - c0
+            xt = q["x"].alloc()
+            core.copy_in(
+                xt,
+                _valid_bytes(g, it, c1 - c0, rows, cols, isz),
+                None if data is None else partial(_halo_tile, g, data.x, it, c0, c1, rows, cols),
+                label="in x",
+            )
+            wt = q["w"].alloc()
+            core.copy_in(
+                wt,
+                nco * cc * g.taps * isz,
+                None if data is None
+                else data.packed[it.co0][:, c0 - ci_lo : c1 - ci_lo],
+                label="in w",
+            )  # fmt: skip
+            for i in range(g.kh):
+                for j in range(g.kw):
+                    a = q["a"].alloc()
+                    core.load_l0(
+                        a, xt, m * cc * isz, partial(_img2col, g, i, j, rows_out, cols_out),
+                        label="img2col",
+                    )  # fmt: skip
+                    b = q["b"].alloc()
+                    core.load_l0(b, wt, cc * nco * isz, partial(_tap, i, j), label="load w")
+                    core.mmad(acc, a, b, m, cc, nco, dtype, init=first)
+                    first = False
+        core.fixpipe(
+            acc,
+            m * nco * isz,
+            None if data is None else data.y[it.n, it.co0 : it.co1, it.h0 : it.h1, it.w0 : it.w1],
+            partial(_epilogue, dtype, relu, rows_out, cols_out, has_b or has_bn),
+            reads=(params,) if params is not None else (),
+            label="fixpipe out",
+        )
+
+
+def _fold_bn(eps: float, p: np.ndarray) -> np.ndarray:
+    """Rows (B, scale, bias, mean, var) -> rows (shift, scale') in float32."""
+    b, scale, bias, mean, var = (r.astype(np.float32) for r in p)
+    s = scale / np.sqrt(var + np.float32(eps))
+    return np.stack([(b - mean) * s + bias, s])
+
+
+def _epilogue(
+    dtype: np.dtype, relu: bool, rows: int, cols: int, has_params: bool, acc: np.ndarray,
+    *params: np.ndarray,
+) -> np.ndarray:  # fmt: skip
+    y = acc
+    if has_params:
+        p = params[0]
+        shift = p[0].astype(np.float32)
+        y = y * p[1].astype(np.float32) + shift if p.shape[0] == 2 else y + shift
+    if relu:
+        y = np.maximum(y, 0.0)
+    # L0C holds [m, co]; GM wants [co, rows, cols] (FixPipe's layout conversion).
+    return y.astype(dtype).T.reshape(-1, rows, cols)
+
+
+def _valid_bytes(g: ConvGeometry, it: _Item, cc: int, rows: int, cols: int, isz: int) -> int:
+    """Bytes the DMA really reads: the halo window clipped to the unpadded input."""
+    r0 = it.h0 * g.sh - g.pad_top
+    c0 = it.w0 * g.sw - g.pad_left
+    vr = max(0, min(r0 + rows, g.h) - max(r0, 0))
+    vc = max(0, min(c0 + cols, g.w) - max(c0, 0))
+    return max(1, cc * vr * vc * isz)
+
+
+def _halo_tile(
+    g: ConvGeometry, x: np.ndarray, it: _Item, c0: int, c1: int, rows: int, cols: int
+) -> np.ndarray:
+    """The input window of a block with its halo, zeros where it falls in the padding."""
+    r0 = it.h0 * g.sh - g.pad_top
+    q0 = it.w0 * g.sw - g.pad_left
+    tile = np.zeros((c1 - c0, rows, cols), x.dtype)
+    a, b = max(r0, 0), min(r0 + rows, g.h)
+    c, d = max(q0, 0), min(q0 + cols, g.w)
+    if a < b and c < d:
+        tile[:, a - r0 : b - r0, c - q0 : d - q0] = x[it.n, c0:c1, a:b, c:d]
+    return tile
+
+
+def _img2col(g: ConvGeometry, i: int, j: int, rows: int, cols: int, xt: np.ndarray) -> np.ndarray:
+    """L0A operand [m, cc] of tap (i, j): the strided window of the L1 tile."""
+    r, c = i * g.dh, j * g.dw
+    win = xt[:, r : r + (rows - 1) * g.sh + 1 : g.sh, c : c + (cols - 1) * g.sw + 1 : g.sw]
+    return win.reshape(xt.shape[0], rows * cols).T
+
+
+def _tap(i: int, j: int, wt: np.ndarray) -> np.ndarray:
+    """L0B operand [cc, co] of tap (i, j) from the L1 weight tile [co, cc, kh, kw]."""
+    return wt[:, :, i, j].T
+
+
+def _pack_weights(w: np.ndarray, g: ConvGeometry, tile_co: int) -> dict[int, np.ndarray]:
+    """Per channel block co0: dense [co, K channels of its groups, kh, kw] weights."""
+    packed: dict[int, np.ndarray] = {}
+    for co0 in range(0, g.cout, tile_co):
+        co1 = min(co0 + tile_co, g.cout)
+        if g.group == 1:
+            packed[co0] = w[co0:co1]
+            continue
+        lo, hi = g.channel_range(co0, co1)
+        dense = np.zeros((co1 - co0, hi - lo, g.kh, g.kw), w.dtype)
+        for co in range(co0, co1):
+            start = (co // g.cout_g) * g.cin_g - lo
+            dense[co - co0, start : start + g.cin_g] = w[co]
+        packed[co0] = dense
+    return packed
+
+
+def _signature(g: ConvGeometry, it: _Item) -> tuple[int, ...]:
+    # Timing depends on the block's sizes, its K range, and how much of its halo is padding
+    # (DMA bytes), not on which block it is.
+    rows, cols = g.halo(it.h1 - it.h0, it.w1 - it.w0)
+    lo, hi = g.channel_range(it.co0, it.co1)
+    return (
+        it.h1 - it.h0, it.w1 - it.w0, it.co1 - it.co0, hi - lo,
+        _valid_bytes(g, it, 1, rows, cols, 1),
+    )  # fmt: skip
+
+
+def _items(g: ConvGeometry, t: ConvTiling) -> int:
+    return (
+        g.n
+        * math.ceil(g.ho / min(t.tile_h, g.ho))
+        * math.ceil(g.wo / min(t.tile_w, g.wo))
+        * math.ceil(g.cout / min(t.tile_co, g.cout))
+    )
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _replace(t: ConvTiling, **kw: int) -> ConvTiling:
+    return dataclasses.replace(t, **kw)
+
+
+class Conv(_ConvKernel):
+    """ONNX Conv: inputs X, W, B (optional); bias added in the FixPipe epilogue."""
+
+    op_type = "Conv"
+    domain = ""
+    fused = False
+
+
+class ConvBnRelu(_ConvKernel):
+    """Fused Conv -> BatchNormalization -> Relu (docs/fused-ops.md): inputs X, W, B, then
+    scale, bias, mean, var (all four or none); attributes as Conv plus epsilon and relu."""
+
+    op_type = "ConvBnRelu"
+    domain = "fuser"
+    fused = True
+
+
+KERNELS = (Conv(), ConvBnRelu())
