@@ -1,0 +1,791 @@
+"""LayerNorm (op or decomposed) -> every Linear on its output  =>  fuser.LayerNormMatMul.
+
+Math. Over the trailing normalized axes A of x (axis = first of them):
+    mu = mean_A(x),  var = mean_A((x - mu)^2),  N = (x - mu) / sqrt(var + eps) * gamma + beta
+and each Linear reading N is  Y_i = N @ W_i (+ b_i).  The fused op computes N once and every
+Y_i from it, so the normalized tensor need not round-trip through memory; it is output too when
+something else reads it (a residual Add, a `Shape`, an unfused MatMul).
+
+Matched:
+- `LayerNormalization` (opset 17+): axis, epsilon, stash_type taken as they are.
+- Decomposed, as exporters write it below opset 17:
+    mu = ReduceMean(x);  d = Sub(x, mu);  v = ReduceMean(Pow(d, 2) | Mul(d, d))
+    N  = Div(d, Sqrt(Add(v, eps))) | Mul(d, Reciprocal(Sqrt(Add(v, eps))))
+    N  = Add(Mul(N, gamma), beta)            (affine part optional, either operand order)
+  axes as attribute (opset < 18) or input (opset 18+); no-op Casts (to the dtype the value
+  already has) are looked through. The fused op gets stash_type=0: statistics in the input
+  dtype, as the decomposed ops compute them.
+- Consumers of N: MatMul(N, W) with W a constant 2-D weight, then optionally Add of a constant
+  bias broadcasting along the last axis only (either operand order); and Reshape(N, [-1, K]) ->
+  Gemm (GPT-2's Conv1D), with transB, alpha and beta folded into new W'/b' initializers at fuse
+  time:  alpha * A @ op(B) + beta * C  =  A @ (alpha * op(B)) + (beta * C);  that output is 2-D
+  (flatten=1). All such consumers of one N go into one fused node, one output each.
+
+Every constant that carries meaning is checked exactly, never with a tolerance: ReduceMean
+keepdims=1 and both ReduceMeans over the same trailing axes, exponent exactly 2, epsilon a
+one-element constant kept as read (a tiny epsilon is not zero), gamma and beta broadcasting
+only along the normalized axes. A mean or variance read outside the chain, or that is a graph
+output, is an internal value with an outside reader: the matcher refuses that with its reason.
+
+A `Shape` (or any other node) reading N does not block the fusion: the fused op then outputs
+`normalized`, which the Shape keeps reading (re-pointing the Shape to X would be a rewrite
+outside the match, which the engine does not do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from fuser.fusedop import FLOAT_TYPES, Attr, Dim, FusedOp, Param, TensorInfo
+from fuser.graph import GraphIndex
+from fuser.pattern import Match, Rejection, rejection
+
+NAME = "layernorm_matmul"
+PRIORITY = 20
+
+
+# -- the fused op ------------------------------------------------------------------------------
+
+
+def _weights(inputs: Sequence[Any], attrs: Mapping[str, Any]) -> list[tuple[Any, Any, bool]]:
+    """(W_i, b_i or None, flatten_i) per Linear, unpacked from the variadic inputs."""
+    has_bias = [int(v) for v in attrs.get("has_bias") or []]
+    flatten = [int(v) for v in attrs.get("flatten") or []] or [0] * len(has_bias)
+    found, position = [], 3
+    for with_bias, flat in zip(has_bias, flatten, strict=True):
+        w = inputs[position] if position < len(inputs) else None
+        b = inputs[position + 1] if with_bias and position + 1 < len(inputs) else None
+        position += 1 + with_bias
+        found.append((w, b, bool(flat)))
+    return found
+
+
+def _infer(
+    inputs: Sequence[TensorInfo | None], attrs: Mapping[str, Any]
+) -> list[TensorInfo | None]:
+    x = inputs[0] if inputs else None
+    if x is None:
+        return [None] * (1 + len(attrs.get("has_bias") or []))
+    results: list[TensorInfo | None] = [x]
+    for w, _, flat in _weights(inputs, attrs):
+        if x.shape is None or w is None or w.shape is None or len(w.shape) != 2:
+            results.append(TensorInfo(x.elem_type, None))
+            continue
+        lead: tuple[Dim, ...] = x.shape[:-1]
+        if flat:
+            known = all(isinstance(d, int) for d in lead)
+            lead = (int(np.prod(lead, dtype=np.int64)) if known else None,)  # type: ignore[arg-type]
+        results.append(TensorInfo(x.elem_type, (*lead, w.shape[1])))
+    return results
+
+
+def layer_norm(
+    x: np.ndarray,
+    scale: np.ndarray | None,
+    bias: np.ndarray | None,
+    axis: int,
+    epsilon: float,
+    stash_type: int,
+) -> np.ndarray:
+    """ONNX LayerNormalization (stash_type=1: statistics in float32 at least), or the decomposed
+    chain op by op in the input dtype (stash_type=0)."""
+    dtype = x.dtype
+    stats = np.promote_types(dtype, np.float32) if stash_type == 1 else dtype
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    xs = x.astype(stats)
+    eps = np.asarray(epsilon, dtype=stats)
+    d = xs - xs.mean(axis=axes, keepdims=True).astype(stats)
+    var = (d * d).mean(axis=axes, keepdims=True).astype(stats)
+    n = (d / np.sqrt(var + eps)).astype(dtype)
+    if scale is not None:
+        n = (n * scale).astype(dtype)
+    if bias is not None:
+        n = (n + bias).astype(dtype)
+    return n
+
+
+def reference(
+    inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]
+) -> tuple[np.ndarray, ...]:
+    """normalized, then each N @ W_i (+ b_i): products in float64, rounded to the input dtype
+    once before the bias Add, as MatMul then Add round."""
+    x = inputs[0]
+    assert x is not None
+    scale = inputs[1] if len(inputs) > 1 else None
+    bias = inputs[2] if len(inputs) > 2 else None
+    n = layer_norm(
+        x, scale, bias, int(attrs["axis"]), float(attrs["epsilon"]), int(attrs["stash_type"])
+    )
+    outputs = [n]
+    for w, b, flat in _weights(inputs, attrs):
+        assert w is not None
+        a = n.reshape(-1, n.shape[-1]) if flat else n
+        y = (a.astype(np.float64) @ w.astype(np.float64)).astype(x.dtype)
+        outputs.append(y if b is None else (y + b).astype(x.dtype))
+    return tuple(outputs)
+
+
+LAYERNORM_MATMUL = FusedOp(
+    name="LayerNormMatMul",
+    doc="LayerNorm over the trailing axes from `axis`, then N @ W_i (+ b_i) for each Linear.",
+    inputs=(
+        Param("X", "T", "input"),
+        Param("scale", "T", "gamma, broadcasting along the normalized axes", "optional"),
+        Param("bias", "T", "beta, broadcasting along the normalized axes", "optional"),
+        Param("weights", "T", "W_0 [K, N_0], b_0 [N_0] (iff has_bias[0]), W_1, ...", "variadic"),
+    ),
+    outputs=(
+        Param("normalized", "T", "the LayerNorm output, when read outside the match", "optional"),
+        Param(
+            "Y", "T", "Y_i = N @ W_i (+ b_i); [prod(leading dims), N_i] if flatten[i]", "variadic"
+        ),
+    ),
+    attributes=(
+        Attr("axis", "int", "first normalized axis", -1),
+        Attr("epsilon", "float", "added to the variance", 1e-5),
+        Attr(
+            "stash_type",
+            "int",
+            "1: statistics in float32 (LayerNormalization); "
+            "0: in the input dtype (decomposed form)",
+            1,
+        ),
+        Attr("has_bias", "ints", "per Linear: 1 if b_i follows W_i"),
+        Attr("flatten", "ints", "per Linear: 1 if N is flattened to 2-D first (Reshape -> Gemm)"),
+    ),
+    type_constraints=(("T", FLOAT_TYPES, "float tensors"),),
+    infer=_infer,
+    reference=reference,
+)
+
+
+# -- matching ----------------------------------------------------------------------------------
+
+
+class _NearMiss(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised deep in a walk to give up with a reason; `match` turns it into a Rejection."""
+
+    def __init__(self, reason: str, value: str | None = None, nodes: tuple[int, ...] = ()) -> None:
+        super().__init__(reason)
+        self.reason, self.value, self.nodes = reason, value, nodes
+
+
+@dataclass(frozen=True)
+class _Norm:
+    """The LayerNorm part of a match."""
+
+    nodes: tuple[int, ...]
+    x: str
+    scale: str
+    bias: str
+    out: str
+    axis: int
+    epsilon: float
+    stash_type: int
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """One consumer of the normalized value: its nodes, weight, bias and output."""
+
+    nodes: tuple[int, ...]
+    weight: str
+    bias: str
+    output: str
+    flatten: int
+    new_initializers: tuple[onnx.TensorProto, ...] = ()
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    for attr in node.attribute:
+        if attr.name == name:
+            return onnx.helper.get_attribute_value(attr)
+    return default
+
+
+def _is_noop_cast(graph: GraphIndex, node: onnx.NodeProto) -> bool:
+    if node.op_type != "Cast" or node.domain != "":
+        return False
+    source = graph.elem_type(node.input[0])
+    return bool(source) and source == _attr(node, "to", None)
+
+
+def _only_reader(graph: GraphIndex, value: str) -> int | None:
+    readers = graph.readers(value)
+    return readers[0] if len(readers) == 1 and not graph.is_graph_output(value) else None
+
+
+def _follow(graph: GraphIndex, value: str, casts: list[int]) -> str:
+    """Step forward through no-op Casts that are a value's only reader (they join the match)."""
+    while (reader := _only_reader(graph, value)) is not None and _is_noop_cast(
+        graph, graph.node(reader)
+    ):
+        casts.append(reader)
+        value = graph.node(reader).output[0]
+    return value
+
+
+def _readers_of(graph: GraphIndex, value: str, op_type: str) -> list[int]:
+    return [
+        r
+        for r in graph.readers(value)
+        if graph.node(r).op_type == op_type and graph.node(r).domain == ""
+    ]
+
+
+def _rank(graph: GraphIndex, value: str) -> int | None:
+    shape = graph.shape(value)
+    return None if shape is None else len(shape)
+
+
+def _scalar(graph: GraphIndex, value: str, what: str, node_id: int) -> float:
+    """The value of a one-element constant, or a near miss naming it."""
+    const = graph.constant(value)
+    name = graph.describe(node_id)
+    if const is None:
+        raise _NearMiss(
+            f"{what} '{value}' of '{name}' is computed at run time, not a constant",
+            value,
+            (node_id,),
+        )
+    if const.size != 1:
+        raise _NearMiss(
+            f"{what} '{value}' of '{name}' has shape {list(const.shape)}, expected a single value",
+            value,
+            (node_id,),
+        )
+    return float(const.reshape(-1)[0])
+
+
+def _reduced_axes(graph: GraphIndex, node_id: int, rank: int | None) -> int:
+    """How many trailing axes a ReduceMean averages over, or a near miss saying why not."""
+    node = graph.node(node_id)
+    name = graph.describe(node_id)
+    keepdims = _attr(node, "keepdims", 1)
+    if keepdims != 1:
+        raise _NearMiss(
+            f"ReduceMean '{name}' has keepdims={keepdims}; LayerNorm needs keepdims=1 "
+            "(the statistic must broadcast back over the normalized axes)",
+            node.output[0],
+            (node_id,),
+        )
+    axes: list[int] | None
+    if len(node.input) > 1 and node.input[1]:
+        const = graph.constant(node.input[1])
+        if const is None:
+            raise _NearMiss(
+                f"axes '{node.input[1]}' of ReduceMean '{name}' are computed at run time",
+                node.input[1],
+                (node_id,),
+            )
+        axes = [int(a) for a in const.reshape(-1)]
+    else:
+        found = _attr(node, "axes", None)
+        axes = None if found is None else [int(a) for a in found]
+    if not axes:
+        if _attr(node, "noop_with_empty_axes", 0):
+            raise _NearMiss(
+                f"ReduceMean '{name}' has no axes and noop_with_empty_axes=1 (it reduces nothing)",
+                node.output[0],
+                (node_id,),
+            )
+        if rank is None:
+            raise _NearMiss(
+                f"ReduceMean '{name}' reduces all axes of '{node.input[0]}', whose rank is unknown",
+                node.input[0],
+                (node_id,),
+            )
+        axes = list(range(rank))
+    if any(a >= 0 for a in axes) and rank is None:
+        raise _NearMiss(
+            f"ReduceMean '{name}' has axes {axes} but the rank of '{node.input[0]}' "
+            "is unknown, so they cannot be checked to be the trailing axes",
+            node.input[0],
+            (node_id,),
+        )
+    negative = sorted(a - rank if a >= 0 and rank is not None else a for a in axes)
+    if negative != list(range(-len(negative), 0)):
+        where = f"a rank-{rank} input" if rank is not None else "its input"
+        raise _NearMiss(
+            f"ReduceMean '{name}' averages over axes {axes} of {where}; LayerNorm "
+            "needs the trailing axes (e.g. [-1])",
+            node.output[0],
+            (node_id,),
+        )
+    return len(negative)
+
+
+def _broadcast_problem(shape: Sequence[Dim], rank: int | None, k: int) -> str | None:
+    """Why a parameter of `shape` does not broadcast along the k trailing axes only, or None."""
+    if rank is not None and len(shape) > rank:
+        return f"has rank {len(shape)}, more than the input's {rank}"
+    for i, dim in enumerate(shape):
+        axis = i - len(shape)
+        if axis < -k and dim != 1:
+            if rank is None:
+                return f"has shape {list(shape)} and the input's rank is unknown"
+            return (
+                f"has shape {list(shape)}: it varies along axis {axis + rank}, which is not "
+                f"normalized (only the last {k} are)"
+            )
+    return None
+
+
+def _affine(
+    graph: GraphIndex, value: str, op_type: str, rank: int | None, k: int, what: str
+) -> tuple[int, str] | None:
+    """The Mul gamma / Add beta reading `value`: (node id, parameter name), or None."""
+    reader = _only_reader(graph, value)
+    if reader is None:
+        return None
+    node = graph.node(reader)
+    if node.op_type != op_type or node.domain != "" or list(node.input).count(value) != 1:
+        return None
+    param = node.input[1] if node.input[0] == value else node.input[0]
+    const = graph.constant(param)
+    shape = tuple(const.shape) if const is not None else graph.shape(param)
+    if shape is None:
+        return None
+    problem = _broadcast_problem(shape, rank, k)
+    if problem is None:
+        return reader, param
+    if const is None:
+        return None  # a run-time tensor of activation shape: a residual, not the affine part
+    raise _NearMiss(
+        f"{what} '{param}' of {op_type} '{graph.describe(reader)}' {problem}", param, (reader,)
+    )
+
+
+def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
+    """The decomposed LayerNorm starting at its mean ReduceMean, or None if it is not one."""
+    r1 = graph.node(anchor)
+    x = r1.input[0]
+    members = [anchor]
+    mean = _follow(graph, r1.output[0], members)
+    subs = [
+        s
+        for s in _readers_of(graph, mean, "Sub")
+        if graph.node(s).input[1] == mean and graph.node(s).input[0] == x
+    ]
+    if not subs:
+        return None
+    sub = subs[0]
+    members.append(sub)
+    d = graph.node(sub).output[0]
+    square = divide = None
+    for r in graph.readers(d):
+        node = graph.node(r)
+        if node.domain != "":
+            continue
+        if (node.op_type == "Pow" and node.input[0] == d) or (
+            node.op_type == "Mul" and list(node.input) == [d, d]
+        ):
+            square = r
+        elif (node.op_type == "Div" and node.input[0] == d) or (
+            node.op_type == "Mul" and list(node.input).count(d) == 1
+        ):
+            divide = r
+    if square is None or divide is None:
+        return None
+    members.append(square)
+    r2 = _readers_of(graph, _follow(graph, graph.node(square).output[0], members), "ReduceMean")
+    if not r2:
+        return None
+    members.append(r2[0])
+    var = _follow(graph, graph.node(r2[0]).output[0], members)
+    adds = _readers_of(graph, var, "Add")
+    if not adds:
+        return None
+    add_eps = adds[0]
+    members.append(add_eps)
+    sqrts = _readers_of(graph, _follow(graph, graph.node(add_eps).output[0], members), "Sqrt")
+    if not sqrts:
+        return None
+    members.append(sqrts[0])
+    std = _follow(graph, graph.node(sqrts[0]).output[0], members)
+    div_node = graph.node(divide)
+    if div_node.op_type == "Mul":  # d * Reciprocal(std)
+        recips = _readers_of(graph, std, "Reciprocal")
+        if not recips:
+            return None
+        members.append(recips[0])
+        std = _follow(graph, graph.node(recips[0]).output[0], members)
+    if (
+        std not in div_node.input
+        or div_node.input[0 if div_node.op_type == "Mul" else 1] not in (std, d)
+        or list(div_node.input) == [d, d]
+    ):
+        return None
+    members.append(divide)
+
+    # The structure is a LayerNorm: now every constant that carries meaning, exactly.
+    try:
+        rank = _rank(graph, x)
+        k = _reduced_axes(graph, anchor, rank)
+        if _reduced_axes(graph, r2[0], rank) != k:
+            raise _NearMiss(
+                f"ReduceMeans '{graph.describe(anchor)}' and "
+                f"'{graph.describe(r2[0])}' average over different axes",
+                var,
+                (r2[0],),
+            )
+        sq_node = graph.node(square)
+        if sq_node.op_type == "Pow":
+            exponent = _scalar(graph, sq_node.input[1], "exponent", square)
+            if exponent != 2.0:
+                raise _NearMiss(
+                    f"Pow '{graph.describe(square)}' raises to {exponent:g}; the "
+                    "variance needs exactly 2",
+                    sq_node.input[1],
+                    (square,),
+                )
+        add_node = graph.node(add_eps)
+        eps_name = add_node.input[1] if add_node.input[0] == var else add_node.input[0]
+        epsilon = _scalar(graph, eps_name, "epsilon", add_eps)
+        eps_const = graph.constant(eps_name)
+        assert eps_const is not None
+        if rank is not None and eps_const.ndim > rank:
+            raise _NearMiss(
+                f"epsilon '{eps_name}' has rank {eps_const.ndim}, more than the input's {rank}",
+                eps_name,
+                (add_eps,),
+            )
+        if float(np.float32(epsilon)) != epsilon:
+            raise _NearMiss(
+                f"epsilon '{eps_name}' = {epsilon!r} is not exactly representable in "
+                "LayerNormMatMul's float32 epsilon attribute",
+                eps_name,
+                (add_eps,),
+            )
+        out = _follow(graph, div_node.output[0], members)
+        scale = bias = ""
+        gamma = _affine(graph, out, "Mul", rank, k, "gamma")
+        if gamma is not None:
+            members.append(gamma[0])
+            scale = gamma[1]
+            out = _follow(graph, graph.node(gamma[0]).output[0], members)
+        beta = _affine(graph, out, "Add", rank, k, "beta")
+        if beta is not None:
+            members.append(beta[0])
+            bias = beta[1]
+            out = _follow(graph, graph.node(beta[0]).output[0], members)
+    except _NearMiss as miss:
+        raise _NearMiss(miss.reason, miss.value, tuple(members)) from None
+    # A no-op Cast in front of the LayerNorm joins the match when only the LayerNorm reads it.
+    while (
+        (producer := graph.producer.get(x)) is not None
+        and _is_noop_cast(graph, graph.node(producer))
+        and set(graph.readers(x)) <= {anchor, sub}
+        and not graph.is_graph_output(x)
+    ):
+        members.insert(1, producer)
+        x = graph.node(producer).input[0]
+    return _Norm(tuple(members), x, scale, bias, out, -k, epsilon, 0)
+
+
+def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
+    node = graph.node(anchor)
+    scale = node.input[1] if len(node.input) > 1 else ""
+    bias = node.input[2] if len(node.input) > 2 else ""
+    return _Norm(
+        (anchor,),
+        node.input[0],
+        scale,
+        bias,
+        node.output[0],
+        int(_attr(node, "axis", -1)),
+        float(_attr(node, "epsilon", 1e-5)),
+        int(_attr(node, "stash_type", 1)),
+    )
+
+
+def _constant_why(graph: GraphIndex, value: str) -> str:
+    return (
+        "an overridable graph input (an initializer also listed as input)"
+        if value in graph.graph_inputs
+        else "computed at run time, not a constant"
+    )
+
+
+def _new_tensor(graph: GraphIndex, array: np.ndarray, base: str) -> onnx.TensorProto:
+    return numpy_helper.from_array(array, graph.unique_value_name(base))
+
+
+def _row_bias(
+    graph: GraphIndex, name: str, n: int, max_rank: int | None, base: str
+) -> tuple[str, tuple[onnx.TensorProto, ...]] | None:
+    """`name` as a [n] bias if it is a constant broadcasting along the last axis only."""
+    const = graph.constant(name)
+    if const is None or const.ndim > (1 if max_rank is None else max_rank):
+        return None
+    if any(d != 1 for d in const.shape[:-1]) or (const.ndim and const.shape[-1] not in (1, n)):
+        return None
+    if const.shape == (n,):
+        return name, ()
+    tensor = _new_tensor(
+        graph, np.ascontiguousarray(np.broadcast_to(const.reshape(-1), (n,))), base
+    )
+    return tensor.name, (tensor,)
+
+
+def _matmul(graph: GraphIndex, node_id: int, value: str) -> _Linear:
+    node = graph.node(node_id)
+    name = graph.describe(node_id)
+    if node.input[0] != value:
+        raise _NearMiss(
+            f"normalized value '{value}' is the right operand of MatMul '{name}'; "
+            "LayerNormMatMul computes normalized @ W",
+            value,
+            (node_id,),
+        )
+    weight = node.input[1]
+    w = graph.constant(weight)
+    if w is None:
+        raise _NearMiss(
+            f"weight '{weight}' of MatMul '{name}' is {_constant_why(graph, weight)}",
+            weight,
+            (node_id,),
+        )
+    if w.ndim != 2:
+        raise _NearMiss(
+            f"weight '{weight}' of MatMul '{name}' has rank {w.ndim}; "
+            "LayerNormMatMul takes 2-D weights",
+            weight,
+            (node_id,),
+        )
+    out = node.output[0]
+    add = _only_reader(graph, out)
+    if add is not None:
+        add_node = graph.node(add)
+        if (
+            add_node.op_type == "Add"
+            and add_node.domain == ""
+            and list(add_node.input).count(out) == 1
+        ):
+            other = add_node.input[1] if add_node.input[0] == out else add_node.input[0]
+            bias = _row_bias(graph, other, int(w.shape[1]), _rank(graph, out), f"{name}.bias")
+            if bias is not None:
+                return _Linear((node_id, add), weight, bias[0], add_node.output[0], 0, bias[1])
+    return _Linear((node_id,), weight, "", out, 0)
+
+
+def _gemm(graph: GraphIndex, node_id: int, members: tuple[int, ...], flatten: int) -> _Linear:
+    node = graph.node(node_id)
+    name = graph.describe(node_id)
+    nodes = (*members, node_id)
+    if _attr(node, "transA", 0):
+        raise _NearMiss(
+            f"Gemm '{name}' has transA=1 (it reads the normalized value transposed)",
+            node.input[0],
+            nodes,
+        )
+    weight = node.input[1]
+    w = graph.constant(weight)
+    if w is None:
+        raise _NearMiss(
+            f"weight '{weight}' of Gemm '{name}' is {_constant_why(graph, weight)}", weight, nodes
+        )
+    alpha, beta = float(_attr(node, "alpha", 1.0)), float(_attr(node, "beta", 1.0))
+    trans_b = int(_attr(node, "transB", 0))
+    inits: list[onnx.TensorProto] = []
+    if trans_b or alpha != 1.0:
+        folded = (alpha * (w.T if trans_b else w).astype(np.float64)).astype(w.dtype)
+        inits.append(_new_tensor(graph, np.ascontiguousarray(folded), f"{name}.W_folded"))
+        weight = inits[-1].name
+    n = int(w.shape[0] if trans_b else w.shape[1])
+    bias = node.input[2] if len(node.input) > 2 else ""
+    if bias:
+        c = graph.constant(bias)
+        if c is None:
+            raise _NearMiss(
+                f"bias '{bias}' of Gemm '{name}' is {_constant_why(graph, bias)}", bias, nodes
+            )
+        if (
+            c.ndim > 2
+            or any(d != 1 for d in c.shape[:-1])
+            or (c.ndim and c.shape[-1] not in (1, n))
+        ):
+            raise _NearMiss(
+                f"bias '{bias}' of Gemm '{name}' has shape {list(c.shape)}: it varies "
+                f"per row (LayerNormMatMul adds one [{n}] row bias)",
+                bias,
+                nodes,
+            )
+        if beta != 1.0 or c.shape != (n,):
+            row = (beta * np.broadcast_to(c.reshape(-1), (n,)).astype(np.float64)).astype(c.dtype)
+            inits.append(_new_tensor(graph, np.ascontiguousarray(row), f"{name}.bias_folded"))
+            bias = inits[-1].name
+    return _Linear(nodes, weight, bias, node.output[0], flatten, tuple(inits))
+
+
+def _last_dim(graph: GraphIndex, norm: _Norm) -> int | None:
+    """The size of the normalized value's last axis, if anything tells it.
+
+    Shape inference often loses the activations' shapes (a Reshape to a computed shape upstream
+    is enough); the input and the affine parameters then still tell it, since the output's
+    last axis is their broadcast.
+    """
+    shape = graph.shape(norm.out)
+    if shape and isinstance(shape[-1], int):
+        return shape[-1]
+    sizes = []
+    for name in (norm.x, norm.scale, norm.bias):
+        const = graph.constant(name) if name else None
+        dims = tuple(const.shape) if const is not None else graph.shape(name) if name else None
+        if dims and isinstance(dims[-1], int):
+            sizes.append(dims[-1])
+    return max(sizes) if sizes else None
+
+
+def _flatten_reshape(
+    graph: GraphIndex, node_id: int, value: str, last_dim: int | None
+) -> int | None:
+    """The Gemm behind a Reshape that only flattens the leading dims of `value`, or None."""
+    node = graph.node(node_id)
+    gemm = _only_reader(graph, node.output[0])
+    if node.input[0] != value or gemm is None:
+        return None
+    gemm_node = graph.node(gemm)
+    if (
+        gemm_node.op_type != "Gemm"
+        or gemm_node.domain != ""
+        or gemm_node.input[0] != node.output[0]
+    ):
+        return None
+    target = graph.constant(node.input[1])
+    name = graph.describe(node_id)
+    if target is None or last_dim is None:
+        why = (
+            f"its target shape '{node.input[1]}' is computed at run time"
+            if target is None
+            else f"the size of the last axis of '{value}' is not known"
+        )
+        raise _NearMiss(
+            f"Reshape '{name}' before Gemm '{graph.describe(gemm)}': {why}, so it "
+            "cannot be checked to only flatten the leading dims",
+            node.input[1],
+            (node_id, gemm),
+        )
+    dims = [int(d) for d in target.reshape(-1)]
+    shape = graph.shape(value)
+    lead = shape[:-1] if shape else (None,)
+    static = all(isinstance(d, int) for d in lead)
+    rows = int(np.prod(lead, dtype=np.int64)) if static else None  # type: ignore[arg-type]
+    if len(dims) != 2 or dims[1] != last_dim or not (dims[0] == -1 or (rows and dims[0] == rows)):
+        raise _NearMiss(
+            f"Reshape '{name}' to {dims} does not only flatten the leading dims of "
+            f"'{value}' (expected [-1, {last_dim}])",
+            node.input[1],
+            (node_id, gemm),
+        )
+    return gemm
+
+
+@dataclass(frozen=True)
+class _Readers:
+    """What reads the normalized value: the Linears taken, casts taken, near misses."""
+
+    linears: tuple[_Linear, ...]
+    casts: tuple[int, ...]
+    misses: tuple[_NearMiss, ...]
+    others: bool
+
+
+def _classify(graph: GraphIndex, value: str, last_dim: int | None) -> _Readers:
+    linears: list[_Linear] = []
+    casts: list[int] = []
+    misses: list[_NearMiss] = []
+    others = graph.is_graph_output(value)
+    for r in graph.readers(value):
+        node = graph.node(r)
+        try:
+            if node.domain != "":
+                others = True
+            elif node.op_type == "MatMul":
+                linears.append(_matmul(graph, r, value))
+            elif node.op_type == "Gemm" and node.input[0] == value:
+                linears.append(_gemm(graph, r, (), 0))
+            elif node.op_type == "Reshape" and (
+                gemm := _flatten_reshape(graph, r, value, last_dim)
+            ):
+                linears.append(_gemm(graph, gemm, (r,), 1))
+            elif _is_noop_cast(graph, node):
+                inner = _classify(graph, node.output[0], last_dim)
+                if inner.others or not inner.linears:
+                    others = True
+                    misses.extend(inner.misses)
+                else:
+                    linears.extend(inner.linears)
+                    casts.extend((r, *inner.casts))
+                    misses.extend(inner.misses)
+            else:
+                others = True
+        except _NearMiss as miss:
+            misses.append(miss)
+            others = True
+    return _Readers(tuple(linears), tuple(casts), tuple(misses), others)
+
+
+@dataclass(frozen=True)
+class LayerNormMatMulPattern:
+    """LayerNorm (op or decomposed) -> all Linears on its output, anchored at the LayerNorm."""
+
+    name: str = NAME
+    description: str = (
+        "LayerNormalization (op or decomposed) -> MatMul (+ Add bias) / "
+        "Reshape -> Gemm, all on one normalized value => LayerNormMatMul"
+    )
+    anchors: tuple[tuple[str, str], ...] = (("", "LayerNormalization"), ("", "ReduceMean"))
+    ops: tuple[FusedOp, ...] = (LAYERNORM_MATMUL,)
+
+    def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
+        node = graph.node(node_id)
+        try:
+            norm = (
+                _layernorm_op(graph, node_id)
+                if node.op_type == "LayerNormalization"
+                else _decomposed(graph, node_id)
+            )
+        except _NearMiss as miss:
+            return rejection(self.name, graph, miss.nodes or (node_id,), miss.reason, miss.value)
+        if norm is None:
+            return None
+        readers = _classify(graph, norm.out, _last_dim(graph, norm))
+        if not readers.linears:
+            if not readers.misses:
+                return None  # a LayerNorm without a Linear after it: not this pattern
+            first = readers.misses[0]
+            reason = "; ".join(m.reason for m in readers.misses)
+            return rejection(self.name, graph, (*norm.nodes, *first.nodes), reason, first.value)
+        nodes = (*norm.nodes, *readers.casts, *(i for lin in readers.linears for i in lin.nodes))
+        inputs = [norm.x, norm.scale, norm.bias]
+        for lin in readers.linears:
+            inputs += [lin.weight, lin.bias] if lin.bias else [lin.weight]
+        attributes = {
+            "axis": norm.axis,
+            "epsilon": norm.epsilon,
+            "stash_type": norm.stash_type,
+            "has_bias": [1 if lin.bias else 0 for lin in readers.linears],
+            "flatten": [lin.flatten for lin in readers.linears],
+        }
+        notes = tuple(f"left unfused: {m.reason}" for m in readers.misses)
+        return Match(
+            self.name,
+            LAYERNORM_MATMUL,
+            nodes,
+            tuple(inputs),
+            ("", *(lin.output for lin in readers.linears)),
+            attributes,
+            exportable={norm.out: 0},
+            new_initializers=tuple(t for lin in readers.linears for t in lin.new_initializers),
+            notes=notes,
+        )
+
+
+PATTERN = LayerNormMatMulPattern()
