@@ -1,0 +1,406 @@
+"""MatMul (batched, broadcasting) and Gemm on the Cube.
+
+A work item is one output block (batch index, `tile_m` rows, `tile_n` columns); items are
+split over the cube cores in balanced ranges. For each block the core walks K: per chunk of
+`tile_k` it copies the A and B panels into L1 (MTE2), then per `tile_k0` step loads L0A and
+L0B (MTE1) and accumulates on the Cube in L0C (float32). FixPipe writes the block out, with
+Gemm's alpha and beta * C in its epilogue (the C block is copied into L1 beside the panels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._budget import QueueSpec, check_flag, check_positive, fits, require_fits
+from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
+from .npu.core import Core
+from .npu.launch import launch
+from .npu.machine import Machine
+from .npu.memory import Tile
+from .npu.pipes import Level
+
+
+@dataclass(frozen=True)
+class MatMulTiling(Tiling):
+    """Output block `tile_m` x `tile_n`; K in L1 chunks of `tile_k`, L0 steps of `tile_k0`;
+    double buffering (0/1); cube cores used."""
+
+    tile_m: int
+    tile_n: int
+    tile_k: int
+    tile_k0: int
+    double_buffer: int
+    cores: int
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """Y[batch..., M, N] = alpha * A[batch..., M, K] @ B[batch..., K, N] (+ beta * C)."""
+
+    batch: tuple[int, ...]
+    m: int
+    k: int
+    n: int
+    dtype: np.dtype
+    out_shape: tuple[int, ...]
+    has_c: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        """Number of matrices in the batch."""
+        return math.prod(self.batch)
+
+
+class _Item(NamedTuple):
+    b: int
+    m0: int
+    m1: int
+    n0: int
+    n1: int
+
+
+class _CubeGemm(Kernel):
+    """Shared tiling and program of MatMul and Gemm."""
+
+    tiling_type = MatMulTiling
+
+    def problem(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> GemmProblem:
+        """The GEMM this op computes; `KernelError` for shapes or dtypes it cannot take."""
+        raise NotImplementedError
+
+    def operands(
+        self, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any], p: GemmProblem
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """A [batch..., M, K] and B [batch..., K, N] views (broadcast), and C as [M, N]."""
+        raise NotImplementedError
+
+    def infer(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> tuple[TensorMeta, ...]:
+        p = self.problem(inputs_meta, attrs)
+        return (TensorMeta(p.out_shape, p.dtype),)
+
+    def _specs(self, p: GemmProblem, t: MatMulTiling) -> list[QueueSpec]:
+        tm, tn = min(t.tile_m, p.m), min(t.tile_n, p.n)
+        tk, tk0 = min(t.tile_k, p.k), min(t.tile_k0, t.tile_k, p.k)
+        isz = p.dtype.itemsize
+        depth = 2 if t.double_buffer else 1
+        specs = [
+            QueueSpec(Level.L1, "a_panel", tm * tk * isz, depth),
+            QueueSpec(Level.L1, "b_panel", tk * tn * isz, depth),
+            QueueSpec(Level.L0A, "a", tm * tk0 * isz, depth),
+            QueueSpec(Level.L0B, "b", tk0 * tn * isz, depth),
+            QueueSpec(Level.L0C, "acc", tm * tn * 4, depth),
+        ]
+        if p.has_c:
+            specs.append(QueueSpec(Level.L1, "c", tm * tn * isz, 1))
+        return specs
+
+    def check_tiling(
+        self,
+        inputs_meta: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        machine: Machine,
+    ) -> None:
+        assert isinstance(tiling, MatMulTiling)
+        t = tiling
+        check_positive(
+            self.op_type, tile_m=t.tile_m, tile_n=t.tile_n, tile_k=t.tile_k, tile_k0=t.tile_k0,
+            cores=t.cores,
+        )  # fmt: skip
+        check_flag(self.op_type, double_buffer=t.double_buffer)
+        if t.tile_k0 > t.tile_k:
+            raise TilingError(f"{self.op_type}: tile_k0 {t.tile_k0} exceeds tile_k {t.tile_k}")
+        if t.cores > machine.cube_cores:
+            raise TilingError(
+                f"{self.op_type}: tiling uses {t.cores} cores, {machine.name} has "
+                f"{machine.cube_cores} cube cores"
+            )
+        require_fits(self.op_type, machine, self._specs(self.problem(inputs_meta, attrs), t))
+
+    def default_tiling(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> MatMulTiling:
+        p = self.problem(inputs_meta, attrs)
+        k0 = machine.cube_k_block(p.dtype)
+        cm, cn = machine.cube_m, machine.cube_n
+        t = MatMulTiling(
+            tile_m=min(_round_up(p.m, cm), 128),
+            tile_n=min(_round_up(p.n, cn), 256),
+            tile_k=min(_round_up(p.k, k0), 512),
+            tile_k0=min(_round_up(p.k, k0), 256 // p.dtype.itemsize),
+            double_buffer=1,
+            cores=machine.cube_cores,
+        )
+        while not fits(machine, self._specs(p, t)):
+            if t.tile_k > 2 * t.tile_k0:
+                t = dataclasses.replace(t, tile_k=t.tile_k // 2)
+            elif t.tile_n > 128 and t.tile_n >= t.tile_m:
+                t = dataclasses.replace(t, tile_n=_round_up(t.tile_n // 2, cn))
+            elif t.tile_k0 > k0:
+                t = dataclasses.replace(t, tile_k0=max(k0, t.tile_k0 // 2), tile_k=t.tile_k0)
+            elif t.tile_n > cn:
+                t = dataclasses.replace(t, tile_n=_round_up(t.tile_n // 2, cn))
+            elif t.tile_m > cm:
+                t = dataclasses.replace(t, tile_m=_round_up(t.tile_m // 2, cm))
+            else:
+                raise TilingError(f"{self.op_type}: no tiling fits {machine.name}")
+        while _items(p, t) < machine.cube_cores:
+            if t.tile_m > 2 * cm and t.tile_m >= t.tile_n:
+                t = dataclasses.replace(t, tile_m=_round_up(t.tile_m // 2, cm))
+            elif t.tile_n > 2 * cn:
+                t = dataclasses.replace(t, tile_n=_round_up(t.tile_n // 2, cn))
+            elif t.tile_m > 2 * cm:
+                t = dataclasses.replace(t, tile_m=_round_up(t.tile_m // 2, cm))
+            else:
+                break
+        return t
+
+    def simulate(
+        self,
+        machine: Machine,
+        inputs: Sequence[np.ndarray | None],
+        inputs_meta: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        functional: bool,
+        timeline: bool,
+    ) -> KernelRun:
+        assert isinstance(tiling, MatMulTiling)
+        p = self.problem(inputs_meta, attrs)
+        tm, tn = min(tiling.tile_m, p.m), min(tiling.tile_n, p.n)
+        work = [
+            _Item(b, m0, min(m0 + tm, p.m), n0, min(n0 + tn, p.n))
+            for b in range(p.batch_size)
+            for m0 in range(0, p.m, tm)
+            for n0 in range(0, p.n, tn)
+        ]
+        data = None
+        y = None
+        if functional:
+            a, b, c = self.operands(inputs, attrs, p)
+            y = np.empty(p.out_shape, p.dtype)
+            data = _RunData(a, b, c, y.reshape(p.batch_size, p.m, p.n), p.batch)
+        alpha = float(attrs.get("alpha", 1.0))
+        beta = float(attrs.get("beta", 1.0))
+        program = partial(_program, p, self._specs(p, tiling), tiling, alpha, beta, data)
+        stats = launch(
+            machine,
+            self.op_type,
+            work,
+            program,
+            max_cores=tiling.cores,
+            functional=functional,
+            signature=_signature,
+            timeline=timeline,
+        )
+        return KernelRun((y,) if y is not None else (), stats)
+
+
+class _RunData(NamedTuple):
+    a: np.ndarray
+    b: np.ndarray
+    c: np.ndarray | None
+    y: np.ndarray
+    batch: tuple[int, ...]
+
+    def _index(self, b: int) -> tuple[int, ...]:
+        # Plain ints: basic indexing returns a view (index arrays would copy the matrix).
+        return tuple(int(i) for i in np.unravel_index(b, self.batch))
+
+    def panel_a(self, b: int) -> np.ndarray:
+        return self.a[self._index(b)] if self.batch else self.a
+
+    def panel_b(self, b: int) -> np.ndarray:
+        return self.b[self._index(b)] if self.batch else self.b
+
+
+def _program(
+    p: GemmProblem,
+    specs: list[QueueSpec],
+    t: MatMulTiling,
+    alpha: float,
+    beta: float,
+    data: _RunData | None,
+    core: Core,
+    items: Sequence[_Item],
+) -> None:
+    bufs = {Level.L1: core.l1, Level.L0A: core.l0a, Level.L0B: core.l0b, Level.L0C: core.l0c}
+    q = {s.name: bufs[s.level].queue(s.name, s.slot_bytes, s.depth) for s in specs}
+    isz = p.dtype.itemsize
+    tk = min(t.tile_k, p.k)
+    tk0 = min(t.tile_k0, tk)
+    for it in items:
+        mm, nn = it.m1 - it.m0, it.n1 - it.n0
+        A = None if data is None else data.panel_a(it.b)
+        B = None if data is None else data.panel_b(it.b)
+        acc = q["acc"].alloc()
+        first = True
+        for k0 in range(0, p.k, tk):
+            k1 = min(k0 + tk, p.k)
+            ap = q["a_panel"].alloc()
+            core.copy_in(ap, mm * (k1 - k0) * isz, None if A is None else A[it.m0 : it.m1, k0:k1])
+            bp = q["b_panel"].alloc()
+            core.copy_in(bp, (k1 - k0) * nn * isz, None if B is None else B[k0:k1, it.n0 : it.n1])
+            for s0 in range(k0, k1, tk0):
+                s1 = min(s0 + tk0, k1)
+                a = q["a"].alloc()
+                core.load_l0(a, ap, mm * (s1 - s0) * isz, partial(_cols, s0 - k0, s1 - k0))
+                b = q["b"].alloc()
+                core.load_l0(b, bp, (s1 - s0) * nn * isz, partial(_rows, s0 - k0, s1 - k0))
+                core.mmad(acc, a, b, mm, s1 - s0, nn, p.dtype, init=first)
+                first = False
+        reads: tuple[Tile, ...] = ()
+        if p.has_c:
+            ct = q["c"].alloc()
+            core.copy_in(
+                ct, mm * nn * isz,
+                None if data is None or data.c is None else data.c[it.m0 : it.m1, it.n0 : it.n1],
+                label="in C",
+            )  # fmt: skip
+            reads = (ct,)
+        core.fixpipe(
+            acc,
+            mm * nn * isz,
+            None if data is None else data.y[it.b, it.m0 : it.m1, it.n0 : it.n1],
+            partial(_epilogue, p.dtype, alpha, beta),
+            reads=reads,
+        )
+
+
+def _cols(s0: int, s1: int, panel: np.ndarray) -> np.ndarray:
+    return panel[:, s0:s1]
+
+
+def _rows(s0: int, s1: int, panel: np.ndarray) -> np.ndarray:
+    return panel[s0:s1]
+
+
+def _epilogue(
+    dtype: np.dtype, alpha: float, beta: float, acc: np.ndarray, *c: np.ndarray
+) -> np.ndarray:
+    y = acc if alpha == 1.0 else acc * np.float32(alpha)
+    if c:
+        y = y + np.float32(beta) * c[0].astype(np.float32)
+    return y.astype(dtype)
+
+
+def _signature(it: _Item) -> tuple[int, int]:
+    return (it.m1 - it.m0, it.n1 - it.n0)
+
+
+def _items(p: GemmProblem, t: MatMulTiling) -> int:
+    return p.batch_size * math.ceil(p.m / min(t.tile_m, p.m)) * math.ceil(p.n / min(t.tile_n, p.n))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _cube_dtype(op: str, *metas: TensorMeta) -> np.dtype:
+    dtype = metas[0].dtype
+    if dtype not in (np.float16, np.float32):
+        raise KernelError(f"{op}: the Cube takes float16 or float32, got {dtype}")
+    for m in metas[1:]:
+        if m.dtype != dtype:
+            raise KernelError(f"{op}: input dtypes differ ({dtype} and {m.dtype})")
+    return dtype
+
+
+class MatMul(_CubeGemm):
+    """ONNX MatMul: numpy matmul semantics (1-D operands promoted, batch dims broadcast)."""
+
+    op_type = "MatMul"
+    domain = ""
+
+    def problem(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> GemmProblem:
+        if len(inputs_meta) < 2 or inputs_meta[0] is None or inputs_meta[1] is None:
+            raise KernelError("MatMul: needs A and B")
+        a, b = inputs_meta[0], inputs_meta[1]
+        dtype = _cube_dtype(self.op_type, a, b)
+        if not a.shape or not b.shape:
+            raise KernelError("MatMul: operands must have at least one dimension")
+        sa = (1, *a.shape) if len(a.shape) == 1 else a.shape
+        sb = (*b.shape, 1) if len(b.shape) == 1 else b.shape
+        if sa[-1] != sb[-2]:
+            raise KernelError(f"MatMul: inner dimensions differ: A {a.shape}, B {b.shape}")
+        try:
+            batch = tuple(np.broadcast_shapes(sa[:-2], sb[:-2]))
+        except ValueError:
+            raise KernelError(f"MatMul: batch dims of {a.shape} and {b.shape} differ") from None
+        out = (
+            *batch,
+            *([sa[-2]] if len(a.shape) > 1 else []),
+            *([sb[-1]] if len(b.shape) > 1 else []),
+        )
+        return GemmProblem(batch, sa[-2], sa[-1], sb[-1], dtype, out)
+
+    def operands(
+        self, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any], p: GemmProblem
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None
+        assert b is not None
+        a2 = a.reshape(1, -1) if a.ndim == 1 else a
+        b2 = b.reshape(-1, 1) if b.ndim == 1 else b
+        return (
+            np.broadcast_to(a2, (*p.batch, p.m, p.k)),
+            np.broadcast_to(b2, (*p.batch, p.k, p.n)),
+            None,
+        )
+
+
+class Gemm(_CubeGemm):
+    """ONNX Gemm: Y = alpha * A' @ B' + beta * C, A' and B' optionally transposed."""
+
+    op_type = "Gemm"
+    domain = ""
+
+    def problem(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> GemmProblem:
+        if len(inputs_meta) < 2 or inputs_meta[0] is None or inputs_meta[1] is None:
+            raise KernelError("Gemm: needs A and B")
+        a, b = inputs_meta[0], inputs_meta[1]
+        c = inputs_meta[2] if len(inputs_meta) > 2 else None
+        dtype = _cube_dtype(self.op_type, a, b, *([c] if c is not None else []))
+        if len(a.shape) != 2 or len(b.shape) != 2:
+            raise KernelError(f"Gemm: A and B must be 2-D, got {a.shape} and {b.shape}")
+        m, k = a.shape[::-1] if int(attrs.get("transA", 0)) else a.shape
+        kb, n = b.shape[::-1] if int(attrs.get("transB", 0)) else b.shape
+        if k != kb:
+            raise KernelError(f"Gemm: inner dimensions differ: A' has {k}, B' has {kb}")
+        if c is not None:
+            try:
+                if np.broadcast_shapes(c.shape, (m, n)) != (m, n):
+                    raise ValueError
+            except ValueError:
+                raise KernelError(f"Gemm: C {c.shape} does not broadcast to {(m, n)}") from None
+        return GemmProblem((), m, k, n, dtype, (m, n), has_c=c is not None)
+
+    def operands(
+        self, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any], p: GemmProblem
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None
+        assert b is not None
+        c = inputs[2] if len(inputs) > 2 else None
+        # The DMA converts layout on the way in (ND -> fractal), so a transpose costs nothing.
+        a = a.T if int(attrs.get("transA", 0)) else a
+        b = b.T if int(attrs.get("transB", 0)) else b
+        return a, b, None if c is None else np.broadcast_to(c, (p.m, p.n))
+
+
+KERNELS = (MatMul(), Gemm())

@@ -1,0 +1,133 @@
+"""ONNX `Softmax` (opset 13: one axis) on the Vector unit, rows tiled over vector cores.
+
+    y = exp(x - max(x)) / sum(exp(x - max(x)))      along `axis`
+
+The axis is moved last, so each row is one softmax (`_rows`). Per tile: max, sub, exp, sum,
+div in float32 (a float16 row is cast up and the result cast back, as Ascend softmax kernels
+do to keep the sum accurate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _rows
+from ._rows import RowOut, RowPlan, RowTiling, VecStep
+from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling
+from .npu.machine import Machine
+
+F32 = np.dtype(np.float32)
+#: The softmax of one row, as npu-model.md lists it (max, sub, exp, sum, div).
+SOFTMAX_OPS: tuple[str, ...] = ("ReduceMax", "Sub", "Exp", "ReduceSum", "Div")
+
+
+def softmax_steps(dtype: np.dtype, per_row: int) -> list[VecStep]:
+    """Vector steps of a softmax over rows of `per_row` elements of `dtype` (computed in fp32)."""
+    steps = []
+    if dtype != F32:
+        steps.append(VecStep(("Cast",), per_row, dtype))
+    steps.append(VecStep(SOFTMAX_OPS, per_row, F32))
+    if dtype != F32:
+        steps.append(VecStep(("Cast",), per_row, dtype))
+    return steps
+
+
+def softmax_rows(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Softmax along the last axis computed in float32, returned in `dtype`."""
+    x32 = x.astype(F32, copy=False)
+    e = np.exp(x32 - x32.max(axis=-1, keepdims=True))
+    e /= e.sum(axis=-1, keepdims=True)
+    return e.astype(dtype, copy=False)
+
+
+def check_float(op: str, dtype: np.dtype) -> None:
+    """Softmax-like kernels take float16 and float32 (the Vector unit has no float64)."""
+    if dtype not in (np.float16, np.float32):
+        raise KernelError(f"{op}: takes float16 or float32 input, got {dtype}")
+
+
+class SoftmaxKernel(Kernel):
+    """ONNX Softmax (opset 13) over one axis."""
+
+    op_type = "Softmax"
+    domain = ""
+    tiling_type = RowTiling
+
+    def _plan(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> tuple[RowPlan, int]:
+        x = inputs_meta[0] if inputs_meta else None
+        if x is None:
+            raise KernelError("Softmax: input is required")
+        check_float(self.op_type, x.dtype)
+        ndim = len(x.shape)
+        axis = _rows.normalize_axis(self.op_type, int(attrs.get("axis", -1)), ndim)
+        width = x.shape[axis] if ndim else 1
+        rows = x.size // width if width else 0
+        plan = RowPlan(
+            op=self.op_type,
+            rows=rows,
+            width=width,
+            in_dtype=x.dtype,
+            outs=(RowOut("y", width, x.dtype),),
+            steps=tuple(softmax_steps(x.dtype, width)),
+            temp_bytes_per_row=width * 4,
+        )
+        return plan, axis
+
+    def infer(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> tuple[TensorMeta, ...]:
+        x = inputs_meta[0] if inputs_meta else None
+        self._plan(inputs_meta, attrs)
+        assert x is not None
+        return (x,)
+
+    def default_tiling(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> RowTiling:
+        return _rows.default(self._plan(inputs_meta, attrs)[0], machine)
+
+    def check_tiling(
+        self,
+        inputs_meta: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        machine: Machine,
+    ) -> None:
+        assert isinstance(tiling, RowTiling)
+        _rows.check(self._plan(inputs_meta, attrs)[0], tiling, machine)
+
+    def simulate(
+        self,
+        machine: Machine,
+        inputs: Sequence[np.ndarray | None],
+        inputs_meta: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        functional: bool,
+        timeline: bool,
+    ) -> KernelRun:
+        assert isinstance(tiling, RowTiling)
+        plan, axis = self._plan(inputs_meta, attrs)
+        x = inputs[0]
+        shape = inputs_meta[0].shape if inputs_meta[0] is not None else ()
+        x_rows = None
+        if functional:
+            assert x is not None
+            x_rows = _rows.to_rows(x.reshape(shape or (1,)), [axis])
+
+        def tile(xt: np.ndarray) -> tuple[np.ndarray, ...]:
+            return (softmax_rows(xt, plan.in_dtype),)
+
+        outs, stats = _rows.run(machine, plan, tiling, x_rows, (), tile, functional, timeline)
+        if not functional:
+            return KernelRun((), stats)
+        y = _rows.from_rows(outs[0], shape or (1,), axis).reshape(shape)
+        return KernelRun((np.ascontiguousarray(y),), stats)
+
+
+KERNELS = (SoftmaxKernel(),)
