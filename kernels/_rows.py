@@ -89,7 +89,9 @@ def specs(plan: RowPlan, t: RowTiling) -> list[QueueSpec]:
     depth = 2 if t.double_buffer else 1
     out = [QueueSpec(Level.UB, "x", t.rows * plan.width * plan.in_dtype.itemsize, depth)]
     for o in plan.outs:
-        out.append(QueueSpec(Level.UB, o.name, t.rows * o.width * o.dtype.itemsize, depth))
+        # An output that is not copied out is still a UB buffer, but no copy-out overlaps it.
+        d = depth if o.emit else 1
+        out.append(QueueSpec(Level.UB, o.name, t.rows * o.width * o.dtype.itemsize, d))
     if plan.temp_bytes_per_row:
         out.append(QueueSpec(Level.UB, "tmp", t.rows * plan.temp_bytes_per_row, 1))
     for i, nbytes in enumerate(plan.resident_bytes):

@@ -1,0 +1,145 @@
+"""SoftmaxTopK against a numpy chain (Softmax -> [Cast] -> TopK -> [renormalize], or TopK ->
+Softmax), ties, tails, dtypes, the tile-rows sweep shape, capacity, timing-only mode."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from fuser.kernels import registry
+from fuser.kernels._rows import RowTiling
+from fuser.kernels.api import KernelError, TensorMeta, TilingError
+from fuser.kernels.npu.machine import load_target
+
+M = load_target("ascend910b")
+KERNEL = registry.get_kernel("fuser", "SoftmaxTopK")
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    x32 = x.astype(np.float64)
+    e = np.exp(x32 - x32.max(axis=axis, keepdims=True))
+    return (e / e.sum(axis=axis, keepdims=True)).astype(x.dtype)
+
+
+def _topk(x: np.ndarray, k: int, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    # Lower index first among equal values: sort by (-value, index) explicitly.
+    xm = np.moveaxis(x, axis, -1)
+    flat = xm.reshape(-1, xm.shape[-1])
+    idx = np.array([sorted(range(len(r)), key=lambda j, r=r: (-float(r[j]), j))[:k] for r in flat])
+    idx = idx.reshape((*xm.shape[:-1], k))
+    vals = np.take_along_axis(xm, idx, -1)
+    return np.moveaxis(vals, -1, axis), np.moveaxis(idx, -1, axis)
+
+
+def reference(x: np.ndarray, k: int, axis: int, order: str, renorm: int, to_f32: int):
+    if order == "softmax_topk":
+        p = _softmax(x, axis)
+        v, i = _topk(p.astype(np.float32) if to_f32 else p, k, axis)
+    else:
+        logits, i = _topk(x, k, axis)
+        p = _softmax(logits, axis)
+        v = p.astype(np.float32) if to_f32 else p
+    if renorm:
+        v = (v.astype(np.float64) / v.astype(np.float64).sum(axis, keepdims=True)).astype(v.dtype)
+    return v, i, p
+
+
+CASES = [
+    ((1, 1024, 64), 2, -1, "softmax_topk", 1, 0),
+    ((2, 13, 40), 3, -1, "topk_softmax", 0, 1),
+    ((37, 8), 2, 1, "softmax_topk", 0, 1),
+    ((5, 17, 3), 4, 1, "topk_softmax", 1, 0),
+    ((1, 1, 60), 8, -1, "softmax_topk", 1, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(("shape", "k", "axis", "order", "renorm", "to_f32"), CASES)
+def test_matches_reference(shape, k, axis, order, renorm, to_f32, dtype) -> None:
+    x = np.random.default_rng(sum(shape) + k).standard_normal(shape).astype(dtype)
+    attrs = {"k": k, "axis": axis, "order": order, "renormalize": renorm, "to_float32": to_f32}
+    v, i, p = KERNEL.run(M, [x], attrs).outputs
+    rv, ri, rp = reference(x, k, axis, order, renorm, to_f32)
+    tol = 2e-3 if dtype == np.float16 else 1e-6
+    np.testing.assert_array_equal(i, ri)
+    np.testing.assert_allclose(v.astype(np.float32), rv.astype(np.float32), atol=tol, rtol=tol)
+    np.testing.assert_allclose(p.astype(np.float32), rp.astype(np.float32), atol=tol, rtol=tol)
+    assert v.dtype == (np.float32 if to_f32 else dtype)
+    assert i.dtype == np.int64
+
+
+def test_ties_lower_index_first() -> None:
+    # Equal logits give equal probabilities: TopK picks the lowest indices, in index order.
+    x = np.array([[0.0, 2.0, 1.0, 2.0, 2.0, 1.0]], np.float32)
+    _, i, _ = KERNEL.run(M, [x], {"k": 3}).outputs
+    np.testing.assert_array_equal(i, [[1, 3, 4]])
+    _, i, _ = KERNEL.run(M, [x], {"k": 4, "order": "topk_softmax"}).outputs
+    np.testing.assert_array_equal(i, [[1, 3, 4, 2]])
+
+
+def test_tilings_with_tails_agree() -> None:
+    x = np.random.default_rng(5).standard_normal((1, 203, 64)).astype(np.float16)
+    want = KERNEL.run(M, [x], {"k": 2}, tiling=RowTiling(1, 0, 1)).outputs
+    for t in (RowTiling(3, 1, 48), RowTiling(32, 0, 7), RowTiling(203, 1, 1)):
+        got = KERNEL.run(M, [x], {"k": 2}, tiling=t).outputs
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_sweep_over_tile_rows_has_an_interior_optimum() -> None:
+    # The article's sweep (B=1, S=1024, E=64, K=2): tiny tiles pay per-tile overhead, huge
+    # tiles lose cores; the simulator must show both ends slower than the best.
+    meta = [TensorMeta((1, 1024, 64), np.float16)]
+    cycles = {
+        r: KERNEL.run(M, meta, {"k": 2}, tiling=RowTiling(r, 1, 48), functional=False).stats.cycles
+        for r in (1, 2, 4, 8, 16, 32, 64, 128)
+    }
+    best = min(cycles, key=cycles.__getitem__)
+    assert 1 < best < 128
+    assert cycles[1] > 2 * cycles[best]
+    assert cycles[128] > cycles[best]
+
+
+def test_timing_only_same_cycles_and_gm_bytes() -> None:
+    x = np.random.default_rng(6).standard_normal((1, 500, 64)).astype(np.float16)
+    f = KERNEL.run(M, [x], {"k": 2, "renormalize": 1}).stats
+    t = KERNEL.run(M, [TensorMeta.of(x)], {"k": 2, "renormalize": 1}, functional=False).stats
+    assert f.cycles == t.cycles
+    # In: t*E*size; out: t*k*(value + int64 index); probs not emitted.
+    assert f.gm_read == x.nbytes
+    assert f.gm_write == 500 * 2 * (2 + 8)
+    emitted = KERNEL.run(M, [x], {"k": 2, "emit_probs": 1}).stats
+    assert emitted.gm_write == f.gm_write + x.nbytes
+
+
+def test_errors() -> None:
+    meta = [TensorMeta((4, 10), np.float32)]
+    with pytest.raises(KernelError, match="k=11"):
+        KERNEL.infer(meta, {"k": 11})
+    with pytest.raises(KernelError, match="order"):
+        KERNEL.infer(meta, {"k": 2, "order": "both"})
+    with pytest.raises(TilingError, match="UB"):
+        KERNEL.check_tiling([TensorMeta((1, 4096, 4096), np.float16)], {"k": 2},
+                            RowTiling(64, 1, 4), M)  # fmt: skip
+
+
+def test_functional_run_within_20x_of_numpy() -> None:
+    x = np.random.default_rng(7).standard_normal((1, 1024, 64)).astype(np.float32)
+
+    def numpy_chain() -> None:
+        e = np.exp(x - x.max(-1, keepdims=True))
+        p = e / e.sum(-1, keepdims=True)
+        i = np.argsort(-p, axis=-1, kind="stable")[..., :2]
+        np.take_along_axis(p, i, -1)
+
+    KERNEL.run(M, [x], {"k": 2})  # warm up
+    t0 = time.perf_counter()
+    for _ in range(5):
+        numpy_chain()
+    t_ref = (time.perf_counter() - t0) / 5
+    t0 = time.perf_counter()
+    for _ in range(5):
+        KERNEL.run(M, [x], {"k": 2})
+    t_sim = (time.perf_counter() - t0) / 5
+    assert t_sim < 20 * t_ref, f"simulation {t_sim * 1e3:.2f} ms vs numpy {t_ref * 1e3:.2f} ms"
