@@ -102,7 +102,10 @@ def layer_norm(
     eps = np.asarray(epsilon, dtype=stats)
     d = xs - xs.mean(axis=axes, keepdims=True).astype(stats)
     var = (d * d).mean(axis=axes, keepdims=True).astype(stats)
-    n = (d / np.sqrt(var + eps)).astype(dtype)
+    with np.errstate(
+        divide="ignore", invalid="ignore"
+    ):  # epsilon 0 on a constant row: NaN, as ONNX
+        n = (d / np.sqrt(var + eps)).astype(dtype)
     if scale is not None:
         n = (n * scale).astype(dtype)
     if bias is not None:
@@ -506,11 +509,11 @@ def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
 
 
 def _constant_why(graph: GraphIndex, value: str) -> str:
-    return (
-        "an overridable graph input (an initializer also listed as input)"
-        if value in graph.graph_inputs
-        else "computed at run time, not a constant"
-    )
+    if value in graph.graph_inputs:
+        if value in graph.initializers:
+            return "an overridable graph input (an initializer also listed as input)"
+        return "a graph input, not a constant"
+    return "computed at run time, not a constant"
 
 
 def _new_tensor(graph: GraphIndex, array: np.ndarray, base: str) -> onnx.TensorProto:

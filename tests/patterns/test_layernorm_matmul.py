@@ -1,0 +1,512 @@
+"""layernorm_matmul: LayerNorm (op or decomposed) -> Linears => LayerNormMatMul.
+
+Positive cases count the fusions and the nodes left, and compare the fused model run through
+the plugin with the original run by onnxruntime, on seeded inputs that include rows of constant
+values (zero variance: where a lost epsilon shows) and symbolic batch/sequence dims. Negative
+cases assert that nothing is fused and the reason a user reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from fuser.models import get_example
+from fuser.patterns.layernorm_matmul import LAYERNORM_MATMUL, reference
+from onnx import TensorProto, helper, numpy_helper
+
+import fuser
+from fuser.ort import session
+
+PATTERN = "layernorm_matmul"
+HIDDEN = 8
+SIZES = {"batch": 2, "seq": 5, "tokens": 7}
+
+
+# -- a tiny graph builder ----------------------------------------------------------------------
+
+
+@dataclass
+class Graph:
+    """Nodes and initializers of one test model; names are generated unless given."""
+
+    opset: int = 13
+    dtype: Any = np.float32
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    inits: list[onnx.TensorProto] = field(default_factory=list)
+    inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+
+    @property
+    def elem(self) -> int:
+        return helper.np_dtype_to_tensor_dtype(np.dtype(self.dtype))
+
+    def input(self, name: str, shape: Sequence[int | str], elem: int | None = None) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem or self.elem, list(shape)))
+        return name
+
+    def const(self, value: Any, name: str, dtype: Any = None) -> str:
+        array = np.asarray(value, dtype=dtype or self.dtype)
+        self.inits.append(numpy_helper.from_array(array, f"{name}_{len(self.inits)}"))
+        return self.inits[-1].name
+
+    def random(self, shape: Sequence[int], name: str, scale: float = 0.3) -> str:
+        return self.const(self.rng.standard_normal(shape) * scale, name)
+
+    def op(self, op_type: str, *inputs: str, name: str | None = None, **attrs: Any) -> str:
+        name = name or f"{op_type}_{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [f"{name}_out"], name=name,
+                                           **attrs))  # fmt: skip
+        return f"{name}_out"
+
+    def model(self) -> onnx.ModelProto:
+        outs = [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in self.outputs]
+        graph = helper.make_graph(self.nodes, "test", self.inputs, outs, self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)])
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+        del model.graph.output[:]
+        model.graph.output.extend(inferred.graph.output)  # the outputs with inferred shapes
+        onnx.checker.check_model(model, full_check=True)
+        return model
+
+
+def reduce_mean(g: Graph, x: str, axes: Sequence[int], keepdims: int = 1, name: str = "") -> str:
+    if g.opset >= 18:
+        return g.op("ReduceMean", x, g.const(list(axes), "axes", np.int64), keepdims=keepdims,
+                    name=name or None)  # fmt: skip
+    return g.op("ReduceMean", x, axes=list(axes), keepdims=keepdims, name=name or None)
+
+
+def decomposed_ln(
+    g: Graph,
+    x: str,
+    *,
+    square: str = "pow",
+    divide: str = "div",
+    affine: bool = True,
+    exponent: float = 2.0,
+    keepdims: int = 1,
+    axes: Sequence[int] = (-1,),
+    gamma_shape: Sequence[int] = (HIDDEN,),
+    eps: float = 1e-5,
+    noop_casts: bool = False,
+) -> str:
+    """The decomposed LayerNorm as exporters write it below opset 17; returns its output."""
+    if noop_casts:
+        x = g.op("Cast", x, to=g.elem)
+    mean = reduce_mean(g, x, axes, keepdims, name="mean")
+    d = g.op("Sub", x, mean)
+    sq = g.op("Pow", d, g.const(exponent, "two")) if square == "pow" else g.op("Mul", d, d)
+    var = reduce_mean(g, sq, axes, keepdims, name="var")
+    std = g.op("Sqrt", g.op("Add", var, g.const(eps, "eps")))
+    y = g.op("Div", d, std) if divide == "div" else g.op("Mul", d, g.op("Reciprocal", std))
+    if not affine:
+        return y
+    if noop_casts:
+        y = g.op("Cast", y, to=g.elem)
+    y = g.op("Mul", y, g.const(g.rng.uniform(0.8, 1.2, gamma_shape), "gamma"))
+    return g.op("Add", g.const(g.rng.uniform(-0.1, 0.1, gamma_shape), "beta"), y)
+
+
+def op_ln(g: Graph, x: str, eps: float = 1e-5) -> str:
+    gamma = g.const(g.rng.uniform(0.8, 1.2, HIDDEN), "gamma")
+    beta = g.const(g.rng.uniform(-0.1, 0.1, HIDDEN), "beta")
+    return g.op("LayerNormalization", x, gamma, beta, axis=-1, epsilon=eps)
+
+
+def linear(g: Graph, x: str, n_out: int, *, bias: str = "", name: str = "") -> str:
+    """MatMul with a constant weight; bias "" (none), "after" (Add(y, b)) or "first" (Add(b, y))."""
+    y = g.op("MatMul", x, g.random([HIDDEN, n_out], "W"), name=name or None)
+    if bias == "after":
+        return g.op("Add", y, g.random([n_out], "b"))
+    if bias == "first":
+        return g.op("Add", g.random([n_out], "b"), y)
+    return y
+
+
+def qkv_block(g: Graph, n: str, x: str) -> None:
+    """Q, K, V Linears on `n` (two bias orders and none) and a residual Add reading `n`."""
+    q = linear(g, n, HIDDEN, bias="first")
+    k = linear(g, n, HIDDEN, bias="after")
+    v = linear(g, n, 4)
+    g.outputs += [q, k, v, g.op("Add", n, x)]
+
+
+# -- running -----------------------------------------------------------------------------------
+
+
+def feeds(model: onnx.ModelProto, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Per input: normal values, then every row along the last axis constant (zero variance,
+    values exact in binary so the mean is exact too), then wide values."""
+    rng = np.random.default_rng(seed)
+    runs: list[dict[str, np.ndarray]] = [{}, {}, {}]
+    for value in model.graph.input:
+        t = value.type.tensor_type
+        shape = [
+            d.dim_value if d.HasField("dim_value") else SIZES[d.dim_param] for d in t.shape.dim
+        ]
+        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
+        runs[0][value.name] = rng.standard_normal(shape).astype(dtype)
+        rows = rng.integers(-8, 8, size=[*shape[:-1], 1]) * 0.25
+        runs[1][value.name] = np.broadcast_to(rows, shape).astype(dtype)
+        runs[2][value.name] = (rng.standard_normal(shape) * 30 + 5).astype(dtype)
+    return runs
+
+
+def assert_same(original: onnx.ModelProto, fused: onnx.ModelProto, tolerance: float = 1e-4) -> None:
+    """Every output of the fused model (plugin) matches the original (onnxruntime) within
+    `tolerance` relative to the output's scale, and is finite where the original is."""
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    ref = onnxruntime.InferenceSession(
+        original.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    got = session(fused)
+    for inputs in feeds(original):
+        expected = ref.run(None, inputs)
+        actual = got.run(None, inputs)
+        for info, e, a in zip(original.graph.output, expected, actual, strict=True):
+            assert e.shape == a.shape, info.name
+            assert np.isfinite(e).all(), f"{info.name}: the original is not finite on these inputs"
+            assert np.isfinite(a).all(), f"{info.name}: the fused model is not finite"
+            scale = max(1.0, float(np.abs(e.astype(np.float64)).max()))
+            err = float(np.abs(e.astype(np.float64) - a.astype(np.float64)).max())
+            assert err <= tolerance * scale, f"{info.name}: max abs error {err} (scale {scale})"
+
+
+def fuse(model: onnx.ModelProto) -> fuser.api.FusionResult:
+    return fuser.fuse(model, patterns=[PATTERN])
+
+
+def fused_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.domain == "fuser"]
+
+
+def reasons(result: fuser.api.FusionResult) -> list[str]:
+    return [r.reason for r in result.report.rejected if r.pattern == PATTERN]
+
+
+def attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+# -- positive ----------------------------------------------------------------------------------
+
+
+def test_decomposed_qkv_with_residual_is_one_node_with_four_outputs() -> None:
+    g = Graph(opset=13)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = decomposed_ln(g, x)
+    qkv_block(g, n, x)
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    (node,) = fused_nodes(result.model)
+    assert node.op_type == "LayerNormMatMul"
+    assert list(node.output) == [n, *g.outputs[:3]]  # normalized (read by the residual), Q, K, V
+    assert attrs(node)["has_bias"] == [1, 1, 0]
+    assert attrs(node)["stash_type"] == 0
+    assert attrs(node)["axis"] == -1
+    # 9 LayerNorm nodes + 3 MatMuls + 2 bias Adds become 1; the residual Add stays.
+    assert result.report.nodes_before == 15
+    assert result.report.nodes_after == 2
+    assert_same(model, result.model)
+
+
+@pytest.mark.parametrize(
+    ("opset", "style"),
+    [
+        (13, {"square": "mul"}),
+        (13, {"divide": "reciprocal"}),
+        (13, {"affine": False}),
+        (13, {"noop_casts": True}),
+        (17, {}),
+        (18, {"square": "mul", "divide": "reciprocal", "noop_casts": True}),
+        (18, {"axes": (1, 2), "gamma_shape": (5, HIDDEN)}),
+        (13, {"axes": (-2, -1), "gamma_shape": (1, 5, HIDDEN)}),
+    ],
+)
+def test_decomposed_variants(opset: int, style: dict[str, Any]) -> None:
+    g = Graph(opset=opset)
+    x = g.input("x", ["batch", 5, HIDDEN])
+    n = decomposed_ln(g, x, **style)
+    g.outputs += [linear(g, n, 6, bias="first"), linear(g, n, 3)]
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}, reasons(result)
+    assert len(result.model.graph.node) == 1  # no reader besides the MatMuls: no normalized
+    (node,) = fused_nodes(result.model)
+    assert node.output[0] == ""
+    assert attrs(node)["axis"] == -len(style.get("axes", (-1,)))
+    assert_same(model, result.model)
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_layernormalization_op_with_shape_reader(opset: int) -> None:
+    g = Graph(opset=opset)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = op_ln(g, x)
+    g.outputs += [linear(g, n, 6, bias="after"), linear(g, n, 6, bias="first"),
+                  g.op("Shape", n)]  # fmt: skip
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    (node,) = fused_nodes(result.model)
+    assert node.output[0] == n  # the Shape keeps reading the normalized value
+    assert attrs(node)["stash_type"] == 1
+    assert [n.op_type for n in result.model.graph.node] == ["LayerNormMatMul", "Shape"]
+    assert_same(model, result.model)
+
+
+def test_gpt2_reshape_gemm_folds_trans_b_alpha_beta() -> None:
+    g = Graph(opset=13)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = decomposed_ln(g, x)
+    flat = g.op("Reshape", n, g.const([-1, HIDDEN], "flat", np.int64))
+    w = g.random([12, HIDDEN], "W")  # transB: [N, K]
+    y = g.op("Gemm", flat, w, g.random([1, 12], "C"), transB=1, alpha=0.5, beta=2.0)
+    plain = g.op("Reshape", n, g.const([-1, HIDDEN], "flat", np.int64))
+    z = g.op("Gemm", plain, g.random([HIDDEN, 4], "W2"), g.random([4], "C2"))
+    g.outputs += [y, z, g.op("Shape", n)]
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    (node,) = fused_nodes(result.model)
+    assert attrs(node)["flatten"] == [1, 1]
+    assert attrs(node)["has_bias"] == [1, 1]
+    folded = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    assert folded[node.input[3]].shape == (HIDDEN, 12)  # W' = alpha * W^T
+    assert folded[node.input[4]].shape == (12,)  # b' = beta * C, as a row
+    assert_same(model, result.model)
+
+
+def test_gemm_on_2d_layernorm_output() -> None:
+    g = Graph(opset=17)
+    x = g.input("x", ["tokens", HIDDEN])
+    n = op_ln(g, x)
+    g.outputs.append(g.op("Gemm", n, g.random([HIDDEN, 5], "W"), g.random([5], "C"), alpha=2.0))
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    assert attrs(fused_nodes(result.model)[0])["flatten"] == [0]
+    assert_same(model, result.model)
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-30, 0.0])
+def test_epsilon_is_kept_exactly(eps: float) -> None:
+    """A tiny epsilon is not zero: on zero-variance rows 0 / sqrt(eps) is 0, 0 / 0 is NaN."""
+    g = Graph(opset=13)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = decomposed_ln(g, x, eps=eps)
+    g.outputs.append(linear(g, n, 4, bias="after"))
+    model = g.model()
+    result = fuse(model)
+    (node,) = fused_nodes(result.model)
+    assert attrs(node)["epsilon"] == float(np.float32(eps))
+    constant_rows = feeds(model)[1]
+    out = session(result.model).run(None, constant_rows)[0]
+    if eps > 0:
+        assert np.isfinite(out).all()
+        assert_same(model, result.model)
+    else:
+        assert np.isnan(out).all()  # as the original: 0 / sqrt(0)
+
+
+@pytest.mark.parametrize("kind", ["op", "decomposed"])
+def test_float16(kind: str) -> None:
+    g = Graph(opset=17, dtype=np.float16)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = op_ln(g, x) if kind == "op" else decomposed_ln(g, x, divide="reciprocal")
+    qkv_block(g, n, x)
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    assert_same(model, result.model, tolerance=1e-2)
+
+
+def test_fusing_twice_changes_nothing() -> None:
+    g = Graph(opset=13)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    qkv_block(g, decomposed_ln(g, x), x)
+    once = fuse(g.model()).model
+    twice = fuse(once)
+    assert twice.report.summary.get(PATTERN, 0) == 0
+    assert twice.model.SerializeToString() == once.SerializeToString()
+
+
+# -- negative ----------------------------------------------------------------------------------
+
+
+def refused(model: onnx.ModelProto) -> list[str]:
+    result = fuse(model)
+    assert result.report.summary.get(PATTERN, 0) == 0
+    assert not fused_nodes(result.model)
+    return reasons(result)
+
+
+def one_linear(g: Graph, n: str) -> onnx.ModelProto:
+    g.outputs.append(linear(g, n, 4, bias="after"))
+    return g.model()
+
+
+def test_refuses_exponent_3() -> None:
+    g = Graph()
+    n = decomposed_ln(g, g.input("x", ["batch", "seq", HIDDEN]), exponent=3.0)
+    (reason,) = refused(one_linear(g, n))
+    assert "raises to 3; the variance needs exactly 2" in reason
+
+
+def test_refuses_keepdims_0() -> None:
+    # [8, 8] input: Sub(x, mean[8]) is a valid graph, but broadcasts the mean along the wrong axis.
+    g = Graph()
+    n = decomposed_ln(g, g.input("x", [HIDDEN, HIDDEN]), keepdims=0)
+    (reason,) = refused(one_linear(g, n))
+    assert "ReduceMean 'mean' has keepdims=0; LayerNorm needs keepdims=1" in reason
+
+
+def test_refuses_axes_not_trailing() -> None:
+    g = Graph(opset=18)
+    n = decomposed_ln(g, g.input("x", ["batch", 5, HIDDEN]), axes=(1,), gamma_shape=(HIDDEN,))
+    (reason,) = refused(one_linear(g, n))
+    assert "ReduceMean 'mean' averages over axes [1] of a rank-3 input" in reason
+    assert "needs the trailing axes" in reason
+
+
+def test_refuses_gamma_broadcasting_over_a_non_normalized_axis() -> None:
+    g = Graph()
+    n = decomposed_ln(g, g.input("x", ["batch", 5, HIDDEN]), gamma_shape=(5, 1))
+    (reason,) = refused(one_linear(g, n))
+    assert reason.startswith("gamma 'gamma_")
+    assert "varies along axis 1, which is not normalized (only the last 1 are)" in reason
+
+
+def test_refuses_mean_that_is_a_graph_output() -> None:
+    g = Graph()
+    n = decomposed_ln(g, g.input("x", ["batch", "seq", HIDDEN]))
+    g.outputs.append("mean_out")
+    (reason,) = refused(one_linear(g, n))
+    assert (
+        reason
+        == "internal value 'mean_out' is a graph output, and LayerNormMatMul cannot output it"
+    )
+
+
+def test_refuses_variance_read_elsewhere() -> None:
+    g = Graph()
+    n = decomposed_ln(g, g.input("x", ["batch", "seq", HIDDEN]))
+    g.outputs.append(g.op("Sqrt", "var_out", name="other"))
+    (reason,) = refused(one_linear(g, n))
+    assert "internal value 'var_out' is also read by 'other' (Sqrt) outside the match" in reason
+
+
+def test_refuses_non_constant_weight() -> None:
+    g = Graph()
+    n = decomposed_ln(g, g.input("x", ["batch", "seq", HIDDEN]))
+    w = g.input("w", [HIDDEN, 4])
+    g.outputs.append(g.op("MatMul", n, w, name="proj"))
+    (reason,) = refused(g.model())
+    assert reason == "weight 'w' of MatMul 'proj' is a graph input, not a constant"
+
+
+def test_refuses_overridable_initializer_weight() -> None:
+    g = Graph(opset=17)
+    n = op_ln(g, g.input("x", ["batch", "seq", HIDDEN]))
+    g.outputs.append(linear(g, n, 4, name="proj"))
+    model = g.model()
+    weight = model.graph.node[-1].input[1]
+    model.graph.input.append(helper.make_tensor_value_info(weight, TensorProto.FLOAT, [HIDDEN, 4]))
+    (reason,) = refused(model)
+    assert reason.startswith(f"weight '{weight}' of MatMul 'proj' is an overridable graph input")
+
+
+def test_refuses_normalized_value_as_right_operand() -> None:
+    g = Graph(opset=17)
+    n = op_ln(g, g.input("x", ["batch", HIDDEN, HIDDEN]))
+    g.outputs.append(g.op("MatMul", g.random([HIDDEN, HIDDEN], "A"), n, name="left"))
+    (reason,) = refused(g.model())
+    assert f"normalized value '{n}' is the right operand of MatMul 'left'" in reason
+
+
+def test_reshape_that_does_not_flatten_is_refused() -> None:
+    g = Graph(opset=17)
+    n = op_ln(g, g.input("x", [2, 4, HIDDEN]))
+    flat = g.op("Reshape", n, g.const([4, 2 * HIDDEN], "shape", np.int64), name="fold")
+    g.outputs.append(g.op("Gemm", flat, g.random([2 * HIDDEN, 3], "W")))
+    (reason,) = refused(g.model())
+    assert "Reshape 'fold' to [4, 16] does not only flatten the leading dims" in reason
+
+
+def test_unfused_matmul_is_noted_and_normalized_exported() -> None:
+    g = Graph(opset=17)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = op_ln(g, x)
+    g.outputs += [
+        linear(g, n, 4),
+        g.op("MatMul", n, g.op("Relu", g.input("w", [HIDDEN, 2]), name="wact"), name="dyn"),
+    ]
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    (record,) = result.report.fusions
+    assert record.notes == ("left unfused: weight 'wact_out' of MatMul 'dyn' is computed at run time, "
+                            "not a constant",)  # fmt: skip
+    assert fused_nodes(result.model)[0].output[0] == n
+    assert_same(model, result.model)
+
+
+def test_layernorm_without_linear_is_not_a_near_miss() -> None:
+    g = Graph(opset=17)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    g.outputs.append(g.op("Relu", op_ln(g, x)))
+    result = fuse(g.model())
+    assert result.report.summary.get(PATTERN, 0) == 0
+    assert reasons(result) == []
+
+
+# -- the fused op on its own -------------------------------------------------------------------
+
+
+def test_reference_and_inference_agree_on_shapes() -> None:
+    x = np.random.default_rng(1).standard_normal((2, 3, HIDDEN)).astype(np.float32)
+    w0 = np.ones((HIDDEN, 5), np.float32)
+    w1 = np.ones((HIDDEN, 2), np.float32)
+    b1 = np.zeros(2, np.float32)
+    a = {"axis": -1, "epsilon": 1e-5, "stash_type": 1, "has_bias": [0, 1], "flatten": [0, 1]}
+    n, y0, y1 = reference([x, None, None, w0, w1, b1], a)
+    assert (n.shape, y0.shape, y1.shape) == ((2, 3, HIDDEN), (2, 3, 5), (6, 2))
+    infos = [fuser.fusedop.TensorInfo(TensorProto.FLOAT, s) for s in
+             [("b", 3, HIDDEN), None, None, (HIDDEN, 5), (HIDDEN, 2), (2,)]]  # fmt: skip
+    infos[1] = infos[2] = None
+    out = LAYERNORM_MATMUL.infer(infos, a)
+    assert [o.shape for o in out if o] == [("b", 3, HIDDEN), ("b", 3, 5), (None, 2)]
+
+
+# -- the models/ builders: every instance fused, outputs unchanged -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("example", "fused", "linears"),
+    [
+        ("bert", 4, 8),  # opset 13, decomposed: 2*layers chains, 4*layers Linears
+        ("bert17", 4, 8),
+        ("bert18", 4, 8),  # opset 18: axes as input, Reciprocal, Mul(d, d), no-op Casts
+        ("gpt", 5, 11),  # pre-LN, Q/K/V and gate/up on one LN
+        ("gpt-noaffine", 5, 11),
+        ("gpt2", 5, 5),  # LN -> Reshape -> Gemm, decomposed at opset 13
+        ("gpt2-ln", 5, 5),
+    ],
+)
+def test_models(example: str, fused: int, linears: int) -> None:
+    model = get_example(example)
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: fused}
+    assert reasons(result) == []
+    assert sum(len(attrs(n)["has_bias"]) for n in fused_nodes(result.model)) == linears
+    validation = fuser.validate(model, result.model)
+    assert validation.ok, validation.to_dict()
