@@ -10,9 +10,12 @@ and the top-k selection on the Vector unit, and copies out rows x k values and i
 (t * k * (value + index)). Nothing else touches GM: the unfused chain writes and reads the
 probabilities, and the top-k values once more for the renormalization.
 
-The optional `probs` output (the full softmax output, emitted when something outside the
-match reads it) costs its copy-out only with attribute `emit_probs=1`: the op's contract
-returns every output, so the array is filled either way in functional mode.
+Numbers follow the op's `reference` (patterns/softmax_topk.py): the chain works in float32
+for float16 input (as onnxruntime runs it), so the softmax, the ranking (and its ties) and the
+renormalization are float32, and the values are rounded to T once at the end. The optional
+`probs` output (the full softmax, softmax_topk order only; empty in topk_softmax order) costs
+its copy-out only with attribute `emit_probs=1`: the op's contract returns every output, so the
+array is filled either way in functional mode.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from . import _rows
 from ._rows import RowOut, RowPlan, RowTiling, VecStep
 from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling
 from .npu.machine import Machine
-from .softmax import F32, check_float, softmax_rows, softmax_steps
+from .softmax import F32, SOFTMAX_OPS, check_float, softmax_rows
 from .topk import I64, select_steps, topk_rows
 
 ORDERS = ("softmax_topk", "topk_softmax")
@@ -54,11 +57,7 @@ class _Spec:
 
     @property
     def probs_width(self) -> int:
-        return self.width if self.order == "softmax_topk" else self.k
-
-    @property
-    def probs_dtype(self) -> np.dtype:
-        return self.dtype
+        return self.width if self.order == "softmax_topk" else 0
 
 
 def _spec(op: str, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) -> _Spec:
@@ -89,35 +88,35 @@ def _spec(op: str, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str,
 
 def _steps(s: _Spec, machine: Machine | None) -> list[VecStep]:
     e, k = s.width, s.k
+    up = [VecStep(("Cast",), e, s.dtype)] if s.dtype != F32 else []
     if s.order == "softmax_topk":
-        steps = softmax_steps(s.dtype, e)
-        if s.to_float32:
-            steps.append(VecStep(("Cast",), e, s.dtype))
-        steps += select_steps(machine, s.values_dtype, e, k)
+        steps = [*up, VecStep(SOFTMAX_OPS, e, F32), *select_steps(machine, F32, e, k)]
+        if s.emit_probs and s.dtype != F32:
+            steps.append(VecStep(("Cast",), e, F32))
     else:
-        steps = select_steps(machine, s.dtype, e, k)
-        steps += softmax_steps(s.dtype, k)
-        if s.to_float32:
-            steps.append(VecStep(("Cast",), k, s.dtype))
+        steps = [*up, *select_steps(machine, F32, e, k), VecStep(SOFTMAX_OPS, k, F32)]
     if s.renormalize:
-        steps.append(VecStep(("ReduceSum", "Div"), k, s.values_dtype))
+        steps.append(VecStep(("ReduceSum", "Div"), k, F32))
+    if s.values_dtype != F32:
+        steps.append(VecStep(("Cast",), k, F32))
     return steps
 
 
 def _tile(s: _Spec, x: np.ndarray) -> tuple[np.ndarray, ...]:
-    """values, indices, probs of a tile of points [t, E]."""
+    """values, indices (and probs in softmax_topk order) of a tile of points [t, E], all in
+    float32 until the values are rounded at the end."""
+    x32 = x.astype(F32, copy=False)
     if s.order == "softmax_topk":
-        probs = softmax_rows(x, s.dtype)
-        scored = probs.astype(F32) if s.to_float32 else probs
-        values, indices = topk_rows(scored, s.k, largest=True)
+        full = softmax_rows(x32, F32)
+        values, indices = topk_rows(full, s.k, largest=True)
+        extra: tuple[np.ndarray, ...] = (full.astype(s.dtype, copy=False),)
     else:
-        logits, indices = topk_rows(x, s.k, largest=True)
-        probs = softmax_rows(logits, s.dtype)
-        values = probs.astype(F32) if s.to_float32 else probs
+        top, indices = topk_rows(x32, s.k, largest=True)
+        values = softmax_rows(top, F32)
+        extra = ()
     if s.renormalize:
-        v32 = values.astype(F32, copy=False)
-        values = (v32 / v32.sum(axis=-1, keepdims=True)).astype(s.values_dtype, copy=False)
-    return values, indices, probs
+        values = values / values.sum(axis=-1, keepdims=True)
+    return (values.astype(s.values_dtype, copy=False), indices, *extra)
 
 
 class SoftmaxTopKKernel(Kernel):
@@ -138,7 +137,8 @@ class SoftmaxTopKKernel(Kernel):
             outs=(
                 RowOut("values", s.k, s.values_dtype),
                 RowOut("indices", s.k, I64),
-                RowOut("probs", s.probs_width, s.probs_dtype, emit=s.emit_probs),
+                # No softmax of the whole row exists in topk_softmax order: probs is empty.
+                *([RowOut("probs", width, s.dtype, emit=s.emit_probs)] if s.probs_width else []),
             ),
             steps=tuple(_steps(s, machine)),
             # fp32 copy of the row (exp, then the masked copy the selection rounds walk).
@@ -151,12 +151,10 @@ class SoftmaxTopKKernel(Kernel):
         s = _spec(self.op_type, inputs_meta, attrs)
         shape = list(s.shape)
         shape[s.axis] = s.k
-        probs = list(s.shape)
-        probs[s.axis] = s.probs_width
         return (
             TensorMeta(tuple(shape), s.values_dtype),
             TensorMeta(tuple(shape), I64),
-            TensorMeta(tuple(probs), s.probs_dtype),
+            TensorMeta(s.shape if s.probs_width else (0,), s.dtype),
         )
 
     def default_tiling(
@@ -198,11 +196,13 @@ class SoftmaxTopKKernel(Kernel):
         if not functional:
             return KernelRun((), stats)
         metas = self.infer(inputs_meta, attrs)
-        ys = tuple(
+        ys = [
             np.ascontiguousarray(_rows.from_rows(o, m.shape, s.axis))
-            for o, m in zip(outs, metas, strict=True)
-        )
-        return KernelRun(ys, stats)
+            for o, m in zip(outs, metas, strict=False)
+        ]
+        if len(ys) == 2:
+            ys.append(np.empty(metas[2].shape, metas[2].dtype))
+        return KernelRun(tuple(ys), stats)
 
 
 KERNELS = (SoftmaxTopKKernel(),)

@@ -11,38 +11,21 @@ from fuser.kernels import registry
 from fuser.kernels._rows import RowTiling
 from fuser.kernels.api import KernelError, TensorMeta, TilingError
 from fuser.kernels.npu.machine import load_target
+from fuser.patterns import softmax_topk as softmax_topk_pattern
 
 M = load_target("ascend910b")
 KERNEL = registry.get_kernel("fuser", "SoftmaxTopK")
 
 
-def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    x32 = x.astype(np.float64)
-    e = np.exp(x32 - x32.max(axis=axis, keepdims=True))
-    return (e / e.sum(axis=axis, keepdims=True)).astype(x.dtype)
-
-
-def _topk(x: np.ndarray, k: int, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    # Lower index first among equal values: sort by (-value, index) explicitly.
-    xm = np.moveaxis(x, axis, -1)
-    flat = xm.reshape(-1, xm.shape[-1])
-    idx = np.array([sorted(range(len(r)), key=lambda j, r=r: (-float(r[j]), j))[:k] for r in flat])
-    idx = idx.reshape((*xm.shape[:-1], k))
-    vals = np.take_along_axis(xm, idx, -1)
-    return np.moveaxis(vals, -1, axis), np.moveaxis(idx, -1, axis)
-
-
 def reference(x: np.ndarray, k: int, axis: int, order: str, renorm: int, to_f32: int):
-    if order == "softmax_topk":
-        p = _softmax(x, axis)
-        v, i = _topk(p.astype(np.float32) if to_f32 else p, k, axis)
-    else:
-        logits, i = _topk(x, k, axis)
-        p = _softmax(logits, axis)
-        v = p.astype(np.float32) if to_f32 else p
-    if renorm:
-        v = (v.astype(np.float64) / v.astype(np.float64).sum(axis, keepdims=True)).astype(v.dtype)
-    return v, i, p
+    """The op's contract: the fused op's own numpy reference."""
+    attrs = {"k": k, "axis": axis, "order": order, "renormalize": renorm, "to_float32": to_f32}
+    return softmax_topk_pattern.reference([x], attrs)
+
+
+def _slow_topk_indices(x: np.ndarray, k: int) -> np.ndarray:
+    # Lower index first among equal values, written out without numpy's sort.
+    return np.array([sorted(range(len(r)), key=lambda j, r=r: (-float(r[j]), j))[:k] for r in x])
 
 
 CASES = [
@@ -64,6 +47,7 @@ def test_matches_reference(shape, k, axis, order, renorm, to_f32, dtype) -> None
     tol = 2e-3 if dtype == np.float16 else 1e-6
     np.testing.assert_array_equal(i, ri)
     np.testing.assert_allclose(v.astype(np.float32), rv.astype(np.float32), atol=tol, rtol=tol)
+    assert p.shape == rp.shape
     np.testing.assert_allclose(p.astype(np.float32), rp.astype(np.float32), atol=tol, rtol=tol)
     assert v.dtype == (np.float32 if to_f32 else dtype)
     assert i.dtype == np.int64
@@ -76,6 +60,10 @@ def test_ties_lower_index_first() -> None:
     np.testing.assert_array_equal(i, [[1, 3, 4]])
     _, i, _ = KERNEL.run(M, [x], {"k": 4, "order": "topk_softmax"}).outputs
     np.testing.assert_array_equal(i, [[1, 3, 4, 2]])
+    # Rounded logits give many ties; checked against a sort written out by hand.
+    x = np.round(np.random.default_rng(9).standard_normal((50, 16)) * 2).astype(np.float16)
+    _, i, _ = KERNEL.run(M, [x], {"k": 5}).outputs
+    np.testing.assert_array_equal(i, _slow_topk_indices(x.astype(np.float32), 5))
 
 
 def test_tilings_with_tails_agree() -> None:
