@@ -61,8 +61,9 @@ class Graph:
 
     def op(self, op_type: str, *inputs: str, name: str | None = None, **attrs: Any) -> str:
         name = name or f"{op_type}_{len(self.nodes)}"
-        self.nodes.append(helper.make_node(op_type, list(inputs), [f"{name}_out"], name=name,
-                                           **attrs))  # fmt: skip
+        self.nodes.append(
+            helper.make_node(op_type, list(inputs), [f"{name}_out"], name=name, **attrs)
+        )
         return f"{name}_out"
 
     def model(self) -> onnx.ModelProto:
@@ -78,8 +79,13 @@ class Graph:
 
 def reduce_mean(g: Graph, x: str, axes: Sequence[int], keepdims: int = 1, name: str = "") -> str:
     if g.opset >= 18:
-        return g.op("ReduceMean", x, g.const(list(axes), "axes", np.int64), keepdims=keepdims,
-                    name=name or None)  # fmt: skip
+        return g.op(
+            "ReduceMean",
+            x,
+            g.const(list(axes), "axes", np.int64),
+            keepdims=keepdims,
+            name=name or None,
+        )
     return g.op("ReduceMean", x, axes=list(axes), keepdims=keepdims, name=name or None)
 
 
@@ -162,6 +168,7 @@ def feeds(model: onnx.ModelProto, seed: int = 0) -> list[dict[str, np.ndarray]]:
 def assert_same(original: onnx.ModelProto, fused: onnx.ModelProto, tolerance: float = 1e-4) -> None:
     """Every output of the fused model (plugin) matches the original (onnxruntime) within
     `tolerance` relative to the output's scale, and is finite where the original is."""
+    onnx.checker.check_model(fused, full_check=True)
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
     ref = onnxruntime.InferenceSession(
@@ -252,8 +259,7 @@ def test_layernormalization_op_with_shape_reader(opset: int) -> None:
     g = Graph(opset=opset)
     x = g.input("x", ["batch", "seq", HIDDEN])
     n = op_ln(g, x)
-    g.outputs += [linear(g, n, 6, bias="after"), linear(g, n, 6, bias="first"),
-                  g.op("Shape", n)]  # fmt: skip
+    g.outputs += [linear(g, n, 6, bias="after"), linear(g, n, 6, bias="first"), g.op("Shape", n)]
     model = g.model()
     result = fuse(model)
     assert result.report.summary == {PATTERN: 1}
@@ -454,8 +460,8 @@ def test_unfused_matmul_is_noted_and_normalized_exported() -> None:
     result = fuse(model)
     assert result.report.summary == {PATTERN: 1}
     (record,) = result.report.fusions
-    assert record.notes == ("left unfused: weight 'wact_out' of MatMul 'dyn' is computed at run time, "
-                            "not a constant",)  # fmt: skip
+    expected = "weight 'wact_out' of MatMul 'dyn' is computed at run time, not a constant"
+    assert record.notes == (f"left unfused: {expected}",)
     assert fused_nodes(result.model)[0].output[0] == n
     assert_same(model, result.model)
 
@@ -480,8 +486,10 @@ def test_reference_and_inference_agree_on_shapes() -> None:
     a = {"axis": -1, "epsilon": 1e-5, "stash_type": 1, "has_bias": [0, 1], "flatten": [0, 1]}
     n, y0, y1 = reference([x, None, None, w0, w1, b1], a)
     assert (n.shape, y0.shape, y1.shape) == ((2, 3, HIDDEN), (2, 3, 5), (6, 2))
-    infos = [fuser.fusedop.TensorInfo(TensorProto.FLOAT, s) for s in
-             [("b", 3, HIDDEN), None, None, (HIDDEN, 5), (HIDDEN, 2), (2,)]]  # fmt: skip
+    infos = [
+        fuser.fusedop.TensorInfo(TensorProto.FLOAT, s)
+        for s in [("b", 3, HIDDEN), None, None, (HIDDEN, 5), (HIDDEN, 2), (2,)]
+    ]
     infos[1] = infos[2] = None
     out = LAYERNORM_MATMUL.infer(infos, a)
     assert [o.shape for o in out if o] == [("b", 3, HIDDEN), ("b", 3, 5), (None, 2)]
