@@ -1,0 +1,206 @@
+"""The event-level simulator: buffers, queues, schedules, SPMD splits, stats and traces."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import numpy as np
+import pytest
+from fuser.kernels import registry
+from fuser.kernels._stream import VectorTiling
+from fuser.kernels.api import TensorMeta
+from fuser.kernels.conv_bn_relu import ConvTiling
+from fuser.kernels.npu.core import Core
+from fuser.kernels.npu.errors import CapacityError
+from fuser.kernels.npu.launch import split_balanced
+from fuser.kernels.npu.pipes import Level, Pipe
+from fuser.kernels.npu.stats import RunStats, sequence
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_oracle import MACHINE
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 64))
+def test_balanced_split_first_blocks_get_the_ceiling(n: int, parts: int) -> None:
+    ranges = split_balanced(n, parts)
+    sizes = [len(r) for r in ranges]
+    assert sum(sizes) == n
+    assert sizes == sorted(sizes, reverse=True)
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes.count(-(-n // parts)) == (n % parts or parts)
+    assert all(a.stop == b.start for a, b in itertools.pairwise(ranges))
+
+
+def test_allocating_past_capacity_raises_with_asked_and_free() -> None:
+    core = Core(MACHINE, 0, 1, functional=False)
+    core.ub.queue("x", 100_000, depth=1)
+    with pytest.raises(CapacityError) as e:
+        core.ub.queue("y", 60_000, depth=2)
+    err = e.value
+    assert err.level == "UB"
+    assert err.asked == 120_000
+    assert err.free == MACHINE.ub_bytes - 100_000
+    assert "'y' asks 120000 bytes" in str(err)
+
+
+def test_instruction_waits_for_pipe_and_operands() -> None:
+    core = Core(MACHINE, 0, 1, functional=False)
+    q = core.ub.queue("t", 4096, depth=1)
+    t = q.alloc()
+    core.copy_in(t, 4096)
+    end_in = core.pipe_free[Pipe.MTE2]
+    core.vector("Add", np.dtype(np.float16), 2048, (t,), (t,))
+    (vec,) = [(s, e) for p, s, e, _ in core.intervals if p is Pipe.VECTOR]
+    assert vec[0] == end_in  # waited for its operand
+    k, b = MACHINE.vector_cost("Add", np.float16)
+    assert vec[1] - vec[0] == pytest.approx(k * 2048 + b)
+    head = MACHINE.copy_in_head(4096, 1)
+    assert end_in == pytest.approx(head + 4096 / MACHINE.dma_bytes_per_cycle(1))
+
+
+def test_producer_blocks_when_both_slots_are_full() -> None:
+    core = Core(MACHINE, 0, 1, functional=False)
+    q = core.ub.queue("t", 1024, depth=2)
+    slots = [q.alloc() for _ in range(3)]
+    assert slots[0] is slots[2]
+    core.copy_in(slots[0], 1024)
+    core.copy_in(slots[1], 1024)
+    # A long vector op reads slot 0; the third copy into slot 0 must wait for it.
+    core.vector("Exp", np.dtype(np.float32), 200_000, (slots[0],), ())
+    vec_end = core.pipe_free[Pipe.VECTOR]
+    core.copy_in(slots[2], 1024)
+    last_in = [iv for iv in core.intervals if iv[0] is Pipe.MTE2][-1]
+    assert last_in[1] == vec_end
+
+
+def _overlaps(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
+
+
+@pytest.mark.parametrize("op", ["Relu", "Add"])
+def test_double_buffering_overlaps_copy_in_with_compute(op: str) -> None:
+    x = np.random.default_rng(0).standard_normal(64 * 1024).astype(np.float32)
+    inputs = [x] if op == "Relu" else [x, x]
+    k = registry.get_kernel("", op)
+    assert k is not None
+    runs = {
+        db: k.run(MACHINE, inputs, {}, tiling=VectorTiling(tile=4096, double_buffer=db, cores=1))
+        for db in (0, 1)
+    }
+    overlap = {}
+    for db, run in runs.items():
+        tl = run.stats.timeline
+        assert tl is not None
+        overlap[db] = _overlaps(tl.on(0, "MTE2"), tl.on(0, "VECTOR"))
+        np.testing.assert_array_equal(run.outputs[0], np.maximum(x, 0) if op == "Relu" else x + x)
+    assert overlap[1] > 0
+    assert overlap[0] == 0
+    # The same bytes move either way; only the schedule differs.
+    assert runs[0].stats.gm_read == runs[1].stats.gm_read
+
+
+def test_double_buffering_overlaps_copy_in_with_the_cube() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 64, 16, 16)).astype(np.float16)
+    w = rng.standard_normal((64, 64, 3, 3)).astype(np.float16)
+    k = registry.get_kernel("", "Conv")
+    assert k is not None
+    overlap = {}
+    for db in (0, 1):
+        t = ConvTiling(tile_h=2, tile_w=16, tile_co=64, tile_ci=16, double_buffer=db, cores=1)
+        run = k.run(MACHINE, [x, w], {"pads": [1, 1, 1, 1]}, tiling=t)
+        tl = run.stats.timeline
+        assert tl is not None
+        overlap[db] = _overlaps(tl.on(0, "MTE2"), tl.on(0, "CUBE"))
+    # Single-buffered L1 still frees its slot once MTE1 has moved the data to L0, so the next
+    # copy-in may overlap the last taps on the Cube; two slots let it overlap much more.
+    assert overlap[1] > overlap[0]
+
+
+def test_kernel_time_is_launch_plus_slowest_core_with_a_tail() -> None:
+    x = np.ones(48 * 256 + 37, np.float32)
+    run = registry.get_kernel("", "Relu").run(MACHINE, [x], {})  # type: ignore[union-attr]
+    tl = run.stats.timeline
+    assert tl is not None
+    ends = {}
+    for iv in tl.intervals:
+        ends[iv.core] = max(ends.get(iv.core, 0.0), iv.end)
+    assert run.stats.cycles == pytest.approx(max(ends.values()))
+    assert min(iv.start for iv in tl.intervals) >= MACHINE.kernel_launch_cycles
+    # The tail: cores do not all finish together.
+    assert len(set(ends.values())) > 1
+    assert run.stats.cores == 48
+
+
+def test_gm_bandwidth_is_shared_by_active_cores() -> None:
+    assert MACHINE.dma_bytes_per_cycle(1) == MACHINE.gm_to_core_bytes_per_cycle
+    assert MACHINE.dma_bytes_per_cycle(48) == pytest.approx(MACHINE.hbm_bytes_per_cycle / 48)
+
+
+def test_timing_only_gives_the_same_cycles_as_functional() -> None:
+    rng = np.random.default_rng(3)
+    cases = [
+        ("", "Add", [rng.standard_normal((7, 300)), rng.standard_normal((300,))], {}),
+        ("", "MatMul", [rng.standard_normal((3, 70, 90)), rng.standard_normal((90, 33))], {}),
+        ("fuser", "ConvBnRelu", [rng.standard_normal((2, 8, 13, 11)),
+                                 rng.standard_normal((16, 8, 3, 3)), None,
+                                 *(rng.random(16) + 0.5 for _ in range(4))],
+         {"pads": [1, 1, 1, 1], "relu": 1}),
+    ]  # fmt: skip
+    for domain, op, xs, attrs in cases:
+        arrays = [None if a is None else a.astype(np.float32) for a in xs]
+        k = registry.get_kernel(domain, op)
+        assert k is not None
+        f = k.run(MACHINE, arrays, attrs)
+        t = k.run(MACHINE, [None if a is None else _meta(a) for a in arrays], attrs,
+                  functional=False)  # fmt: skip
+        assert t.outputs == ()
+        assert t.stats == f.stats, op
+        assert t.stats.timeline is not None
+        assert f.stats.timeline is not None
+        assert sorted(t.stats.timeline.intervals) == sorted(f.stats.timeline.intervals)
+
+
+def _meta(a: np.ndarray) -> TensorMeta:
+    return TensorMeta.of(a)
+
+
+def test_run_stats_and_chrome_trace() -> None:
+    x = np.ones((4, 1000), np.float16)
+    run = registry.get_kernel("", "Relu").run(MACHINE, [x], {})  # type: ignore[union-attr]
+    s = run.stats
+    assert isinstance(s, RunStats)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.cycles = 0  # type: ignore[misc]
+    assert s.gm_read == x.nbytes
+    assert s.gm_write == x.nbytes
+    assert s.launches == 1
+    assert s.estimated is False
+    assert s.bound in ("memory", "compute")
+    assert s.us == pytest.approx(s.cycles / MACHINE.clock_hz * 1e6)
+    assert 0 < s.pipe_utilization["MTE2"] <= 1
+    trace = json.loads(json.dumps(s.to_chrome_trace()))
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] > 0]
+    assert s.timeline is not None
+    assert len(complete) == len(s.timeline.intervals)
+    names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"]
+             if e.get("name") == "thread_name"}  # fmt: skip
+    assert (1, "MTE2") in names
+    assert (1, "VECTOR") in names
+
+
+def test_sequence_adds_up_launches_bytes_and_time() -> None:
+    k = registry.get_kernel("", "Relu")
+    assert k is not None
+    a = k.run(MACHINE, [np.ones(5000, np.float32)], {}).stats
+    b = k.run(MACHINE, [np.ones(9000, np.float32)], {}).stats
+    s = sequence([a, b])
+    assert s.launches == 2
+    assert s.cycles == a.cycles + b.cycles
+    assert s.gm_bytes == a.gm_bytes + b.gm_bytes
+    assert s.timeline is not None
+    assert max(iv.end for iv in s.timeline.intervals) <= s.cycles
+    assert Level.UB.value == "ub"
