@@ -121,8 +121,8 @@ def inspect(
 
 
 def validate(
-    original: ModelSource,
-    fused: ModelSource,
+    original: ModelSource | FusionResult,
+    fused: ModelSource | FusionResult,
     *,
     runs: int = 3,
     seed: int = 0,
@@ -133,10 +133,19 @@ def validate(
     kernel: str = "reference",
     target: str = DEFAULT_TARGET,
 ) -> ValidationResult:
-    """Run both models in onnxruntime on the same inputs and compare every output."""
+    """Run both models in onnxruntime on the same inputs and compare every output.
+
+    A `FusionResult` may be passed as is: its external tensors are found next to its input.
+    """
     from .validation import validate_models
 
     return validate_models(
-        load_model(original), load_model(fused), runs=runs, seed=seed, rtol=rtol, atol=atol,
+        _loaded(original), _loaded(fused), runs=runs, seed=seed, rtol=rtol, atol=atol,
         inputs=inputs, dim_size=dim_size, kernel=kernel, target=target,
     )
+
+
+def _loaded(model: ModelSource | FusionResult) -> LoadedModel:
+    if isinstance(model, FusionResult):
+        return LoadedModel(model.model, model.source.base_dir, f"fused {model.source.label}")
+    return load_model(model)

@@ -87,8 +87,7 @@ def fuse(
         data: dict[str, Any] = result.report.to_dict()
         validation = None
         if validate:
-            original = source if not isinstance(source, str) else source
-            validation = run_validate(original, result.model, target=target)
+            validation = run_validate(source, result, target=target)
             data["validation"] = validation.to_dict()
         if validation is not None and not validation.ok:
             _print_validation(validation)

@@ -21,7 +21,7 @@ from .errors import FusionError, ModelLoadError
 from .fusedop import DOMAIN, VERSION
 from .graph import GraphIndex, ValueType, _node_subgraphs
 from .matcher import check_match
-from .modelio import LoadedModel
+from .modelio import LoadedModel, has_external_data
 from .pattern import Match, Pattern, Rejection
 from .registry import ensure_fused_ops_registered
 from .report import FusionRecord, RejectionRecord
@@ -44,10 +44,34 @@ def opset_map(model: onnx.ModelProto) -> dict[str, int]:
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
 
 
+def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model as onnx's checker can see it without reading external data.
+
+    The checker resolves external files against the working directory and checks their sizes;
+    fuser has already validated those locations itself (modelio), so here each external
+    initializer becomes a typed graph input: same structure, no data read.
+    """
+    if not has_external_data(model):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    declared = {v.name for v in graph.input}
+    graph.input.extend(
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in external if t.name not in declared
+    )
+    return copy
+
+
 def check_structure(loaded: LoadedModel) -> None:
     """onnx's checker on the proto (external tensors stay unread); one line on failure."""
     try:
-        onnx.checker.check_model(loaded.model, full_check=False)
+        onnx.checker.check_model(checkable(loaded.model), full_check=False)
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid model"
         raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {first}") from exc
@@ -180,6 +204,7 @@ def _trim(names: tuple[str, ...]) -> list[str]:
 
 def verify(model: onnx.ModelProto, label: str) -> None:
     """Checker and shape inference on the rewritten model; a failure is fuser's bug, so say so."""
+    model = checkable(model)
     try:
         onnx.checker.check_model(model, full_check=False)
         onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=_all_domains_known(model))

@@ -459,9 +459,13 @@ class GraphIndex:
         """Write nodes and initializers back into the GraphProto; untouched graphs stay as is."""
         if not self.modified:
             return
-        live = [self.nodes[i] for i in self.live_nodes()]
+        live_ids = list(self.live_nodes())
         del self.graph.node[:]
-        self.graph.node.extend(live)
+        self.graph.node.extend(self.nodes[i] for i in live_ids)
+        # protobuf copies on extend: point the index at the graph's own messages, so later
+        # edits (subgraph rewrites) land in the model.
+        for node_id, node in zip(live_ids, self.graph.node, strict=True):
+            self.nodes[node_id] = node
         if self.dead_initializers:
             kept = [t for t in self.graph.initializer if t.name not in self.dead_initializers]
             del self.graph.initializer[:]
