@@ -24,7 +24,7 @@ from onnx import TensorProto
 from ._graph import Dim, DType, GraphBuilder
 
 
-def _router(
+def router(
     b: GraphBuilder,
     logits: str,
     *,
@@ -50,7 +50,7 @@ def _router(
     return values, indices
 
 
-def _combine_matrix(
+def combine_matrix(
     b: GraphBuilder,
     logits: str,
     values: str,
@@ -69,7 +69,7 @@ def _combine_matrix(
     return b.op("ReduceSum", weighted, b.ints([1], "axes"), keepdims=0)
 
 
-def _batched_experts(
+def batched_experts(
     b: GraphBuilder, tokens: str, combine: str, hidden: int, intermediate: int, experts: int
 ) -> str:
     """All experts as batched SwiGLU MLPs ([E, T, *]), mixed by the [T, E] combine matrix."""
@@ -118,12 +118,12 @@ def moe(
     with b.scope("gate"):
         logits = b.op("MatMul", tokens, b.weight([hidden, experts], "weight", fan_in=hidden))
     with b.scope("router"):
-        values, indices = _router(
+        values, indices = router(
             b, logits, top_k=top_k, order=order, renormalize=renormalize, softmax_cast=softmax_cast
         )
-        mix = _combine_matrix(b, logits, values, indices, experts, combine)
+        mix = combine_matrix(b, logits, values, indices, experts, combine)
     with b.scope("experts"):
-        y = _batched_experts(b, tokens, mix, hidden, intermediate, experts)
+        y = batched_experts(b, tokens, mix, hidden, intermediate, experts)
     if shared_expert:
         with b.scope("shared_expert"):
             w_gate = b.weight([hidden, intermediate], "gate_proj", fan_in=hidden)

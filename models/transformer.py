@@ -265,12 +265,57 @@ def bert(
 # -- GPT (pre-LN, gated MLP) -------------------------------------------------------------------
 
 
-def _causal_additive_mask(b: GraphBuilder, dims: _Dims, max_positions: int) -> str:
+def causal_additive_mask(b: GraphBuilder, dims: _Dims, max_positions: int) -> str:
     """Slice a [P, P] additive causal mask buffer (0 / -1e4) to [S, S] with the run-time length."""
     buf = np.triu(np.full((max_positions, max_positions), -1e4, dtype=np.float32), k=1)
     zeros = b.ints([0, 0], "starts")
     ends = b.op("Concat", dims.seq, dims.seq, axis=0)
     return b.op("Slice", b.floats(buf, "causal_mask"), zeros, ends, b.ints([0, 1], "axes"))
+
+
+def pre_ln_attention(
+    b: GraphBuilder,
+    h: str,
+    *,
+    hidden: int,
+    heads: int,
+    style: LayerNormStyle,
+    epsilon: float,
+    max_positions: int,
+) -> str:
+    """``h + o_proj(causal_attention(q, k, v))`` with q, k, v MatMuls on ``LN(h)``."""
+    with b.scope("input_layernorm"):
+        n = layer_norm(b, h, hidden, style, epsilon)
+    with b.scope("self_attn"):
+        dims = runtime_dims(b, n)
+        q = linear(b, n, hidden, hidden, "q_proj", bias=False, bias_first=False)
+        k = linear(b, n, hidden, hidden, "k_proj", bias=False, bias_first=False)
+        v = linear(b, n, hidden, hidden, "v_proj", bias=False, bias_first=False)
+        mask = causal_additive_mask(b, dims, max_positions)
+        head_dim = hidden // heads
+        ctx = attention_core(b, q, k, v, dims, heads=heads, head_dim=head_dim, additive_mask=mask)
+        out = linear(b, ctx, hidden, hidden, "o_proj", bias=False, bias_first=False)
+        return b.op("Add", h, out)
+
+
+def pre_ln_gated_mlp(
+    b: GraphBuilder,
+    h: str,
+    *,
+    hidden: int,
+    intermediate: int,
+    style: LayerNormStyle,
+    epsilon: float,
+) -> str:
+    """``h + down(SiLU(gate(LN(h))) * up(LN(h)))``: one LN feeding two MatMuls."""
+    with b.scope("post_attention_layernorm"):
+        n = layer_norm(b, h, hidden, style, epsilon)
+    with b.scope("mlp"):
+        gate = linear(b, n, hidden, intermediate, "gate_proj", bias=False, bias_first=False)
+        up = linear(b, n, hidden, intermediate, "up_proj", bias=False, bias_first=False)
+        act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up)
+        out = linear(b, act, intermediate, hidden, "down_proj", bias=False, bias_first=False)
+        return b.op("Add", h, out)
 
 
 def gpt(
@@ -301,37 +346,18 @@ def gpt(
     """
     _check_opset(opset)
     style = ln or default_ln_style(opset)
-    head_dim = hidden // heads
     b = GraphBuilder("gpt", opset=opset, dtype=dtype, seed=seed)
     ids = b.input("input_ids", [batch, seq], TensorProto.INT64)
     h = b.op("Gather", b.weight([vocab, hidden], "embed_tokens", fan_in=1), ids)
     for i in range(layers):
         with b.scope(f"layers.{i}"):
-            with b.scope("input_layernorm"):
-                n = layer_norm(b, h, hidden, style, epsilon)
-            with b.scope("self_attn"):
-                dims = runtime_dims(b, n)
-                q = linear(b, n, hidden, hidden, "q_proj", bias=False, bias_first=False)
-                k = linear(b, n, hidden, hidden, "k_proj", bias=False, bias_first=False)
-                v = linear(b, n, hidden, hidden, "v_proj", bias=False, bias_first=False)
-                mask = _causal_additive_mask(b, dims, max_positions)
-                ctx = attention_core(
-                    b, q, k, v, dims, heads=heads, head_dim=head_dim, additive_mask=mask
-                )
-                h = b.op(
-                    "Add", h, linear(b, ctx, hidden, hidden, "o_proj", bias=False, bias_first=False)
-                )
-            with b.scope("post_attention_layernorm"):
-                n = layer_norm(b, h, hidden, style, epsilon)
-            with b.scope("mlp"):
-                gate = linear(b, n, hidden, intermediate, "gate_proj", bias=False, bias_first=False)
-                up = linear(b, n, hidden, intermediate, "up_proj", bias=False, bias_first=False)
-                act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up)
-                h = b.op(
-                    "Add",
-                    h,
-                    linear(b, act, intermediate, hidden, "down_proj", bias=False, bias_first=False),
-                )
+            h = pre_ln_attention(
+                b, h, hidden=hidden, heads=heads, style=style, epsilon=epsilon,
+                max_positions=max_positions,
+            )  # fmt: skip
+            h = pre_ln_gated_mlp(
+                b, h, hidden=hidden, intermediate=intermediate, style=style, epsilon=epsilon
+            )
     with b.scope("norm"):
         n = layer_norm(b, h, hidden, style, epsilon)
     logits = linear(b, n, hidden, vocab, "lm_head", bias=False, bias_first=False)
