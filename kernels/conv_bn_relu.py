@@ -163,24 +163,34 @@ class _ConvKernel(Kernel):
     def default_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> ConvTiling:
+        """Host tiling: channels first (K step fitting L0B and half of L1 for weights), then
+        the largest pixel block fitting L0A, L0C and the rest of L1, then enough blocks for
+        every core."""
         g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
-        k0 = machine.cube_k_block(x.dtype)
-        co = min(_round_up(g.cout, machine.cube_n), 128)
+        isz = x.dtype.itemsize
+        k0, cn = machine.cube_k_block(x.dtype), machine.cube_n
+        co = min(_round_up(g.cout, cn), 128)
         lo, hi = g.channel_range(0, min(co, g.cout))
         ci = min(_round_up(hi - lo, k0), 128)
-        tw = min(g.wo, 256)
-        th = max(1, min(g.ho, 256 // tw))
+        while ci > k0 and (
+            2 * ci * co * isz > machine.l0b_bytes
+            or 2 * co * ci * g.taps * isz > machine.l1_bytes // 2
+        ):
+            ci = max(k0, _round_up(ci // 2, k0))
+        m_max = min(machine.l0a_bytes // (2 * ci * isz), machine.l0c_bytes // (2 * co * 4), 512)
+        tw = min(g.wo, max(1, m_max))
+        th = max(1, min(g.ho, m_max // tw))
         t = ConvTiling(th, tw, co, ci, 1, machine.cube_cores)
-        # Shrink until the queues fit: m first (down to one row), then K step, then channels.
+        # Shrink until every queue fits: pixel rows, then columns, K step, channels.
         while not fits(machine, self._specs(g, x.dtype, has_b or has_bn, t)):
             if t.tile_h > 1:
                 t = _replace(t, tile_h=t.tile_h // 2)
-            elif t.tile_w > 16:
-                t = _replace(t, tile_w=max(16, t.tile_w // 2))
+            elif t.tile_w > cn:
+                t = _replace(t, tile_w=max(cn, t.tile_w // 2))
             elif t.tile_ci > k0:
                 t = _replace(t, tile_ci=max(k0, t.tile_ci // 2))
-            elif t.tile_co > machine.cube_n:
-                t = _replace(t, tile_co=max(machine.cube_n, t.tile_co // 2))
+            elif t.tile_co > cn:
+                t = _replace(t, tile_co=max(cn, t.tile_co // 2))
             elif t.tile_w > 1:
                 t = _replace(t, tile_w=t.tile_w // 2)
             else:
@@ -189,8 +199,8 @@ class _ConvKernel(Kernel):
         while _items(g, t) < machine.cube_cores:
             if t.tile_h > 1:
                 t = _replace(t, tile_h=(t.tile_h + 1) // 2)
-            elif t.tile_co > 2 * machine.cube_n:
-                t = _replace(t, tile_co=_round_up(t.tile_co // 2, machine.cube_n))
+            elif t.tile_co > 2 * cn:
+                t = _replace(t, tile_co=_round_up(t.tile_co // 2, cn))
             else:
                 break
         return t

@@ -50,6 +50,7 @@ class Core:
         self.intervals: list[tuple[Pipe, float, float, str]] = []
         self._gm_bw = machine.dma_bytes_per_cycle(active_cores)
         self._vector_costs: dict[tuple[str, np.dtype], tuple[float, float]] = {}
+        self._k0: dict[np.dtype, int] = {}
 
     # -- scheduling -------------------------------------------------------------------------
     def issue(
@@ -89,7 +90,7 @@ class Core:
         cycles = m.copy_in_head(nbytes, self.active_cores) + nbytes / self._gm_bw
         self.issue(Pipe.MTE2, cycles, (), (dst,), label or f"in {dst.name}")
         self.moved["gm_read"] += nbytes
-        self.moved[dst.level.value] += nbytes
+        self.moved[dst.level._value_] += nbytes
         if self.functional and src is not None:
             dst.data = src() if callable(src) else src
 
@@ -118,7 +119,7 @@ class Core:
         bw = m.l1_to_l0a_bytes_per_cycle if dst.level is Level.L0A else m.l1_to_l0b_bytes_per_cycle
         cycles = m.l1_to_l0_startup_cycles + nbytes / bw
         self.issue(Pipe.MTE1, cycles, (src,), (dst,), label or f"load {dst.name}")
-        self.moved[dst.level.value] += nbytes
+        self.moved[dst.level._value_] += nbytes
         if self.functional:
             data = _data(src)
             dst.data = transform(data) if transform is not None else data
@@ -151,7 +152,9 @@ class Core:
         """Cube: L0C (+)= L0A[m, k] @ L0B[k, n], accumulated in float32."""
         mc = self.machine
         l0c.check_fits(m * n * 4)
-        k0 = mc.cube_k_block(dtype)
+        k0 = self._k0.get(dtype)
+        if k0 is None:
+            k0 = self._k0[dtype] = mc.cube_k_block(dtype)
         blocks = math.ceil(m / mc.cube_m) * math.ceil(k / k0) * math.ceil(n / mc.cube_n)
         reads = (l0a, l0b) if init else (l0a, l0b, l0c)
         self.issue(Pipe.CUBE, float(blocks), reads, (l0c,), f"mmad {m}x{k}x{n}")

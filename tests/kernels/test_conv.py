@@ -1,0 +1,170 @@
+"""Conv and the fused ConvBnRelu against onnxruntime (Conv -> BatchNormalization -> Relu)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from fuser.kernels import registry
+from fuser.kernels.api import Kernel, KernelError, TensorMeta, TilingError
+from fuser.kernels.conv_bn_relu import ConvTiling
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_oracle import MACHINE, assert_close, run_chain, run_node
+
+CONV = registry.get_kernel("", "Conv")
+FUSED = registry.get_kernel("fuser", "ConvBnRelu")
+
+# (X shape, W shape, attrs): tails, batch 1 and 2, groups, depthwise, strides, pads, dilations.
+CASES: list[tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]] = [
+    ((1, 3, 17, 19), (8, 3, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((2, 16, 9, 9), (16, 1, 3, 3), {"group": 16, "strides": [2, 2], "pads": [1, 0, 1, 2]}),
+    ((1, 12, 10, 11), (18, 4, 3, 2), {"group": 3, "dilations": [2, 1], "pads": [2, 0, 1, 1]}),
+    ((1, 12, 10, 11), (18, 4, 3, 2), {"group": 3, "auto_pad": "SAME_UPPER"}),
+    ((1, 7, 8, 9), (5, 7, 2, 2), {"auto_pad": "SAME_LOWER", "strides": [2, 3]}),
+    ((1, 5, 30), (7, 5, 5), {"strides": [3], "pads": [2, 1]}),
+    ((2, 20, 8, 8), (40, 20, 1, 1), {"auto_pad": "VALID"}),
+    ((1, 33, 14, 14), (33, 1, 5, 5), {"group": 33, "pads": [2, 2, 2, 2]}),
+    ((1, 3, 23, 23), (17, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}),
+]
+
+
+def _kernel(k: Kernel | None) -> Kernel:
+    assert k is not None
+    return k
+
+
+def _data(
+    xs: tuple[int, ...], ws: tuple[int, ...], dtype: type, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(xs).astype(dtype)
+    w = rng.standard_normal(ws).astype(dtype)
+    b = rng.standard_normal(ws[0]).astype(dtype)
+    c = ws[0]
+    bn = [
+        rng.uniform(0.5, 1.5, c).astype(dtype),
+        rng.standard_normal(c).astype(dtype),
+        rng.standard_normal(c).astype(dtype),
+        rng.uniform(0.5, 2.0, c).astype(dtype),
+    ]
+    return x, w, b, bn
+
+
+def _scale(ws: tuple[int, ...]) -> float:
+    return math.sqrt(math.prod(ws[1:]))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(("xs", "ws", "attrs"), CASES)
+def test_conv_matches_onnxruntime(
+    xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict[str, Any], dtype: type
+) -> None:
+    x, w, b, _ = _data(xs, ws, dtype)
+    got = _kernel(CONV).run(MACHINE, [x, w, b], attrs).outputs[0]
+    assert got.dtype == dtype
+    assert_close(got, run_node("Conv", [x, w, b], attrs), np.dtype(dtype), _scale(ws))
+
+
+@pytest.mark.parametrize("relu", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(("xs", "ws", "attrs"), CASES[::2])
+def test_conv_bn_relu_matches_the_chain(
+    xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict[str, Any], dtype: type, relu: int
+) -> None:
+    x, w, b, bn = _data(xs, ws, dtype, seed=1)
+    chain: list[tuple[str, list[str], dict[str, Any]]] = [
+        ("Conv", ["x", "w", "b"], attrs),
+        ("BatchNormalization", ["t0", "s", "beta", "mean", "var"], {"epsilon": 1e-3}),
+    ]
+    if relu:
+        chain.append(("Relu", ["t1"], {}))
+    feeds = dict(zip(["x", "w", "b", "s", "beta", "mean", "var"], [x, w, b, *bn], strict=True))
+    want = run_chain(chain, feeds)
+    got = _kernel(FUSED).run(MACHINE, [x, w, b, *bn], {**attrs, "epsilon": 1e-3, "relu": relu})
+    assert_close(got.outputs[0], want, np.dtype(dtype), _scale(ws) * 2)
+    if relu:
+        assert (got.outputs[0] >= 0).all()
+
+
+def test_folded_conv_bn_relu_without_bn_inputs_matches_the_chain() -> None:
+    """BN folded at fuse time (fused-ops.md): W' = W * s / sqrt(v + eps), B' = (B - m) * ... + b."""
+    x, w, b, (s, beta, mean, var) = _data((2, 6, 11, 10), (10, 6, 3, 3), np.float32, seed=2)
+    k = s / np.sqrt(var + 1e-5)
+    w_f = (w * k[:, None, None, None]).astype(np.float32)
+    b_f = ((b - mean) * k + beta).astype(np.float32)
+    attrs = {"pads": [1, 1, 1, 1], "relu": 1}
+    got = _kernel(FUSED).run(MACHINE, [x, w_f, b_f], attrs).outputs[0]
+    chain = [
+        ("Conv", ["x", "w", "b"], {"pads": [1, 1, 1, 1]}),
+        ("BatchNormalization", ["t0", "s", "beta", "mean", "var"], {}),
+        ("Relu", ["t1"], {}),
+    ]
+    feeds = {"x": x, "w": w, "b": b, "s": s, "beta": beta, "mean": mean, "var": var}
+    assert_close(got, run_chain(chain, feeds), np.dtype(np.float32), 10)
+
+
+def test_conv_without_bias() -> None:
+    x, w, _, _ = _data((1, 4, 6, 6), (4, 4, 3, 3), np.float32)
+    got = _kernel(CONV).run(MACHINE, [x, w], {}).outputs[0]
+    assert_close(got, run_node("Conv", [x, w], {}), np.dtype(np.float32), 6)
+    got = _kernel(FUSED).run(MACHINE, [x, w, None], {"relu": 1}).outputs[0]
+    assert_close(got, np.maximum(run_node("Conv", [x, w], {}), 0), np.dtype(np.float32), 6)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.integers(1, 9), st.integers(1, 20), st.sampled_from([16, 32, 48]),
+    st.sampled_from([8, 16, 24]), st.integers(0, 1), st.integers(1, 24), st.integers(0, 3),
+)  # fmt: skip
+def test_any_fitting_tiling_gives_the_same_numbers(
+    th: int, tw: int, tco: int, tci: int, db: int, cores: int, case: int
+) -> None:
+    xs, ws, attrs = [CASES[0], CASES[1], CASES[2], CASES[8]][case]
+    x, w, b, bn = _data(xs, ws, np.float32, seed=3)
+    inputs = [x, w, b, *bn]
+    attrs = {**attrs, "relu": 1}
+    want = _kernel(FUSED).run(MACHINE, inputs, attrs).outputs[0]
+    t = ConvTiling(th, tw, tco, tci, db, cores)
+    got = _kernel(FUSED).run(MACHINE, inputs, attrs, tiling=t)
+    np.testing.assert_allclose(got.outputs[0], want, rtol=1e-5, atol=1e-4)
+    assert got.stats.cores == min(cores, got.stats.cores)
+
+
+def test_too_big_tiling_is_refused_with_the_buffer_named() -> None:
+    x, w, b, _ = _data((1, 64, 32, 32), (64, 64, 3, 3), np.float16)
+    with pytest.raises(TilingError, match="L0C"):
+        _kernel(CONV).run(MACHINE, [x, w, b], {}, tiling=ConvTiling(9, 32, 64, 16, 1, 24))
+    with pytest.raises(TilingError, match="L0A"):
+        _kernel(CONV).run(MACHINE, [x, w, b], {}, tiling=ConvTiling(9, 32, 16, 64, 1, 24))
+    # Single buffering halves the footprint: the same tile then fits.
+    _kernel(CONV).run(MACHINE, [x, w, b], {}, tiling=ConvTiling(9, 32, 16, 64, 0, 24))
+    with pytest.raises(TilingError, match="double_buffer"):
+        _kernel(CONV).run(MACHINE, [x, w, b], {}, tiling=ConvTiling(1, 30, 16, 16, 2, 24))
+
+
+def test_default_tiling_fits_and_uses_the_cores() -> None:
+    metas = [TensorMeta((1, 256, 56, 56), np.float16), TensorMeta((256, 256, 3, 3), np.float16)]
+    k = _kernel(FUSED)
+    t = k.default_tiling(metas, {"pads": [1, 1, 1, 1]}, MACHINE)
+    k.check_tiling(metas, {"pads": [1, 1, 1, 1]}, t, MACHINE)
+    run = k.run(MACHINE, metas, {"pads": [1, 1, 1, 1]}, functional=False)
+    assert run.stats.cores == MACHINE.cube_cores
+    assert run.stats.launches == 1
+    # Implicit GEMM: the Cube did at least M*K*N / 4096 block-cycles over all cores.
+    blocks = math.ceil(56 * 56 / 16) * (256 * 9 // 16) * (256 // 16)
+    assert run.stats.pipe_busy["CUBE"] >= blocks
+
+
+def test_bad_inputs_say_why() -> None:
+    x, w, b, bn = _data((1, 4, 6, 6), (4, 4, 3, 3), np.float32)
+    with pytest.raises(KernelError, match="all four or none"):
+        _kernel(FUSED).run(MACHINE, [x, w, b, bn[0]], {})
+    with pytest.raises(KernelError, match="group"):
+        _kernel(CONV).run(MACHINE, [x, w], {"group": 3})
+    with pytest.raises(KernelError, match="float16 or float32"):
+        _kernel(CONV).run(MACHINE, [x.astype(np.float64), w.astype(np.float64)], {})
+    with pytest.raises(KernelError, match="1-D and 2-D"):
+        _kernel(CONV).run(MACHINE, [np.ones((1, 1, 2, 2, 2), np.float32)] * 2, {})
