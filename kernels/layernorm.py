@@ -1,0 +1,221 @@
+"""ONNX `LayerNormalization` (opset 17) on the Vector unit, rows tiled over vector cores.
+
+    mu = mean(x),  d = x - mu,  var = mean(d * d),  y = d / sqrt(var + eps) * scale + bias
+
+over the normalized axes (`axis` .. last), each normalized slice one row (`_rows`). With
+`stash_type=1` the statistics are float32 (a float16 row is cast up, the result cast back);
+with 0 they stay in the input dtype, as the decomposed ReduceMean/Sub/Pow/... chain computes
+them. Scale and bias are copied into UB once per core. The arithmetic is the fused ops'
+`layer_norm` (patterns/layernorm_matmul.py), op for op, so fused and unfused agree.
+
+Outputs: Y, Mean and InvStdDev (shape X.shape[:axis] + 1s, float32 with stash_type=1). Mean
+and InvStdDev are copied out only with attribute `emit_stats=1`; the arrays are returned in
+functional mode either way, as callers expect every output position filled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _rows
+from ._rows import RowOut, RowPlan, RowTiling, VecStep
+from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling
+from .npu.machine import Machine
+
+
+@dataclass(frozen=True)
+class LayerNormSpec:
+    """A LayerNorm viewed as rows: `rows` slices of `width` normalized elements."""
+
+    shape: tuple[int, ...]
+    axis: int
+    rows: int
+    width: int
+    dtype: np.dtype
+    stats: np.dtype
+    epsilon: float
+    has_scale: bool
+    has_bias: bool
+
+
+def layernorm_spec(
+    op: str,
+    x: TensorMeta | None,
+    scale: TensorMeta | None,
+    bias: TensorMeta | None,
+    attrs: Mapping[str, Any],
+) -> LayerNormSpec:
+    """Check a LayerNorm's inputs and attributes; `KernelError` names what is wrong."""
+    if x is None or len(x.shape) == 0:
+        raise KernelError(f"{op}: X must be a tensor of rank >= 1")
+    if x.dtype not in (np.float16, np.float32):
+        raise KernelError(f"{op}: the Vector unit takes float16 or float32, got {x.dtype}")
+    axis = _rows.normalize_axis(op, int(attrs.get("axis", -1)), len(x.shape))
+    norm_shape = x.shape[axis:]
+    for name, m in (("scale", scale), ("bias", bias)):
+        if m is None:
+            continue
+        if len(m.shape) > len(norm_shape) or any(
+            d not in (1, n) for d, n in zip(m.shape[::-1], norm_shape[::-1], strict=False)
+        ):
+            raise KernelError(
+                f"{op}: {name} of shape {m.shape} does not broadcast to the normalized shape "
+                f"{norm_shape}"
+            )
+    width = int(np.prod(norm_shape, dtype=np.int64))
+    stash = int(attrs.get("stash_type", 1))
+    if stash not in (0, 1):
+        raise KernelError(f"{op}: stash_type must be 0 or 1, got {stash}")
+    return LayerNormSpec(
+        shape=x.shape,
+        axis=axis,
+        rows=x.size // width if width else 0,
+        width=width,
+        dtype=x.dtype,
+        stats=np.dtype(np.promote_types(x.dtype, np.float32)) if stash == 1 else x.dtype,
+        epsilon=float(attrs.get("epsilon", 1e-5)),
+        has_scale=scale is not None,
+        has_bias=bias is not None,
+    )
+
+
+def layernorm_steps(s: LayerNormSpec) -> list[VecStep]:
+    """Vector instructions per row: statistics in `s.stats`, the affine part in the dtype."""
+    d, up = s.width, s.stats != s.dtype
+    steps = []
+    if up:
+        steps.append(VecStep(("Cast",), d, s.dtype))
+    steps.append(VecStep(("ReduceSum", "Sub", "Mul", "ReduceSum", "Div"), d, s.stats))
+    # Per row: mean and variance scaled by 1/D, + eps, sqrt.
+    steps.append(VecStep(("Muls", "Muls", "Adds", "Sqrt"), 1, s.stats))
+    if up:
+        steps.append(VecStep(("Cast",), d, s.stats))
+    affine = ("Mul",) * s.has_scale + ("Add",) * s.has_bias
+    if affine:
+        steps.append(VecStep(affine, d, s.dtype))
+    return steps
+
+
+def layernorm_rows(
+    s: LayerNormSpec, x: np.ndarray, scale: np.ndarray | None, bias: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(normalized [t, D] in the dtype, mean [t, 1], inv std [t, 1] in the stats dtype) of a
+    tile of rows; `scale`/`bias` are flat [D] or None. Rounds as `layer_norm` does."""
+    xs = x.astype(s.stats, copy=False)
+    eps = np.asarray(s.epsilon, dtype=s.stats)
+    mean = xs.mean(axis=-1, keepdims=True).astype(s.stats, copy=False)
+    d = xs - mean
+    var = (d * d).mean(axis=-1, keepdims=True).astype(s.stats, copy=False)
+    std = np.sqrt(var + eps)
+    n = (d / std).astype(s.dtype, copy=False)
+    if scale is not None:
+        n = (n * scale).astype(s.dtype, copy=False)
+    if bias is not None:
+        n = (n + bias).astype(s.dtype, copy=False)
+    return n, mean, (1 / std).astype(s.stats, copy=False)
+
+
+def flat_param(p: np.ndarray | None, s: LayerNormSpec) -> np.ndarray | None:
+    """A scale or bias broadcast to the normalized shape and flattened to [D]."""
+    if p is None:
+        return None
+    return np.ascontiguousarray(np.broadcast_to(p, s.shape[s.axis :])).reshape(-1)
+
+
+class LayerNormalizationKernel(Kernel):
+    """ONNX LayerNormalization: Y, Mean, InvStdDev (see the module docstring)."""
+
+    op_type = "LayerNormalization"
+    domain = ""
+    tiling_type = RowTiling
+
+    def _spec(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> LayerNormSpec:
+        metas = [*inputs_meta, None, None, None]
+        return layernorm_spec(self.op_type, metas[0], metas[1], metas[2], attrs)
+
+    def _plan(self, s: LayerNormSpec, attrs: Mapping[str, Any]) -> RowPlan:
+        emit = bool(int(attrs.get("emit_stats", 0)))
+        isz = s.dtype.itemsize
+        return RowPlan(
+            op=self.op_type,
+            rows=s.rows,
+            width=s.width,
+            in_dtype=s.dtype,
+            outs=(
+                RowOut("y", s.width, s.dtype),
+                RowOut("mean", 1, s.stats, emit=emit),
+                RowOut("inv_std", 1, s.stats, emit=emit),
+            ),
+            steps=tuple(layernorm_steps(s)),
+            # The centred row in the statistics dtype.
+            temp_bytes_per_row=s.width * s.stats.itemsize,
+            resident_bytes=(s.width * isz,) * (s.has_scale + s.has_bias),
+        )
+
+    def infer(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> tuple[TensorMeta, ...]:
+        s = self._spec(inputs_meta, attrs)
+        stat_shape = s.shape[: s.axis] + (1,) * (len(s.shape) - s.axis)
+        return (
+            TensorMeta(s.shape, s.dtype),
+            TensorMeta(stat_shape, s.stats),
+            TensorMeta(stat_shape, s.stats),
+        )
+
+    def default_tiling(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> RowTiling:
+        return _rows.default(self._plan(self._spec(inputs_meta, attrs), attrs), machine)
+
+    def check_tiling(
+        self,
+        inputs_meta: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        machine: Machine,
+    ) -> None:
+        assert isinstance(tiling, RowTiling)
+        _rows.check(self._plan(self._spec(inputs_meta, attrs), attrs), tiling, machine)
+
+    def simulate(
+        self,
+        machine: Machine,
+        inputs: Sequence[np.ndarray | None],
+        inputs_meta: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        functional: bool,
+        timeline: bool,
+    ) -> KernelRun:
+        assert isinstance(tiling, RowTiling)
+        s = self._spec(inputs_meta, attrs)
+        plan = self._plan(s, attrs)
+        ins = [*inputs, None, None, None]
+        scale, bias = flat_param(ins[1], s), flat_param(ins[2], s)
+        residents = [p for p in (scale, bias) if p is not None]
+        x = ins[0]
+        x_rows = x.reshape(s.rows, s.width) if functional and x is not None else None
+
+        def tile(xt: np.ndarray, *res: np.ndarray) -> tuple[np.ndarray, ...]:
+            it = iter(res)
+            sc = next(it) if s.has_scale else None
+            bi = next(it) if s.has_bias else None
+            return layernorm_rows(s, xt, sc, bi)
+
+        outs, stats = _rows.run(
+            machine, plan, tiling, x_rows, residents, tile, functional, timeline
+        )
+        if not functional:
+            return KernelRun((), stats)
+        metas = self.infer(inputs_meta, attrs)
+        return KernelRun(tuple(o.reshape(m.shape) for o, m in zip(outs, metas, strict=True)), stats)
+
+
+KERNELS = (LayerNormalizationKernel(),)

@@ -1,0 +1,175 @@
+"""LayerNormMatMul against the op's reference: shapes with tails, several weights, biases,
+flatten, axis, stash_type, fp16/fp32, both core layouts (910B separate, 910 combined); the
+workspace hop, GM traffic formula, capacity errors, timing-only mode, fused vs unfused."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from fuser.kernels import registry
+from fuser.kernels.api import KernelError, TensorMeta, TilingError
+from fuser.kernels.layernorm_matmul import LayerNormMatMulTiling as T
+from fuser.kernels.npu.machine import load_target
+from fuser.kernels.npu.stats import sequence
+from fuser.patterns.layernorm_matmul import reference
+
+KERNEL = registry.get_kernel("fuser", "LayerNormMatMul")
+B910 = load_target("ascend910b")
+C910 = load_target("ascend910")
+
+
+def make(shape, axis, ns, has_bias, flatten, dtype, seed=0, stash_type=1, affine=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(dtype)
+    norm = shape[axis:]
+    ins = [
+        x,
+        rng.standard_normal(norm).astype(dtype) if affine else None,
+        rng.standard_normal(norm).astype(dtype) if affine else None,
+    ]
+    for n, hb in zip(ns, has_bias, strict=True):
+        ins.append((rng.standard_normal((shape[-1], n)) / np.sqrt(shape[-1])).astype(dtype))
+        if hb:
+            ins.append(rng.standard_normal(n).astype(dtype))
+    attrs = {"axis": axis, "epsilon": 1e-5, "stash_type": stash_type, "has_bias": list(has_bias),
+             "flatten": list(flatten)}  # fmt: skip
+    return ins, attrs
+
+
+def check(outs, ins, attrs, dtype) -> None:
+    want = reference(ins, attrs)
+    assert len(outs) == len(want)
+    tol = 2e-2 if dtype == np.float16 else 1e-5
+    for got, ref in zip(outs, want, strict=True):
+        assert got.shape == ref.shape
+        assert got.dtype == ref.dtype
+        np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), atol=tol,
+                                   rtol=tol)  # fmt: skip
+
+
+CASES = [
+    ((1, 7, 96), -1, (40, 33), (1, 0), (0, 1), 1, True),
+    ((2, 37, 80), -1, (50,), (1,), (0,), 0, True),
+    ((3, 5, 6, 8), 2, (20, 16), (0, 1), (1, 0), 1, True),
+    ((19, 48), -1, (129,), (1,), (1,), 1, False),
+]
+
+
+@pytest.mark.parametrize("machine", [B910, C910], ids=["910b", "910"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(("shape", "axis", "ns", "hb", "fl", "stash", "affine"), CASES)
+def test_matches_reference(machine, dtype, shape, axis, ns, hb, fl, stash, affine) -> None:
+    ins, attrs = make(shape, axis, ns, hb, fl, dtype, seed=len(ns), stash_type=stash,
+                      affine=affine)  # fmt: skip
+    check(KERNEL.run(machine, ins, attrs).outputs, ins, attrs, dtype)
+
+
+@pytest.mark.parametrize(
+    "tiling",
+    [T(16, 1, 1, 16, 32, 16, 0, 2), T(32, 3, 3, 48, 64, 32, 1, 24), T(48, 2, 5, 32, 96, 96, 1, 5)],
+)
+def test_explicit_tilings_with_tails(tiling: T) -> None:
+    ins, attrs = make((3, 29, 96), -1, (70, 45), (1, 1), (0, 0), np.float16, seed=7)
+    for machine in (B910, C910):
+        check(KERNEL.run(machine, ins, attrs, tiling=tiling).outputs, ins, attrs, np.float16)
+
+
+def test_vector_to_cube_hop_crosses_workspace_only_on_separate_cores() -> None:
+    ins, attrs = make((1, 40, 64), -1, (64,), (0,), (0,), np.float16)
+    tiling = T(16, 1, 8, 64, 64, 64, 1, 24)
+    sep = KERNEL.run(B910, ins, attrs, tiling=tiling).stats.timeline
+    comb = KERNEL.run(C910, ins, attrs, tiling=tiling).stats.timeline
+    assert sep is not None
+    assert comb is not None
+    hop_in = [i for i in sep.intervals if i.pipe == "MTE2" and "workspace ->" in i.label]
+    hop_out = [i for i in sep.intervals if i.pipe == "MTE3" and "-> workspace" in i.label]
+    # One per vector step: blocks of 16, 16 and 8 rows, in steps of 8 rows.
+    assert len(hop_in) == len(hop_out) == 5
+    # The cube core reads a piece only after the vector core has written it.
+    assert min(i.start for i in hop_in) >= min(i.end for i in hop_out)
+    assert not [i for i in comb.intervals if "workspace" in i.label]
+    assert len([i for i in comb.intervals if i.pipe == "MTE3" and "-> a_block" in i.label]) == 5
+
+
+def test_gm_traffic_follows_the_fused_formula() -> None:
+    # n_split=1: |X| + |W| * row-blocks + |Y| (+ the small parameters each core loads once).
+    ins, attrs = make((2, 50, 64), -1, (96,), (1,), (0,), np.float16)
+    x, scale, bias, w, b = ins
+    tiling = T(32, 1, 8, 96, 64, 64, 1, 24)
+    st = KERNEL.run(B910, ins, attrs, tiling=tiling).stats
+    blocks = -(-100 // 32)
+    vec_cores = blocks * 2
+    params = vec_cores * (scale.nbytes + bias.nbytes) + blocks * b.nbytes
+    assert st.gm_read == x.nbytes + w.nbytes * blocks + params
+    assert st.gm_write == 100 * 96 * 2
+    emitted = KERNEL.run(B910, ins, attrs | {"emit_normalized": 1}, tiling=tiling).stats
+    assert emitted.gm_write == st.gm_write + x.nbytes
+
+
+def test_fused_beats_unfused_on_a_bert_layer() -> None:
+    dt = np.float16
+    x, s, w = TensorMeta((1, 128, 768), dt), TensorMeta((768,), dt), TensorMeta((768, 2304), dt)
+    b = TensorMeta((2304,), dt)
+    attrs = {"axis": -1, "epsilon": 1e-5, "stash_type": 1, "has_bias": [1], "flatten": [0]}
+    fused = KERNEL.run(B910, [x, s, s, w, b], attrs, functional=False).stats
+    ln = registry.get_kernel("", "LayerNormalization").run(B910, [x, s, s], {}, functional=False)
+    mm = registry.get_kernel("", "MatMul").run(B910, [x, w], {}, functional=False)
+    unfused = sequence([ln.stats, mm.stats])
+    assert fused.cycles < unfused.cycles
+    assert fused.launches == 1
+    assert unfused.launches == 2
+
+
+def test_timing_only_same_cycles() -> None:
+    ins, attrs = make((2, 45, 80), -1, (64, 30), (1, 0), (0, 0), np.float32)
+    metas = [None if a is None else TensorMeta.of(a) for a in ins]
+    for machine in (B910, C910):
+        f = KERNEL.run(machine, ins, attrs).stats
+        t = KERNEL.run(machine, metas, attrs, functional=False).stats
+        assert f.cycles == t.cycles
+        assert f.bytes_by_level() == t.bytes_by_level()
+
+
+def test_capacity_and_malformed_tilings_are_refused() -> None:
+    ins, attrs = make((1, 512, 1024), -1, (256,), (0,), (0,), np.float16)
+    metas = [None if a is None else TensorMeta.of(a) for a in ins]
+    with pytest.raises(TilingError, match="L1"):
+        KERNEL.check_tiling(metas, attrs, T(256, 1, 1, 256, 256, 64, 1, 24), B910)
+    with pytest.raises(TilingError, match="UB"):
+        KERNEL.check_tiling(metas, attrs, T(64, 1, 64, 64, 64, 64, 1, 24), B910)
+    with pytest.raises(TilingError, match="L0A"):
+        KERNEL.check_tiling(metas, attrs, T(128, 1, 1, 64, 512, 512, 0, 24), B910)
+    with pytest.raises(TilingError, match="tile_k0"):
+        KERNEL.check_tiling(metas, attrs, T(16, 1, 1, 64, 64, 128, 1, 24), B910)
+    ins, attrs = make((3, 5, 6, 8), 2, (16,), (0,), (0,), np.float16)
+    metas = [None if a is None else TensorMeta.of(a) for a in ins]
+    with pytest.raises(TilingError, match="multiple of 6"):
+        KERNEL.check_tiling(metas, attrs, T(16, 1, 1, 16, 16, 16, 1, 24), B910)
+
+
+def test_bad_inputs() -> None:
+    ins, attrs = make((2, 8, 32), -1, (16,), (1,), (0,), np.float32)
+    metas = [None if a is None else TensorMeta.of(a) for a in ins]
+    with pytest.raises(KernelError, match="W_0 must be"):
+        KERNEL.infer([*metas[:3], TensorMeta((31, 16), np.float32), metas[4]], attrs)
+    with pytest.raises(KernelError, match="b_0"):
+        KERNEL.infer([*metas[:4], TensorMeta((15,), np.float32)], attrs)
+
+
+def test_functional_run_within_20x_of_numpy_reference() -> None:
+    ins, attrs = make((1, 128, 768), -1, (768,), (1,), (0,), np.float16, seed=11)
+    KERNEL.run(B910, ins, attrs)  # warm up
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    t_sim = best(lambda: KERNEL.run(B910, ins, attrs))
+    t_ref = best(lambda: reference(ins, attrs))
+    assert t_sim < 20 * t_ref, f"simulation {t_sim * 1e3:.1f} ms vs reference {t_ref * 1e3:.1f} ms"
