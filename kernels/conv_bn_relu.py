@@ -20,35 +20,20 @@ shift on its scalar unit once per channel block.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from ._budget import QueueSpec, check_flag, check_positive, fits, require_fits
+from ._budget import QueueSpec, check_flag, check_positive, require_fits
 from ._conv_geometry import ConvGeometry, conv_geometry
+from ._conv_tiling import ConvTiling, conv_specs, default_conv_tiling, effective
 from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
 from .npu.core import Core
 from .npu.launch import launch
 from .npu.machine import Machine
 from .npu.pipes import Level
-
-
-@dataclass(frozen=True)
-class ConvTiling(Tiling):
-    """Output block `tile_h` x `tile_w` pixels x `tile_co` channels; K step `tile_ci` input
-    channels per tap; double buffering (0/1) of L1, L0 and L0C; cube cores used."""
-
-    tile_h: int
-    tile_w: int
-    tile_co: int
-    tile_ci: int
-    double_buffer: int
-    cores: int
 
 
 class _Item(NamedTuple):
@@ -110,34 +95,6 @@ class _ConvKernel(Kernel):
         return (TensorMeta(g.out_shape(), x.dtype),)
 
     # -- tiling -----------------------------------------------------------------------------
-    def _effective(self, g: ConvGeometry, t: ConvTiling) -> tuple[int, int, int, int]:
-        """Tile sizes clipped to the problem: (rows, cols, out channels, K-step channels)."""
-        th, tw, co = min(t.tile_h, g.ho), min(t.tile_w, g.wo), min(t.tile_co, g.cout)
-        lo, hi = g.channel_range(0, co)
-        return th, tw, co, min(t.tile_ci, hi - lo)
-
-    def _specs(
-        self, g: ConvGeometry, dtype: np.dtype, has_params: bool, t: ConvTiling
-    ) -> list[QueueSpec]:
-        th, tw, co, ci = self._effective(g, t)
-        # A channel block may straddle one more group than a block starting at 0.
-        ci = min(t.tile_ci, ci + g.cin_g) if g.group > 1 else ci
-        isz = dtype.itemsize
-        depth = 2 if t.double_buffer else 1
-        rows, cols = g.halo(th, tw)
-        m = th * tw
-        specs = [
-            QueueSpec(Level.L1, "x", ci * rows * cols * isz, depth),
-            QueueSpec(Level.L1, "w", co * ci * g.taps * isz, depth),
-            QueueSpec(Level.L0A, "a", m * ci * isz, depth),
-            QueueSpec(Level.L0B, "b", ci * co * isz, depth),
-            QueueSpec(Level.L0C, "acc", m * co * 4, depth),
-        ]
-        if has_params:
-            # Raw per-channel parameters (B and BN's four) and the folded scale and shift.
-            specs.append(QueueSpec(Level.L1, "params", co * (5 * isz + 8), 1))
-        return specs
-
     def check_tiling(
         self,
         inputs_meta: Sequence[TensorMeta | None],
@@ -158,52 +115,14 @@ class _ConvKernel(Kernel):
                 f"{machine.cube_cores} cube cores"
             )
         g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
-        require_fits(self.op_type, machine, self._specs(g, x.dtype, has_b or has_bn, t))
+        require_fits(self.op_type, machine, conv_specs(g, x.dtype, has_b or has_bn, t))
 
     def default_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> ConvTiling:
-        """Host tiling: channels first (K step fitting L0B and half of L1 for weights), then
-        the largest pixel block fitting L0A, L0C and the rest of L1, then enough blocks for
-        every core."""
+        """Host tiling: the fitting candidate with the lowest estimated cycles."""
         g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
-        isz = x.dtype.itemsize
-        k0, cn = machine.cube_k_block(x.dtype), machine.cube_n
-        co = min(_round_up(g.cout, cn), 128)
-        lo, hi = g.channel_range(0, min(co, g.cout))
-        ci = min(_round_up(hi - lo, k0), 128)
-        while ci > k0 and (
-            2 * ci * co * isz > machine.l0b_bytes
-            or 2 * co * ci * g.taps * isz > machine.l1_bytes // 2
-        ):
-            ci = max(k0, _round_up(ci // 2, k0))
-        m_max = min(machine.l0a_bytes // (2 * ci * isz), machine.l0c_bytes // (2 * co * 4), 512)
-        tw = min(g.wo, max(1, m_max))
-        th = max(1, min(g.ho, m_max // tw))
-        t = ConvTiling(th, tw, co, ci, 1, machine.cube_cores)
-        # Shrink until every queue fits: pixel rows, then columns, K step, channels.
-        while not fits(machine, self._specs(g, x.dtype, has_b or has_bn, t)):
-            if t.tile_h > 1:
-                t = _replace(t, tile_h=t.tile_h // 2)
-            elif t.tile_w > cn:
-                t = _replace(t, tile_w=max(cn, t.tile_w // 2))
-            elif t.tile_ci > k0:
-                t = _replace(t, tile_ci=max(k0, t.tile_ci // 2))
-            elif t.tile_co > cn:
-                t = _replace(t, tile_co=max(cn, t.tile_co // 2))
-            elif t.tile_w > 1:
-                t = _replace(t, tile_w=t.tile_w // 2)
-            else:
-                raise TilingError(f"{self.op_type}: no tiling fits {machine.name}")
-        # Enough blocks for every core: fewer rows per block, then fewer channels.
-        while _items(g, t) < machine.cube_cores:
-            if t.tile_h > 1:
-                t = _replace(t, tile_h=(t.tile_h + 1) // 2)
-            elif t.tile_co > 2 * cn:
-                t = _replace(t, tile_co=_round_up(t.tile_co // 2, cn))
-            else:
-                break
-        return t
+        return default_conv_tiling(g, x.dtype, has_b or has_bn, machine, self.op_type)
 
     # -- the program ------------------------------------------------------------------------
     def simulate(
@@ -218,7 +137,7 @@ class _ConvKernel(Kernel):
     ) -> KernelRun:
         assert isinstance(tiling, ConvTiling)
         g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
-        th, tw, co, _ = self._effective(g, tiling)
+        th, tw, co, _ = effective(g, tiling)
         work = [
             _Item(n, h0, min(h0 + th, g.ho), w0, min(w0 + tw, g.wo), c0, min(c0 + co, g.cout))
             for n in range(g.n)
@@ -239,7 +158,7 @@ class _ConvKernel(Kernel):
                 params=self._raw_params(inputs, g) if (has_b or has_bn) else None,
                 y=y.reshape(g.n, g.cout, g.ho, g.wo),
             )
-        specs = self._specs(g, x.dtype, has_b or has_bn, tiling)
+        specs = conv_specs(g, x.dtype, has_b or has_bn, tiling)
         relu = bool(int(attrs.get("relu", 0))) if self.fused else False
         eps = float(attrs.get("epsilon", 1e-5))
         program = partial(_program, g, x.dtype, specs, tiling, has_b, has_bn, relu, eps, data)
@@ -433,23 +352,6 @@ def _signature(g: ConvGeometry, it: _Item) -> tuple[int, ...]:
         it.h1 - it.h0, it.w1 - it.w0, it.co1 - it.co0, hi - lo,
         _valid_bytes(g, it, 1, rows, cols, 1),
     )  # fmt: skip
-
-
-def _items(g: ConvGeometry, t: ConvTiling) -> int:
-    return (
-        g.n
-        * math.ceil(g.ho / min(t.tile_h, g.ho))
-        * math.ceil(g.wo / min(t.tile_w, g.wo))
-        * math.ceil(g.cout / min(t.tile_co, g.cout))
-    )
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _replace(t: ConvTiling, **kw: int) -> ConvTiling:
-    return dataclasses.replace(t, **kw)
 
 
 class Conv(_ConvKernel):

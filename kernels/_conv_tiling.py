@@ -1,0 +1,146 @@
+"""Tiling of the implicit-GEMM convolution: the tiling type, its buffer footprint, a rough
+analytical cost, and the host-side default (the cheapest fitting candidate by that cost).
+
+The cost is a first-order model (per output block: DMA heads and bytes, Cube blocks, MTE1
+loads, FixPipe; blocks in waves over the cores, the slowest stage setting the pace when double
+buffered). It only ranks candidates for the default; the simulator gives the real number.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._budget import QueueSpec, fits
+from ._conv_geometry import ConvGeometry
+from .api import Tiling, TilingError
+from .npu.machine import Machine
+from .npu.pipes import Level
+
+
+@dataclass(frozen=True)
+class ConvTiling(Tiling):
+    """Output block `tile_h` x `tile_w` pixels x `tile_co` channels; K step `tile_ci` input
+    channels per tap; double buffering (0/1) of L1, L0 and L0C; cube cores used."""
+
+    tile_h: int
+    tile_w: int
+    tile_co: int
+    tile_ci: int
+    double_buffer: int
+    cores: int
+
+
+def effective(g: ConvGeometry, t: ConvTiling) -> tuple[int, int, int, int]:
+    """Tile sizes clipped to the problem: (rows, cols, out channels, K-step channels)."""
+    th, tw, co = min(t.tile_h, g.ho), min(t.tile_w, g.wo), min(t.tile_co, g.cout)
+    lo, hi = g.channel_range(0, co)
+    return th, tw, co, min(t.tile_ci, hi - lo)
+
+
+def conv_specs(
+    g: ConvGeometry, dtype: np.dtype, has_params: bool, t: ConvTiling
+) -> list[QueueSpec]:
+    """The queues a tiling reserves in L1, L0A, L0B and L0C."""
+    th, tw, co, ci = effective(g, t)
+    # A channel block may straddle one more group than a block starting at 0.
+    ci = min(t.tile_ci, ci + g.cin_g) if g.group > 1 else ci
+    isz = dtype.itemsize
+    depth = 2 if t.double_buffer else 1
+    rows, cols = g.halo(th, tw)
+    m = th * tw
+    specs = [
+        QueueSpec(Level.L1, "x", ci * rows * cols * isz, depth),
+        QueueSpec(Level.L1, "w", co * ci * g.taps * isz, depth),
+        QueueSpec(Level.L0A, "a", m * ci * isz, depth),
+        QueueSpec(Level.L0B, "b", ci * co * isz, depth),
+        QueueSpec(Level.L0C, "acc", m * co * 4, depth),
+    ]
+    if has_params:
+        # Raw per-channel parameters (B and BN's four) and the folded scale and shift.
+        specs.append(QueueSpec(Level.L1, "params", co * (5 * isz + 8), 1))
+    return specs
+
+
+def n_items(g: ConvGeometry, t: ConvTiling) -> int:
+    """Output blocks of a tiling."""
+    th, tw, co, _ = effective(g, t)
+    return g.n * math.ceil(g.ho / th) * math.ceil(g.wo / tw) * math.ceil(g.cout / co)
+
+
+def estimate_cycles(g: ConvGeometry, dtype: np.dtype, t: ConvTiling, machine: Machine) -> float:
+    """Rough kernel cycles of a tiling (see module docstring)."""
+    th, tw, co, ci = effective(g, t)
+    isz = dtype.itemsize
+    items = n_items(g, t)
+    cores = min(t.cores, items)
+    waves = math.ceil(items / cores)
+    bw = machine.dma_bytes_per_cycle(cores)
+    lo, hi = g.channel_range(0, co)
+    chunks = math.ceil((hi - lo) / ci)
+    rows, cols = g.halo(th, tw)
+    m = th * tw
+    x_bytes = ci * min(rows, g.h) * min(cols, g.w) * isz
+    w_bytes = co * ci * g.taps * isz
+    dma = chunks * (
+        machine.copy_in_head(x_bytes, cores) + machine.copy_in_head(w_bytes, cores)
+        + (x_bytes + w_bytes) / bw
+    )  # fmt: skip
+    k0 = machine.cube_k_block(dtype)
+    cube = chunks * g.taps * math.ceil(m / 16) * math.ceil(ci / k0) * math.ceil(co / 16)
+    mte1 = chunks * g.taps * (
+        2 * machine.l1_to_l0_startup_cycles + m * ci * isz / machine.l1_to_l0a_bytes_per_cycle
+        + ci * co * isz / machine.l1_to_l0b_bytes_per_cycle
+    )  # fmt: skip
+    fix = machine.copy_out_head_cycles + m * co * isz / min(machine.l0c_to_gm_bytes_per_cycle, bw)
+    stages = (dma, cube, mte1, fix)
+    per_item = max(stages) if t.double_buffer else sum(stages)
+    return machine.kernel_launch_cycles + waves * per_item + (sum(stages) - max(stages))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def candidate_tilings(
+    g: ConvGeometry, dtype: np.dtype, has_params: bool, machine: Machine
+) -> list[ConvTiling]:
+    """Fitting double-buffered tilings on hardware-aligned steps (a small space)."""
+    isz = dtype.itemsize
+    k0, cn = machine.cube_k_block(dtype), machine.cube_n
+    cos = sorted({min(_round_up(g.cout, cn), c) for c in (16, 32, 64, 128, 256)})
+    out: list[ConvTiling] = []
+    for co in cos:
+        lo, hi = g.channel_range(0, min(co, g.cout))
+        ci = min(_round_up(hi - lo, k0), 256)
+        while ci > k0 and (
+            2 * ci * co * isz > machine.l0b_bytes
+            or 2 * co * ci * g.taps * isz > machine.l1_bytes // 2
+        ):
+            ci = max(k0, _round_up(ci // 2, k0))
+        m_max = max(1, min(machine.l0a_bytes // (2 * ci * isz), machine.l0c_bytes // (2 * co * 4)))
+        tws = {min(g.wo, m_max)} | {w for w in (16, 32, 64) if w < min(g.wo, m_max)}
+        for tw in sorted(tws):
+            ths = {1, max(1, min(g.ho, m_max // tw))}
+            ths |= {h for h in (2, 4, 8, 16, 32) if h * tw <= m_max and h < g.ho}
+            for th in sorted(ths):
+                t = ConvTiling(th, tw, co, ci, 1, machine.cube_cores)
+                if fits(machine, conv_specs(g, dtype, has_params, t)):
+                    out.append(t)
+    return out
+
+
+def default_conv_tiling(
+    g: ConvGeometry, dtype: np.dtype, has_params: bool, machine: Machine, op: str
+) -> ConvTiling:
+    """The candidate with the lowest estimated cycles (ties: fewer blocks)."""
+    cands = candidate_tilings(g, dtype, has_params, machine)
+    if not cands:
+        k0 = machine.cube_k_block(dtype)
+        t = ConvTiling(1, 1, machine.cube_n, k0, 0, machine.cube_cores)
+        if fits(machine, conv_specs(g, dtype, has_params, t)):
+            return t
+        raise TilingError(f"{op}: no tiling fits {machine.name}")
+    return min(cands, key=lambda t: (estimate_cycles(g, dtype, t, machine), n_items(g, t)))
