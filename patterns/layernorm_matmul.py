@@ -646,10 +646,86 @@ def _last_dim(graph: GraphIndex, norm: _Norm) -> int | None:
     return max(sizes) if sizes else None
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+ShapeItem = int | str  # an int, or "shape[i]": dim i (negative) of the tensor whose Shape is read
+
+
+def _shape_items(
+    graph: GraphIndex, name: str, of: str, nodes: list[int], depth: int = 0
+) -> list[ShapeItem] | None:
+    """A 1-D int64 value as items, when it is a constant or computed from `Shape(of)` (as
+    TorchScript writes `x.view(-1, x.size(-1))`: Concat, Slice/Gather of Shape, Squeeze,
+    Unsqueeze, Cast); None if it depends on anything else. The computing nodes go to `nodes`."""
+    const = graph.constant(name)
+    if const is not None:
+        return [int(v) for v in const.reshape(-1)]
+    node_id = graph.producer.get(name)
+    if node_id is None or graph.node(node_id).domain != "" or depth > 16:
+        return None
+    node = graph.node(node_id)
+    nodes.append(node_id)
+    rank = _rank(graph, of)
+
+    def dims_of(shape_node: onnx.NodeProto) -> list[ShapeItem] | None:
+        """The items of `Shape(of)` (its start/end attributes applied), if rank allows."""
+        if shape_node.op_type != "Shape" or shape_node.input[0] != of:
+            return None
+        start, end = _attr(shape_node, "start", 0), _attr(shape_node, "end", None)
+        items: list[ShapeItem]
+        if rank is None:
+            if start >= 0 or end is not None:
+                return None
+            items = [f"shape[{i}]" for i in range(start, 0)]
+            return items
+        items = [f"shape[{i}]" for i in range(-rank, 0)]
+        return items[start:end]
+
+    op = node.op_type
+    if op in ("Cast", "Squeeze", "Unsqueeze", "Identity"):
+        items = _shape_items(graph, node.input[0], of, nodes, depth + 1)
+        return (
+            items if items is not None and (op in ("Cast", "Identity") or len(items) == 1) else None
+        )
+    if op == "Concat" and _attr(node, "axis", 0) in (0, -1):
+        parts = [_shape_items(graph, i, of, nodes, depth + 1) for i in node.input]
+        return None if any(p is None for p in parts) else [x for p in parts for x in p or []]
+    if op == "Shape":
+        return dims_of(node)
+    source = graph.producer.get(node.input[0])
+    dims = dims_of(graph.node(source)) if source is not None else None
+    if source is None or dims is None:
+        return None
+    nodes.append(source)
+    if op == "Gather" and _attr(node, "axis", 0) == 0:
+        index = graph.constant(node.input[1])
+        if index is None or index.size != 1:
+            return None
+        i = int(index.reshape(-1)[0])
+        return [dims[i]] if -len(dims) <= i < len(dims) else None
+    if op == "Slice" and len(node.input) >= 3:
+        bounds = [graph.constant(i) if i else None for i in node.input[1:5]]
+        if (
+            bounds[0] is None
+            or bounds[1] is None
+            or any(b is not None and b.size != 1 for b in bounds)
+        ):
+            return None
+        if bounds[2] is not None and int(bounds[2].reshape(-1)[0]) not in (0, -1):
+            return None
+        step = 1 if len(bounds) < 4 or bounds[3] is None else int(bounds[3].reshape(-1)[0])
+        lo, hi = int(bounds[0].reshape(-1)[0]), int(bounds[1].reshape(-1)[0])
+        if rank is None and (lo >= 0 or hi < 0 or step != 1):
+            return None  # only a suffix of Shape is known without the rank
+        return dims[lo : min(hi, _INT64_MAX) : step]
+    return None
+
+
 def _flatten_reshape(
     graph: GraphIndex, node_id: int, value: str, last_dim: int | None
-) -> int | None:
-    """The Gemm behind a Reshape that only flattens the leading dims of `value`, or None."""
+) -> tuple[int, tuple[int, ...]] | None:
+    """The Gemm behind a Reshape that only flattens the leading dims of `value`, and the nodes
+    computing the Reshape's target shape from `Shape(value)` (they join the match: left outside,
+    they would read the normalized value and feed the match, a cycle); or None."""
     node = graph.node(node_id)
     gemm = _only_reader(graph, node.output[0])
     if node.input[0] != value or gemm is None:
@@ -661,33 +737,42 @@ def _flatten_reshape(
         or gemm_node.input[0] != node.output[0]
     ):
         return None
-    target = graph.constant(node.input[1])
     name = graph.describe(node_id)
-    if target is None or last_dim is None:
-        why = (
-            f"its target shape '{node.input[1]}' is computed at run time"
-            if target is None
-            else f"the size of the last axis of '{value}' is not known"
-        )
+    shape_nodes: list[int] = []
+    items = _shape_items(graph, node.input[1], value, shape_nodes)
+    if items is None:
         raise _NearMiss(
-            f"Reshape '{name}' before Gemm '{graph.describe(gemm)}': {why}, so it "
-            "cannot be checked to only flatten the leading dims",
+            f"Reshape '{name}' before Gemm '{graph.describe(gemm)}': its target shape "
+            f"'{node.input[1]}' is computed at run time from more than the shape of '{value}', "
+            "so it cannot be checked to only flatten the leading dims",
             node.input[1],
             (node_id, gemm),
         )
-    dims = [int(d) for d in target.reshape(-1)]
     shape = graph.shape(value)
     lead = shape[:-1] if shape else (None,)
     static = all(isinstance(d, int) for d in lead)
     rows = int(np.prod(lead, dtype=np.int64)) if static else None  # type: ignore[arg-type]
-    if len(dims) != 2 or dims[1] != last_dim or not (dims[0] == -1 or (rows and dims[0] == rows)):
+    last_ok = len(items) == 2 and (items[1] == "shape[-1]" or (last_dim and items[1] == last_dim))
+    if not last_ok or not (items[0] == -1 or (rows and items[0] == rows)):
+        expected = f"[-1, {last_dim}]" if last_dim else "[-1, last dim]"
+        shown = "[" + ", ".join(str(i) for i in items) + "]"
         raise _NearMiss(
-            f"Reshape '{name}' to {dims} does not only flatten the leading dims of "
-            f"'{value}' (expected [-1, {last_dim}])",
+            f"Reshape '{name}' to {shown} does not only flatten the leading dims of "
+            f"'{value}' (expected {expected})",
             node.input[1],
             (node_id, gemm),
         )
-    return gemm
+    own = {*shape_nodes, node_id}
+    for i in shape_nodes:
+        for out in graph.node(i).output:
+            if graph.is_graph_output(out) or not set(graph.readers(out)) <= own:
+                raise _NearMiss(
+                    f"the target shape of Reshape '{name}' is computed by '{graph.describe(i)}', "
+                    "which is also read elsewhere, so the Reshape cannot be fused away",
+                    out,
+                    (node_id, gemm),
+                )
+    return gemm, tuple(dict.fromkeys(shape_nodes))
 
 
 @dataclass(frozen=True)
@@ -715,9 +800,9 @@ def _classify(graph: GraphIndex, value: str, last_dim: int | None) -> _Readers:
             elif node.op_type == "Gemm" and node.input[0] == value:
                 linears.append(_gemm(graph, r, (), 0))
             elif node.op_type == "Reshape" and (
-                gemm := _flatten_reshape(graph, r, value, last_dim)
+                found := _flatten_reshape(graph, r, value, last_dim)
             ):
-                linears.append(_gemm(graph, gemm, (r,), 1))
+                linears.append(_gemm(graph, found[0], (*found[1], r), 1))
             elif _is_noop_cast(graph, node):
                 inner = _classify(graph, node.output[0], last_dim)
                 if inner.others or not inner.linears:

@@ -42,6 +42,7 @@ class Graph:
     inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    shapes: dict[str, list[int | str]] = field(default_factory=dict)  # where inference has none
 
     @property
     def elem(self) -> int:
@@ -72,7 +73,12 @@ class Graph:
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)])
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
         del model.graph.output[:]
-        model.graph.output.extend(inferred.graph.output)  # the outputs with inferred shapes
+        for out in inferred.graph.output:  # the outputs with inferred shapes, or declared ones
+            if out.name in self.shapes:
+                out = helper.make_tensor_value_info(
+                    out.name, out.type.tensor_type.elem_type, self.shapes[out.name]
+                )
+            model.graph.output.append(out)
         onnx.checker.check_model(model, full_check=True)
         return model
 
@@ -289,6 +295,67 @@ def test_gpt2_reshape_gemm_folds_trans_b_alpha_beta() -> None:
     folded = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
     assert folded[node.input[3]].shape == (HIDDEN, 12)  # W' = alpha * W^T
     assert folded[node.input[4]].shape == (12,)  # b' = beta * C, as a row
+    assert_same(model, result.model)
+
+
+def torchscript_conv1d(g: Graph, n: str, n_out: int, *, share_with: str = "") -> str:
+    """HF GPT-2 `Conv1D` as the TorchScript exporter writes it: `x.view(-1, x.size(-1))` with
+    the view's shape computed from `Shape(x)`, then Gemm, then the view back to
+    `x.size()[:-1] + (nf,)`, also from Shape."""
+    i64 = np.int64
+    last = g.op(
+        "Slice",
+        g.op("Shape", n, name="view_shape"),
+        g.const([-1], "s", i64),
+        g.const([np.iinfo(i64).max], "e", i64),
+        g.const([0], "a", i64),
+    )
+    last = g.op("Unsqueeze", g.op("Squeeze", last, g.const([0], "a", i64)), g.const([0], "a", i64))
+    target = g.op("Concat", g.const([-1], "minus1", i64), last, axis=0, name="view_target")
+    if share_with:  # another view with the same computed shape
+        g.outputs.append(g.op("Reshape", share_with, target, name="other_view"))
+    flat = g.op("Reshape", n, target, name="view")
+    y = g.op("Gemm", flat, g.random([HIDDEN, n_out], "W"), g.random([n_out], "C"))
+    lead = g.op("Slice", g.op("Shape", n), g.const([0], "s", i64), g.const([-1], "e", i64))
+    size_out = g.op("Concat", lead, g.const([n_out], "nf", i64), axis=0)
+    return g.op("Reshape", y, size_out)
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_torchscript_gpt2_conv1d_with_computed_view_shape(opset: int) -> None:
+    g = Graph(opset=opset)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = decomposed_ln(g, x) if opset < 17 else op_ln(g, x)
+    g.outputs.append(g.op("Add", torchscript_conv1d(g, n, 3 * HIDDEN), g.const(1.0, "one")))
+    g.shapes[g.outputs[-1]] = ["batch", "seq", 3 * HIDDEN]
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}, reasons(result)
+    (node,) = fused_nodes(result.model)
+    assert attrs(node)["flatten"] == [1]
+    names = {n.name for n in result.model.graph.node}
+    assert not names & {"view_shape", "view_target", "view"}  # the view's shape went with it
+    assert node.output[0] == n  # the Shape giving the view back its leading dims reads it
+    assert_same(model, result.model)
+
+
+def test_view_shape_read_elsewhere_leaves_that_gemm_unfused() -> None:
+    g = Graph(opset=17)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = op_ln(g, x)
+    y = torchscript_conv1d(g, n, 4, share_with=x)
+    g.outputs += [y, linear(g, n, 5)]
+    g.shapes[y] = ["batch", "seq", 4]
+    g.shapes["other_view_out"] = ["rows", HIDDEN]
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    (record,) = result.report.fusions
+    assert record.notes == (
+        "left unfused: the target shape of Reshape 'view' is computed by 'view_target', which is "
+        "also read elsewhere, so the Reshape cannot be fused away",
+    )
+    assert attrs(fused_nodes(result.model)[0])["flatten"] == [0]
     assert_same(model, result.model)
 
 
