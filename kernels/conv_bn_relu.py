@@ -248,15 +248,18 @@ def _program(
                 else data.packed[it.co0][:, c0 - ci_lo : c1 - ci_lo],
                 label="in w",
             )  # fmt: skip
+            a_bytes, b_bytes = m * cc * isz, cc * nco * isz
+            qa, qb = q["a"], q["b"]
+            functional = data is not None
             for i in range(g.kh):
                 for j in range(g.kw):
-                    a = q["a"].alloc()
-                    core.load_l0(
-                        a, xt, m * cc * isz, partial(_img2col, g, i, j, rows_out, cols_out),
-                        label="img2col",
-                    )  # fmt: skip
-                    b = q["b"].alloc()
-                    core.load_l0(b, wt, cc * nco * isz, partial(_tap, i, j), label="load w")
+                    # The L1 -> L0 transforms are numpy work: built only in functional mode.
+                    a = qa.alloc()
+                    img2col = partial(_img2col, g, i, j, rows_out, cols_out) if functional else None
+                    core.load_l0(a, xt, a_bytes, img2col, label="img2col")
+                    b = qb.alloc()
+                    tap = partial(_tap, i, j) if functional else None
+                    core.load_l0(b, wt, b_bytes, tap, label="load w")
                     core.mmad(acc, a, b, m, cc, nco, dtype, init=first)
                     first = False
         core.fixpipe(

@@ -16,7 +16,6 @@ same schedule runs without data.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +50,11 @@ class Core:
         self._gm_bw = machine.dma_bytes_per_cycle(active_cores)
         self._vector_costs: dict[tuple[str, np.dtype], tuple[float, float]] = {}
         self._k0: dict[np.dtype, int] = {}
+        # MTE1 cost per destination level: (start-up cycles, bytes per cycle).
+        self._mte1 = {
+            Level.L0A: (machine.l1_to_l0_startup_cycles, machine.l1_to_l0a_bytes_per_cycle),
+            Level.L0B: (machine.l1_to_l0_startup_cycles, machine.l1_to_l0b_bytes_per_cycle),
+        }
 
     # -- scheduling -------------------------------------------------------------------------
     def issue(
@@ -155,7 +159,8 @@ class Core:
         k0 = self._k0.get(dtype)
         if k0 is None:
             k0 = self._k0[dtype] = mc.cube_k_block(dtype)
-        blocks = math.ceil(m / mc.cube_m) * math.ceil(k / k0) * math.ceil(n / mc.cube_n)
+        # Integer ceilings: blocks of the Cube's m x k0 x n shape.
+        blocks = (-(-m // mc.cube_m)) * (-(-k // k0)) * (-(-n // mc.cube_n))
         reads = (l0a, l0b) if init else (l0a, l0b, l0c)
         self.issue(Pipe.CUBE, float(blocks), reads, (l0c,), f"mmad {m}x{k}x{n}")
         self.moved["l0c"] += m * n * 4
