@@ -18,9 +18,12 @@ import onnxruntime
 import pytest
 from fuser.models import get_example
 from fuser.patterns.layernorm_matmul import LAYERNORM_MATMUL, reference
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import fuser
+from fuser.decide import AlwaysFuse
 from fuser.ort import session
 
 PATTERN = "layernorm_matmul"
@@ -194,7 +197,8 @@ def assert_same(original: onnx.ModelProto, fused: onnx.ModelProto, tolerance: fl
 
 
 def fuse(model: onnx.ModelProto) -> fuser.api.FusionResult:
-    return fuser.fuse(model, patterns=[PATTERN])
+    """This pattern alone, every valid match fused (no cost-model veto)."""
+    return fuser.fuse(model, patterns=[PATTERN], decider=AlwaysFuse())
 
 
 def fused_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -403,6 +407,43 @@ def test_float16(kind: str) -> None:
     assert_same(model, result.model, tolerance=1e-2)
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    opset=st.sampled_from([13, 17, 18]),
+    as_op=st.booleans(),
+    square=st.sampled_from(["pow", "mul"]),
+    divide=st.sampled_from(["div", "reciprocal"]),
+    affine=st.booleans(),
+    noop_casts=st.booleans(),
+    biases=st.lists(st.sampled_from(["", "after", "first"]), min_size=1, max_size=3),
+    shape_reader=st.booleans(),
+    residual=st.booleans(),
+)
+def test_any_exporter_variant_fuses_into_one_node(
+    opset: int, as_op: bool, square: str, divide: str, affine: bool, noop_casts: bool,
+    biases: list[str], shape_reader: bool, residual: bool,
+) -> None:  # fmt: skip
+    g = Graph(opset=opset)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    if as_op and opset >= 17:
+        n = op_ln(g, x)
+    else:
+        n = decomposed_ln(g, x, square=square, divide=divide, affine=affine, noop_casts=noop_casts)
+    g.outputs += [linear(g, n, 3 + i, bias=b) for i, b in enumerate(biases)]
+    if shape_reader:
+        g.outputs.append(g.op("Shape", n))
+    if residual:
+        g.outputs.append(g.op("Add", x, n))
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}, reasons(result)
+    (node,) = fused_nodes(result.model)
+    assert node.output[0] == (n if shape_reader or residual else "")
+    assert attrs(node)["has_bias"] == [1 if b else 0 for b in biases]
+    assert len(result.model.graph.node) == 1 + shape_reader + residual
+    assert_same(model, result.model)
+
+
 def test_fusing_twice_changes_nothing() -> None:
     g = Graph(opset=13)
     x = g.input("x", ["batch", "seq", HIDDEN])
@@ -476,6 +517,46 @@ def test_refuses_variance_read_elsewhere() -> None:
     g.outputs.append(g.op("Sqrt", "var_out", name="other"))
     (reason,) = refused(one_linear(g, n))
     assert "internal value 'var_out' is also read by 'other' (Sqrt) outside the match" in reason
+
+
+def test_refuses_layernormalization_whose_mean_is_read() -> None:
+    g = Graph(opset=17)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    gamma, beta = g.const(np.ones(HIDDEN), "gamma"), g.const(np.zeros(HIDDEN), "beta")
+    ln = helper.make_node("LayerNormalization", [x, gamma, beta], ["n", "mu", "inv"], name="ln")
+    g.nodes.append(ln)
+    g.outputs += ["mu"]
+    (reason,) = refused(one_linear(g, "n"))
+    assert reason == "internal value 'mu' is a graph output, and LayerNormMatMul cannot output it"
+
+
+def test_refuses_statistics_over_different_axes() -> None:
+    g = Graph()
+    x = g.input("x", ["batch", 5, HIDDEN])
+    mean = reduce_mean(g, x, [-1], name="mean")
+    d = g.op("Sub", x, mean)
+    var = reduce_mean(g, g.op("Mul", d, d), [-2, -1], name="var")
+    n = g.op("Div", d, g.op("Sqrt", g.op("Add", var, g.const(1e-5, "eps"))))
+    (reason,) = refused(one_linear(g, n))
+    assert reason == "ReduceMeans 'mean' and 'var' average over different axes"
+
+
+def test_float64_epsilon_float32_cannot_hold_is_refused() -> None:
+    g = Graph(dtype=np.float64)
+    n = decomposed_ln(g, g.input("x", ["batch", "seq", HIDDEN]), eps=1e-12)
+    (reason,) = refused(one_linear(g, n))
+    assert reason.startswith("epsilon 'eps_")
+    assert "= 1e-12 is not exactly representable in LayerNormMatMul's float32 epsilon" in reason
+
+
+def test_float64_with_exact_epsilon() -> None:
+    g = Graph(dtype=np.float64)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    qkv_block(g, decomposed_ln(g, x, eps=2.0**-20), x)
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    assert_same(model, result.model, tolerance=1e-9)
 
 
 def test_refuses_non_constant_weight() -> None:
