@@ -37,7 +37,7 @@ RESIDENT_SHARE = 8
 class VectorTiling(Tiling):
     """Elements per tile, double buffering (0/1) and vector cores used."""
 
-    tile: int
+    elems: int
     double_buffer: int
     cores: int
 
@@ -137,7 +137,7 @@ class StreamKernel(Kernel):
         for i in lay.streamed:
             m = metas[i]
             assert m is not None
-            specs.append(QueueSpec(Level.UB, f"in{i}", t.tile * m.dtype.itemsize, depth))
+            specs.append(QueueSpec(Level.UB, f"in{i}", t.elems * m.dtype.itemsize, depth))
         for i in lay.resident:
             m = metas[i]
             assert m is not None
@@ -145,8 +145,9 @@ class StreamKernel(Kernel):
         if lay.prologue_ops:
             specs.append(QueueSpec(Level.UB, "prep", max(1, lay.prologue_bytes), 1))
         if lay.temps:
-            specs.append(QueueSpec(Level.UB, "tmp", t.tile * lay.compute_dtype.itemsize, lay.temps))
-        specs.append(QueueSpec(Level.UB, "out", t.tile * lay.out.dtype.itemsize, depth))
+            tmp_bytes = t.elems * lay.compute_dtype.itemsize
+            specs.append(QueueSpec(Level.UB, "tmp", tmp_bytes, lay.temps))
+        specs.append(QueueSpec(Level.UB, "out", t.elems * lay.out.dtype.itemsize, depth))
         return specs
 
     def default_tiling(
@@ -172,7 +173,7 @@ class StreamKernel(Kernel):
         tile_max = (room // per_elem) // unit * unit
         per_core = math.ceil(max(1, lay.out.size) / machine.vector_cores)
         tile = min(tile_max, math.ceil(per_core / unit) * unit)
-        return VectorTiling(tile=max(unit, tile), double_buffer=1, cores=machine.vector_cores)
+        return VectorTiling(elems=max(unit, tile), double_buffer=1, cores=machine.vector_cores)
 
     def check_tiling(
         self,
@@ -182,7 +183,7 @@ class StreamKernel(Kernel):
         machine: Machine,
     ) -> None:
         assert isinstance(tiling, VectorTiling)
-        check_positive(self.op_type, tile=tiling.tile, cores=tiling.cores)
+        check_positive(self.op_type, elems=tiling.elems, cores=tiling.cores)
         check_flag(self.op_type, double_buffer=tiling.double_buffer)
         if tiling.cores > machine.vector_cores:
             raise TilingError(
@@ -282,8 +283,8 @@ class StreamKernel(Kernel):
             )
         osz = lay.out.dtype.itemsize
         for start, stop in items:
-            for s in range(start, stop, t.tile):
-                e = min(s + t.tile, stop)
+            for s in range(start, stop, t.elems):
+                e = min(s + t.elems, stop)
                 n = e - s
                 tiles = []
                 for i in lay.streamed:

@@ -101,7 +101,7 @@ def test_any_fitting_tiling_gives_the_same_numbers(
     b_shape = [d if data.draw(st.booleans()) else 1 for d in shape]
     a = _operands("Add", tuple(shape), np.float32, 6)
     b = _operands("Add", tuple(b_shape), np.float32, 7)
-    t = VectorTiling(tile=tile * 8, double_buffer=db, cores=cores)
+    t = VectorTiling(elems=tile * 8, double_buffer=db, cores=cores)
     got = _kernel("Mul").run(MACHINE, [a, b], {}, tiling=t).outputs[0]
     np.testing.assert_array_equal(got, a * b)
 
@@ -127,12 +127,12 @@ def test_tiling_attributes_round_trip() -> None:
     k = _kernel("Add")
     t = VectorTiling(256, 0, 7)
     attrs = k.tiling_to_attrs(t)
-    assert attrs == {"tile_tile": 256, "tile_double_buffer": 0, "tile_cores": 7}
+    assert attrs == {"tile_elems": 256, "tile_double_buffer": 0, "tile_cores": 7}
     assert k.tiling_from_attrs(attrs) == t
     x = np.ones((3, 1000), np.float32)
     assert k.run(MACHINE, [x, x], attrs).stats.cores == 7
     with pytest.raises(TilingError, match="tile_cores"):
-        k.tiling_from_attrs({"tile_tile": 256, "tile_double_buffer": 0})
+        k.tiling_from_attrs({"tile_elems": 256, "tile_double_buffer": 0})
 
 
 # -- BatchNormalization -----------------------------------------------------------------------

@@ -87,7 +87,7 @@ def test_double_buffering_overlaps_copy_in_with_compute(op: str) -> None:
     k = registry.get_kernel("", op)
     assert k is not None
     runs = {
-        db: k.run(MACHINE, inputs, {}, tiling=VectorTiling(tile=4096, double_buffer=db, cores=1))
+        db: k.run(MACHINE, inputs, {}, tiling=VectorTiling(elems=4096, double_buffer=db, cores=1))
         for db in (0, 1)
     }
     overlap = {}
