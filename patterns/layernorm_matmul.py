@@ -247,8 +247,9 @@ def _rank(graph: GraphIndex, value: str) -> int | None:
     return None if shape is None else len(shape)
 
 
-def _scalar(graph: GraphIndex, value: str, what: str, node_id: int) -> float:
-    """The value of a one-element constant, or a near miss naming it."""
+def _scalar(graph: GraphIndex, value: str, what: str, node_id: int, rank: int | None) -> float:
+    """The value of a one-element constant (that does not raise the rank of a rank-`rank`
+    operand), or a near miss naming it."""
     const = graph.constant(value)
     name = graph.describe(node_id)
     if const is None:
@@ -260,6 +261,12 @@ def _scalar(graph: GraphIndex, value: str, what: str, node_id: int) -> float:
     if const.size != 1:
         raise _NearMiss(
             f"{what} '{value}' of '{name}' has shape {list(const.shape)}, expected a single value",
+            value,
+            (node_id,),
+        )
+    if rank is not None and const.ndim > rank:
+        raise _NearMiss(
+            f"{what} '{value}' of '{name}' has rank {const.ndim}, more than the input's {rank}",
             value,
             (node_id,),
         )
@@ -419,11 +426,8 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
             return None
         members.append(recips[0])
         std = _follow(graph, graph.node(recips[0]).output[0], members)
-    if (
-        std not in div_node.input
-        or div_node.input[0 if div_node.op_type == "Mul" else 1] not in (std, d)
-        or list(div_node.input) == [d, d]
-    ):
+    operands = list(div_node.input)
+    if operands != [d, std] and (div_node.op_type == "Div" or operands != [std, d]):
         return None
     members.append(divide)
 
@@ -440,7 +444,7 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
             )
         sq_node = graph.node(square)
         if sq_node.op_type == "Pow":
-            exponent = _scalar(graph, sq_node.input[1], "exponent", square)
+            exponent = _scalar(graph, sq_node.input[1], "exponent", square, rank)
             if exponent != 2.0:
                 raise _NearMiss(
                     f"Pow '{graph.describe(square)}' raises to {exponent:g}; the "
@@ -450,15 +454,7 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
                 )
         add_node = graph.node(add_eps)
         eps_name = add_node.input[1] if add_node.input[0] == var else add_node.input[0]
-        epsilon = _scalar(graph, eps_name, "epsilon", add_eps)
-        eps_const = graph.constant(eps_name)
-        assert eps_const is not None
-        if rank is not None and eps_const.ndim > rank:
-            raise _NearMiss(
-                f"epsilon '{eps_name}' has rank {eps_const.ndim}, more than the input's {rank}",
-                eps_name,
-                (add_eps,),
-            )
+        epsilon = _scalar(graph, eps_name, "epsilon", add_eps, rank)
         if float(np.float32(epsilon)) != epsilon:
             raise _NearMiss(
                 f"epsilon '{eps_name}' = {epsilon!r} is not exactly representable in "
