@@ -60,7 +60,7 @@ def conv_specs(
     ]
     if has_params:
         # Raw per-channel parameters (B and BN's four) and the folded scale and shift.
-        specs.append(QueueSpec(Level.L1, "params", co * (5 * isz + 8), 1))
+        specs.append(QueueSpec(Level.L1, "params", co * (5 * isz + 8), depth))
     return specs
 
 

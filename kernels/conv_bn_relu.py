@@ -33,6 +33,7 @@ from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
 from .npu.core import Core
 from .npu.launch import launch
 from .npu.machine import Machine
+from .npu.memory import Tile
 from .npu.pipes import Level
 
 
@@ -209,12 +210,15 @@ def _program(
     bufs = {Level.L1: core.l1, Level.L0A: core.l0a, Level.L0B: core.l0b, Level.L0C: core.l0c}
     q = {s.name: bufs[s.level].queue(s.name, s.slot_bytes, s.depth) for s in specs}
     isz = dtype.itemsize
+    params: Tile | None = None
+    params_block = -1
     for it in items:
         rows_out, cols_out, nco = it.h1 - it.h0, it.w1 - it.w0, it.co1 - it.co0
         m = rows_out * cols_out
         ci_lo, ci_hi = g.channel_range(it.co0, it.co1)
-        params = None
-        if has_b or has_bn:
+        # Per-channel parameters stay in L1 while consecutive blocks share their channels.
+        if (has_b or has_bn) and it.co0 != params_block:
+            params_block = it.co0
             params = q["params"].alloc()
             nrows = 5 if has_bn else 1
             core.copy_in(

@@ -102,7 +102,7 @@ class _CubeGemm(Kernel):
             QueueSpec(Level.L0C, "acc", tm * tn * 4, depth),
         ]
         if p.has_c:
-            specs.append(QueueSpec(Level.L1, "c", tm * tn * isz, 1))
+            specs.append(QueueSpec(Level.L1, "c", tm * tn * isz, depth))
         return specs
 
     def check_tiling(
