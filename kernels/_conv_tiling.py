@@ -84,10 +84,12 @@ def estimate_cycles(g: ConvGeometry, dtype: np.dtype, t: ConvTiling, machine: Ma
     m = th * tw
     x_bytes = ci * min(rows, g.h) * min(cols, g.w) * isz
     w_bytes = co * ci * g.taps * isz
-    dma = chunks * (
-        machine.copy_in_head(x_bytes, cores) + machine.copy_in_head(w_bytes, cores)
-        + (x_bytes + w_bytes) / bw
-    )  # fmt: skip
+    w_copy = machine.copy_in_head(w_bytes, cores) + w_bytes / bw
+    if chunks == 1:
+        # Weights of one K step stay in L1 across a core's blocks of the same channels.
+        co_blocks = math.ceil(g.cout / co)
+        w_copy *= min(1.0, (1 + waves * co_blocks / items) / waves)
+    dma = chunks * (machine.copy_in_head(x_bytes, cores) + x_bytes / bw + w_copy)
     k0 = machine.cube_k_block(dtype)
     cube = chunks * g.taps * math.ceil(m / 16) * math.ceil(ci / k0) * math.ceil(co / 16)
     mte1 = chunks * g.taps * (

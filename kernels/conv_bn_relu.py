@@ -139,12 +139,13 @@ class _ConvKernel(Kernel):
         assert isinstance(tiling, ConvTiling)
         g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
         th, tw, co, _ = effective(g, tiling)
+        # Channel blocks outermost: a core's consecutive blocks share their weights.
         work = [
             _Item(n, h0, min(h0 + th, g.ho), w0, min(w0 + tw, g.wo), c0, min(c0 + co, g.cout))
+            for c0 in range(0, g.cout, co)
             for n in range(g.n)
             for h0 in range(0, g.ho, th)
             for w0 in range(0, g.wo, tw)
-            for c0 in range(0, g.cout, co)
         ]
         data = None
         y = None
@@ -212,6 +213,8 @@ def _program(
     isz = dtype.itemsize
     params: Tile | None = None
     params_block = -1
+    wt: Tile | None = None
+    w_block = -1
     for it in items:
         rows_out, cols_out, nco = it.h1 - it.h0, it.w1 - it.w0, it.co1 - it.co0
         m = rows_out * cols_out
@@ -244,14 +247,19 @@ def _program(
                 None if data is None else partial(_halo_tile, g, data.x, it, c0, c1, rows, cols),
                 label="in x",
             )
-            wt = q["w"].alloc()
-            core.copy_in(
-                wt,
-                nco * cc * g.taps * isz,
-                None if data is None
-                else data.packed[it.co0][:, c0 - ci_lo : c1 - ci_lo],
-                label="in w",
-            )  # fmt: skip
+            # One K step holding all of a block's weights: consecutive blocks of the same
+            # channels reuse the L1 copy instead of fetching it again.
+            single = c1 == ci_hi and c0 == ci_lo
+            if not (single and w_block == it.co0 and wt is not None):
+                wt = q["w"].alloc()
+                core.copy_in(
+                    wt,
+                    nco * cc * g.taps * isz,
+                    None if data is None
+                    else data.packed[it.co0][:, c0 - ci_lo : c1 - ci_lo],
+                    label="in w",
+                )  # fmt: skip
+                w_block = it.co0 if single else -1
             a_bytes, b_bytes = m * cc * isz, cc * nco * isz
             qa, qb = q["a"], q["b"]
             functional = data is not None
