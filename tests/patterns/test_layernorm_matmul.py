@@ -363,6 +363,22 @@ def test_view_shape_read_elsewhere_leaves_that_gemm_unfused() -> None:
     assert_same(model, result.model)
 
 
+def test_noop_cast_between_layernorm_and_linears_is_looked_through() -> None:
+    g = Graph(opset=17)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = op_ln(g, x)
+    same = g.op("Cast", n, to=TensorProto.FLOAT, name="noop")
+    widen = g.op("Cast", n, to=TensorProto.DOUBLE, name="widen")  # not a no-op: a reader
+    g.outputs += [linear(g, same, 4, bias="after"), linear(g, same, 2), widen]
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    (node,) = fused_nodes(result.model)
+    assert node.output[0] == n
+    assert [n.name for n in result.model.graph.node if n.op_type == "Cast"] == ["widen"]
+    assert_same(model, result.model)
+
+
 def test_gemm_on_2d_layernorm_output() -> None:
     g = Graph(opset=17)
     x = g.input("x", ["tokens", HIDDEN])
