@@ -359,12 +359,13 @@ def _pack_weights(w: np.ndarray, g: ConvGeometry, tile_co: int) -> dict[int, np.
 
 
 def _signature(g: ConvGeometry, it: _Item) -> tuple[int, ...]:
-    # Timing depends on the block's sizes, its K range, and how much of its halo is padding
-    # (DMA bytes), not on which block it is.
+    # Timing depends on the block's sizes, its K range, how much of its halo is padding (DMA
+    # bytes) and its channel block (weights and parameters are reloaded when it changes from
+    # one block to the next), not on which pixels it covers.
     rows, cols = g.halo(it.h1 - it.h0, it.w1 - it.w0)
     lo, hi = g.channel_range(it.co0, it.co1)
     return (
-        it.h1 - it.h0, it.w1 - it.w0, it.co1 - it.co0, hi - lo,
+        it.h1 - it.h0, it.w1 - it.w0, it.co0, it.co1 - it.co0, hi - lo,
         _valid_bytes(g, it, 1, rows, cols, 1),
     )  # fmt: skip
 

@@ -168,3 +168,15 @@ def test_bad_inputs_say_why() -> None:
         _kernel(CONV).run(MACHINE, [x.astype(np.float64), w.astype(np.float64)], {})
     with pytest.raises(KernelError, match="1-D and 2-D"):
         _kernel(CONV).run(MACHINE, [np.ones((1, 1, 2, 2, 2), np.float32)] * 2, {})
+
+
+def test_timing_only_matches_functional_when_cores_straddle_channel_blocks() -> None:
+    # Equal-sized blocks, but some cores cross from one channel block to the next and reload
+    # weights and parameters there: their timing must not be shared with the others.
+    x, w, b, bn = _data((1, 16, 9, 9), (48, 16, 1, 1), np.float16, seed=4)
+    t = ConvTiling(1, 9, 16, 16, 1, 4)
+    inputs = [x, w, b, *bn]
+    f = _kernel(FUSED).run(MACHINE, inputs, {"relu": 1}, tiling=t)
+    metas = [TensorMeta.of(a) for a in inputs]
+    s = _kernel(FUSED).run(MACHINE, metas, {"relu": 1}, tiling=t, functional=False)
+    assert s.stats == f.stats
