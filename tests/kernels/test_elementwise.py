@@ -102,8 +102,10 @@ def test_any_fitting_tiling_gives_the_same_numbers(
     a = _operands("Add", tuple(shape), np.float32, 6)
     b = _operands("Add", tuple(b_shape), np.float32, 7)
     t = VectorTiling(elems=tile * 8, double_buffer=db, cores=cores)
-    got = _kernel("Mul").run(MACHINE, [a, b], {}, tiling=t).outputs[0]
-    np.testing.assert_array_equal(got, a * b)
+    run = _kernel("Mul").run(MACHINE, [a, b], {}, tiling=t)
+    np.testing.assert_array_equal(run.outputs[0], a * b)
+    metas = [TensorMeta.of(a), TensorMeta.of(b)]
+    assert _kernel("Mul").run(MACHINE, metas, {}, tiling=t, functional=False).stats == run.stats
 
 
 def test_too_big_tile_is_refused_with_a_reason() -> None:

@@ -90,8 +90,10 @@ def test_any_fitting_tiling_gives_the_same_numbers(
         # A refused tiling must say which buffer overflows.
         assert any(f"bytes of {lv} " in refusal for lv in ("L1", "L0A", "L0B", "L0C")), refusal
         return
-    got = _k("MatMul").run(MACHINE, [a, b], {}, tiling=t).outputs[0]
-    np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4)
+    run = _k("MatMul").run(MACHINE, [a, b], {}, tiling=t)
+    np.testing.assert_allclose(run.outputs[0], a @ b, rtol=1e-4, atol=1e-4)
+    metas = [TensorMeta.of(a), TensorMeta.of(b)]
+    assert _k("MatMul").run(MACHINE, metas, {}, tiling=t, functional=False).stats == run.stats
 
 
 def _refusal(a: np.ndarray, b: np.ndarray, t: MatMulTiling) -> str | None:
