@@ -21,8 +21,11 @@ from onnx import TensorProto, helper, numpy_helper
 FUSER = [sys.executable, "-m", "fuser.cli"]
 
 
-def fuser(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*FUSER, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+def fuser(*args: str) -> subprocess.CompletedProcess[str]:
+    # Run outside the repository: `python -m` puts the working directory first on sys.path, and
+    # the repo's own fuser/ folder (without patterns/ mapped in) must not shadow the install.
+    return subprocess.run([*FUSER, *args], capture_output=True, text=True, cwd=Path(__file__).anchor,
+                          timeout=300)
 
 
 def digest(path: Path) -> str:

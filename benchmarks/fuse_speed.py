@@ -1,0 +1,100 @@
+"""How long fusing takes, next to onnxruntime's optimizer and the onnxscript rewriter.
+
+Builds CNN and transformer-style graphs of about 1k, 10k and 100k nodes (fuser.models.synthetic),
+writes each to disk, then times whole processes on the same file, in the same run:
+  fuser       `fuser fuse IN -o OUT` (load + match + rewrite + verify + save, import included)
+  ort         onnxruntime InferenceSession with ORT_ENABLE_EXTENDED and optimized_model_filepath
+  onnxscript  onnx.load + onnxscript.rewriter.rewrite (default rules) + onnx.save
+Each cell is the median of --repeat runs (onnxscript: one run, and only up to --onnxscript-max
+nodes, because it takes minutes beyond that). Prints a table and the targets.
+
+    python benchmarks/fuse_speed.py [--sizes 1000,10000,100000] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import onnx
+from rich.console import Console
+from rich.table import Table
+
+from fuser.models.synthetic import cnn_graph, transformer_graph
+
+ORT_SCRIPT = """
+import sys, onnxruntime as ort
+so = ort.SessionOptions()
+so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+so.optimized_model_filepath = sys.argv[2]
+ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+"""
+ONNXSCRIPT_SCRIPT = """
+import sys, onnx
+from onnxscript import rewriter
+model = onnx.load(sys.argv[1])
+onnx.save(rewriter.rewrite(model), sys.argv[2])
+"""
+
+
+def timed(cmd: list[str], cwd: Path) -> float:
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])} failed: {result.stderr.strip().splitlines()[-1:]}")
+    return elapsed
+
+
+def median_of(cmd: list[str], cwd: Path, repeat: int) -> float:
+    return statistics.median(timed(cmd, cwd) for _ in range(repeat))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000,10000,100000")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--onnxscript-max", type=int, default=10000)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    console = Console()
+    fuser_cmd = [sys.executable, "-m", "fuser.cli", "fuse"]
+    table = Table(title="time to fuse a model file (whole process, median)", title_justify="left")
+    for column in ("model", "nodes", "fused", "fuser s", "ort s", "onnxscript s", "fuser/ort", "onnxscript/fuser"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    fuser_times: dict[tuple[str, int], float] = {}
+    with tempfile.TemporaryDirectory(prefix="fuse-speed-") as folder:
+        work = Path(folder)
+        for family, build in (("cnn", cnn_graph), ("transformer", transformer_graph)):
+            for size in sizes:
+                model = build(size)
+                path = work / f"{family}_{size}.onnx"
+                onnx.save(model, path)
+                nodes = len(model.graph.node)
+                t_fuser = median_of([*fuser_cmd, str(path), "-o", str(work / "out.onnx")], work, args.repeat)
+                fused_nodes = len(onnx.load(work / "out.onnx").graph.node)
+                t_ort = median_of([sys.executable, "-c", ORT_SCRIPT, str(path), str(work / "ort.onnx")],
+                                  work, args.repeat)
+                t_os = None
+                if size <= args.onnxscript_max:
+                    t_os = timed([sys.executable, "-c", ONNXSCRIPT_SCRIPT, str(path), str(work / "os.onnx")], work)
+                fuser_times[(family, size)] = t_fuser
+                table.add_row(family, str(nodes), f"{nodes} -> {fused_nodes}", f"{t_fuser:.2f}",
+                              f"{t_ort:.2f}", "not run" if t_os is None else f"{t_os:.2f}",
+                              f"{t_fuser / t_ort:.2f}", "-" if t_os is None else f"{t_os / t_fuser:.1f}")
+                console.print(f"[dim]{family} {size}: fuser {t_fuser:.2f}s ort {t_ort:.2f}s[/]")
+    console.print(table)
+    for family in ("cnn", "transformer"):
+        if (family, 10000) in fuser_times and (family, 100000) in fuser_times:
+            ratio = fuser_times[(family, 100000)] / fuser_times[(family, 10000)]
+            console.print(f"{family}: 100k/10k fuser time ratio {ratio:.1f} (target < 12: linear)")
+    console.print("targets at 10k nodes: fuser/ort <= 1.0; onnxscript/fuser >= 10")
+
+
+if __name__ == "__main__":
+    main()
