@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 
 import onnx
+from fuser.models.synthetic import cnn_graph, transformer_graph
 from rich.console import Console
 from rich.table import Table
-
-from fuser.models.synthetic import cnn_graph, transformer_graph
 
 ORT_SCRIPT = """
 import sys, onnxruntime as ort
@@ -65,7 +64,16 @@ def main() -> None:
     console = Console()
     fuser_cmd = [sys.executable, "-m", "fuser.cli", "fuse"]
     table = Table(title="time to fuse a model file (whole process, median)", title_justify="left")
-    for column in ("model", "nodes", "fused", "fuser s", "ort s", "onnxscript s", "fuser/ort", "onnxscript/fuser"):
+    for column in (
+        "model",
+        "nodes",
+        "fused",
+        "fuser s",
+        "ort s",
+        "onnxscript s",
+        "fuser/ort",
+        "onnxscript/fuser",
+    ):
         table.add_column(column, justify="left" if column == "model" else "right")
     fuser_times: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory(prefix="fuse-speed-") as folder:
@@ -76,17 +84,32 @@ def main() -> None:
                 path = work / f"{family}_{size}.onnx"
                 onnx.save(model, path)
                 nodes = len(model.graph.node)
-                t_fuser = median_of([*fuser_cmd, str(path), "-o", str(work / "out.onnx")], work, args.repeat)
+                t_fuser = median_of(
+                    [*fuser_cmd, str(path), "-o", str(work / "out.onnx")], work, args.repeat
+                )
                 fused_nodes = len(onnx.load(work / "out.onnx").graph.node)
-                t_ort = median_of([sys.executable, "-c", ORT_SCRIPT, str(path), str(work / "ort.onnx")],
-                                  work, args.repeat)
+                t_ort = median_of(
+                    [sys.executable, "-c", ORT_SCRIPT, str(path), str(work / "ort.onnx")],
+                    work,
+                    args.repeat,
+                )
                 t_os = None
                 if size <= args.onnxscript_max:
-                    t_os = timed([sys.executable, "-c", ONNXSCRIPT_SCRIPT, str(path), str(work / "os.onnx")], work)
+                    t_os = timed(
+                        [sys.executable, "-c", ONNXSCRIPT_SCRIPT, str(path), str(work / "os.onnx")],
+                        work,
+                    )
                 fuser_times[(family, size)] = t_fuser
-                table.add_row(family, str(nodes), f"{nodes} -> {fused_nodes}", f"{t_fuser:.2f}",
-                              f"{t_ort:.2f}", "not run" if t_os is None else f"{t_os:.2f}",
-                              f"{t_fuser / t_ort:.2f}", "-" if t_os is None else f"{t_os / t_fuser:.1f}")
+                table.add_row(
+                    family,
+                    str(nodes),
+                    f"{nodes} -> {fused_nodes}",
+                    f"{t_fuser:.2f}",
+                    f"{t_ort:.2f}",
+                    "not run" if t_os is None else f"{t_os:.2f}",
+                    f"{t_fuser / t_ort:.2f}",
+                    "-" if t_os is None else f"{t_os / t_fuser:.1f}",
+                )
                 console.print(f"[dim]{family} {size}: fuser {t_fuser:.2f}s ort {t_ort:.2f}s[/]")
     console.print(table)
     for family in ("cnn", "transformer"):

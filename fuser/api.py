@@ -86,7 +86,8 @@ def _default_decider(target: str, force: bool) -> Decider:
         from .costmodel import CostModelDecider
     except ImportError:
         return AlwaysFuse()
-    return CostModelDecider.for_target(target, force=force)  # type: ignore[no-any-return]
+    decider: Decider = CostModelDecider.for_target(target, force=force)
+    return decider
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,13 @@ class Inspection:
 
         return {
             "matches": [
-                {"pattern": m.pattern, "op": m.op, "nodes": list(m.replaced), "graph": m.graph,
-                 "notes": list(m.notes)}
+                {
+                    "pattern": m.pattern,
+                    "op": m.op,
+                    "nodes": list(m.replaced),
+                    "graph": m.graph,
+                    "notes": list(m.notes),
+                }
                 for m in self.matches
             ],
             "near_misses": [asdict(r) | {"nodes": list(r.nodes)} for r in self.near_misses],
@@ -140,8 +146,16 @@ def validate(
     from .validation import validate_models
 
     return validate_models(
-        _loaded(original), _loaded(fused), runs=runs, seed=seed, rtol=rtol, atol=atol,
-        inputs=inputs, dim_size=dim_size, kernel=kernel, target=target,
+        _loaded(original),
+        _loaded(fused),
+        runs=runs,
+        seed=seed,
+        rtol=rtol,
+        atol=atol,
+        inputs=inputs,
+        dim_size=dim_size,
+        kernel=kernel,
+        target=target,
     )
 
 

@@ -7,6 +7,8 @@ over the input.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -34,9 +36,8 @@ EXAMPLE_PREFIX = "example:"
 def _resolve_input(spec: str) -> tuple[Any, str]:
     """A path, or `example:NAME` for a built-in model from fuser.models."""
     if spec.startswith(EXAMPLE_PREFIX):
-        from . import models
-
-        name = spec[len(EXAMPLE_PREFIX):]
+        models = importlib.import_module("fuser.models")
+        name = spec[len(EXAMPLE_PREFIX) :]
         try:
             return models.get_example(name), spec
         except KeyError as exc:
@@ -66,12 +67,18 @@ def _same_file(a: str, b: Path) -> bool:
 def fuse(
     input: Annotated[str, typer.Argument(help="ONNX file, or example:NAME (see `fuser patterns`)")],
     output: Annotated[Path, typer.Option("-o", "--output", help="where to write the fused model")],
-    patterns: Annotated[str | None, typer.Option(help="comma-separated patterns to run (default all)")] = None,
+    patterns: Annotated[
+        str | None, typer.Option(help="comma-separated patterns to run (default all)")
+    ] = None,
     disable: Annotated[str | None, typer.Option(help="comma-separated patterns to skip")] = None,
     target: Annotated[str, typer.Option(help="NPU target name or target JSON file")] = "ascend910b",
     report: Annotated[Path | None, typer.Option(help="write the JSON report here")] = None,
-    validate: Annotated[bool, typer.Option("--validate", help="check the result in onnxruntime before writing")] = False,
-    force: Annotated[bool, typer.Option("--force", help="fuse even where the cost model predicts a slowdown")] = False,
+    validate: Annotated[
+        bool, typer.Option("--validate", help="check the result in onnxruntime before writing")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="fuse even where the cost model predicts a slowdown")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
     """Fuse a model: prints what was fused, what was not and why, and writes OUTPUT."""
@@ -82,7 +89,11 @@ def fuse(
         source, label = _resolve_input(input)
         if isinstance(source, str) and _same_file(source, output):
             raise UsageError(f"{output}: output would overwrite the input; choose another path")
-        with err.status(f"fusing {label}", spinner="dots") if err.is_terminal else _nullcontext():
+        with (
+            err.status(f"fusing {label}", spinner="dots")
+            if err.is_terminal
+            else contextlib.nullcontext()
+        ):
             result = run_fuse(source, _split(patterns), _split(disable) or (), target, force=force)
         data: dict[str, Any] = result.report.to_dict()
         validation = None
@@ -109,21 +120,15 @@ def fuse(
     out.print(f"wrote {', '.join(str(p) for p in written)}")
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: object) -> None:
-        return None
-
-
 def _print_report(report: Any, label: str) -> None:
     table = Table(title=f"fusions in {label}", title_justify="left")
     table.add_column("pattern")
     table.add_column("fused", justify="right")
     table.add_column("predicted speedup", justify="right")
     for name, count in report.summary.items():
-        speedups = [f.prediction.speedup for f in report.fusions if f.pattern == name and f.prediction]
+        speedups = [
+            f.prediction.speedup for f in report.fusions if f.pattern == name and f.prediction
+        ]
         shown = f"{min(speedups):.2f}x – {max(speedups):.2f}x" if speedups else "-"
         table.add_row(name, str(count), shown)
     out.print(table)
@@ -133,26 +138,39 @@ def _print_report(report: Any, label: str) -> None:
         misses.add_column("nodes")
         misses.add_column("reason")
         for r in report.rejected:
-            misses.add_row(r.pattern, ", ".join(r.nodes), (f"[{r.graph}] " if r.graph else "") + r.reason)
+            misses.add_row(
+                r.pattern, ", ".join(r.nodes), (f"[{r.graph}] " if r.graph else "") + r.reason
+            )
         out.print(misses)
     out.print(f"nodes: {report.nodes_before} -> {report.nodes_after}")
 
 
 def _print_validation(result: Any) -> None:
-    table = Table(title=f"validation ({result.runs} runs x {result.ranks} rank(s), seed {result.seed}, "
-                        f"kernel {result.kernel})", title_justify="left")
+    table = Table(
+        title=f"validation ({result.runs} runs x {result.ranks} rank(s), seed {result.seed}, "
+        f"kernel {result.kernel})",
+        title_justify="left",
+    )
     for column in ("output", "dtype", "max abs", "max rel", "tolerance", "ok"):
         table.add_column(column, justify="right" if column.startswith(("max", "tol")) else "left")
     for o in result.outputs:
-        table.add_row(o.name, o.dtype, f"{o.max_abs:.3g}", f"{o.max_rel:.3g}", f"{o.tolerance:.0e}",
-                      ("[green]yes[/]" if o.ok else "[red]NO[/]") + (f" ({o.detail})" if o.detail else ""))
+        table.add_row(
+            o.name,
+            o.dtype,
+            f"{o.max_abs:.3g}",
+            f"{o.max_rel:.3g}",
+            f"{o.tolerance:.0e}",
+            ("[green]yes[/]" if o.ok else "[red]NO[/]") + (f" ({o.detail})" if o.detail else ""),
+        )
     out.print(table)
 
 
 @app.command()
 def inspect(
     input: Annotated[str, typer.Argument(help="ONNX file, or example:NAME")],
-    patterns: Annotated[str | None, typer.Option(help="comma-separated patterns (default all)")] = None,
+    patterns: Annotated[
+        str | None, typer.Option(help="comma-separated patterns (default all)")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """List every match and every near-miss, with its reason and nodes."""
@@ -204,9 +222,13 @@ def validate(
     fused: Annotated[str, typer.Argument(help="the fused ONNX file")],
     runs: Annotated[int, typer.Option(help="input sets to try")] = 3,
     seed: Annotated[int, typer.Option(help="seed of the random inputs")] = 0,
-    rtol: Annotated[float | None, typer.Option(help="relative tolerance (overrides the dtype default)")] = None,
+    rtol: Annotated[
+        float | None, typer.Option(help="relative tolerance (overrides the dtype default)")
+    ] = None,
     atol: Annotated[float | None, typer.Option(help="absolute tolerance")] = None,
-    input: Annotated[list[str] | None, typer.Option("--input", help="name=file.npy, repeatable")] = None,
+    input: Annotated[
+        list[str] | None, typer.Option("--input", help="name=file.npy, repeatable")
+    ] = None,
     dim_size: Annotated[int, typer.Option(help="size given to symbolic dims")] = 3,
     kernel: Annotated[str, typer.Option(help="how fused ops run: reference or npu")] = "reference",
     target: Annotated[str, typer.Option(help="NPU target for --kernel npu")] = "ascend910b",
@@ -217,13 +239,24 @@ def validate(
 
     try:
         source, _ = _resolve_input(original)
-        result = run_validate(source, fused, runs=runs, seed=seed, rtol=rtol, atol=atol,
-                              inputs=_parse_inputs(input or []), dim_size=dim_size, kernel=kernel,
-                              target=target)
+        result = run_validate(
+            source,
+            fused,
+            runs=runs,
+            seed=seed,
+            rtol=rtol,
+            atol=atol,
+            inputs=_parse_inputs(input or []),
+            dim_size=dim_size,
+            kernel=kernel,
+            target=target,
+        )
     except FuserError as exc:
         raise _fail(str(exc)) from None
     except Exception as exc:  # onnxruntime's own errors: keep them to one line
-        raise _fail(f"{fused}: onnxruntime failed: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+        raise _fail(
+            f"{fused}: onnxruntime failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        ) from None
     if as_json:
         out.print_json(json.dumps(result.to_dict()))
     else:
@@ -233,12 +266,16 @@ def validate(
 
 
 @app.command("patterns")
-def list_patterns(as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
+def list_patterns(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
     """The registered fusion patterns and the fused ops they emit."""
     from .registry import all_patterns
 
-    rows = [{"name": p.name, "ops": [op.name for op in p.ops], "description": p.description}
-            for p in all_patterns()]
+    rows: list[dict[str, str | list[str]]] = [
+        {"name": p.name, "ops": [op.name for op in p.ops], "description": p.description}
+        for p in all_patterns()
+    ]
     if as_json:
         out.print_json(json.dumps(rows))
         return
@@ -247,11 +284,10 @@ def list_patterns(as_json: Annotated[bool, typer.Option("--json", help="print JS
     table.add_column("fused ops")
     table.add_column("matches")
     for row in rows:
-        table.add_row(row["name"], ", ".join(row["ops"]), row["description"])
+        table.add_row(str(row["name"]), ", ".join(row["ops"]), str(row["description"]))
     out.print(table)
     try:
-        from . import models
-
+        models = importlib.import_module("fuser.models")
         out.print("examples: " + ", ".join(f"example:{n}" for n in models.EXAMPLES))
     except (ImportError, AttributeError):
         pass

@@ -63,8 +63,9 @@ def gather(inputs_x: np.ndarray, attrs: Mapping[str, Any], ctx: RunContext) -> l
     return ctx.communicator.all_gather(ctx.rank, inputs_x)
 
 
-def _all_gather_handler(inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any],
-                        ctx: RunContext) -> Sequence[np.ndarray]:
+def _all_gather_handler(
+    inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any], ctx: RunContext
+) -> Sequence[np.ndarray]:
     x = inputs[0]
     assert x is not None
     # The schema's default axis is 1 but onnxruntime's kernel uses 0; follow the runtime.

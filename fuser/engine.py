@@ -10,7 +10,7 @@ enclosing graph visible for constants and types.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -24,7 +24,7 @@ from .matcher import check_match
 from .modelio import LoadedModel, has_external_data
 from .pattern import Match, Pattern, Rejection
 from .registry import ensure_fused_ops_registered
-from .report import FusionRecord, RejectionRecord
+from .report import FusionRecord, Prediction, RejectionRecord
 
 
 @dataclass
@@ -63,7 +63,8 @@ def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
     declared = {v.name for v in graph.input}
     graph.input.extend(
         helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-        for t in external if t.name not in declared
+        for t in external
+        if t.name not in declared
     )
     return copy
 
@@ -133,7 +134,9 @@ def run_passes(
 
 
 def _walk(
-    index: GraphIndex, loaded: LoadedModel, opsets: dict[str, int],
+    index: GraphIndex,
+    loaded: LoadedModel,
+    opsets: dict[str, int],
     types: dict[str, dict[str, ValueType]],
 ) -> Iterator[GraphIndex]:
     """The graph, then (after its own rewrites) each subgraph, depth first."""
@@ -169,33 +172,51 @@ def _run_pattern(index: GraphIndex, pattern: Pattern, decider: Decider, log: Pas
         decision = decider.decide(index, found)
         if not decision.fuse:
             log.rejected.append(
-                RejectionRecord(pattern.name, tuple(index.describe(i) for i in found.nodes),
-                                decision.reason, None, index.path)
+                RejectionRecord(
+                    pattern.name,
+                    tuple(index.describe(i) for i in found.nodes),
+                    decision.reason,
+                    None,
+                    index.path,
+                )
             )
             continue
         _apply(index, found, decision.attributes, decision.prediction, log)
 
 
-def _apply(index: GraphIndex, match: Match, extra_attrs: object, prediction: object,
-           log: PassLog) -> None:
+def _apply(
+    index: GraphIndex,
+    match: Match,
+    extra_attrs: Mapping[str, int],
+    prediction: Prediction | None,
+    log: PassLog,
+) -> None:
     replaced = tuple(index.describe(i) for i in match.nodes)
     anchor = index.node(match.nodes[0])
     base = anchor.name or f"{anchor.op_type}_{match.nodes[0]}"
     name = index.unique_node_name(f"{base}/{match.op.name}")
     attributes = {k: v for k, v in match.attributes.items() if v is not None}
-    attributes.update(dict(extra_attrs))  # type: ignore[call-overload]
+    attributes.update(extra_attrs)
     inputs = _trim(match.inputs)
     outputs = _trim(match.outputs)
     fused = helper.make_node(match.op.name, inputs, outputs, name=name, domain=DOMAIN, **attributes)
     index.replace(match.nodes, fused, match.new_initializers)
     log.fusions.append(
-        FusionRecord(match.pattern, name, match.op.name, replaced, attributes, index.path,
-                     match.notes, prediction)  # type: ignore[arg-type]
+        FusionRecord(
+            match.pattern,
+            name,
+            match.op.name,
+            replaced,
+            attributes,
+            index.path,
+            match.notes,
+            prediction,
+        )
     )
 
 
 def _trim(names: tuple[str, ...]) -> list[str]:
-    """Drop trailing absent optionals (ONNX allows omitting them; empty names in the middle stay)."""
+    """Drop trailing absent optionals (ONNX allows omitting them; empty ones in the middle stay)."""
     trimmed = list(names)
     while trimmed and not trimmed[-1]:
         trimmed.pop()
@@ -207,7 +228,9 @@ def verify(model: onnx.ModelProto, label: str) -> None:
     model = checkable(model)
     try:
         onnx.checker.check_model(model, full_check=False)
-        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=_all_domains_known(model))
+        onnx.shape_inference.infer_shapes(
+            model, check_type=True, strict_mode=_all_domains_known(model)
+        )
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FusionError(

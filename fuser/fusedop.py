@@ -158,7 +158,9 @@ def _attribute(attr: Attr) -> defs.OpSchema.Attribute:
     if attr.kind in ("ints", "floats") and not attr.default:
         # make_attribute cannot type an empty list; an optional typed attribute says the same.
         return defs.OpSchema.Attribute(attr.name, _ATTR_TYPES[attr.kind], attr.doc, required=False)
-    return defs.OpSchema.Attribute(attr.name, helper.make_attribute(attr.name, attr.default), attr.doc)
+    return defs.OpSchema.Attribute(
+        attr.name, helper.make_attribute(attr.name, attr.default), attr.doc
+    )
 
 
 def _tensor_info(type_proto: onnx.TypeProto | None) -> TensorInfo | None:
@@ -179,7 +181,9 @@ def _tensor_info(type_proto: onnx.TypeProto | None) -> TensorInfo | None:
 
 
 def _type_proto(info: TensorInfo) -> onnx.TypeProto:
-    return helper.make_tensor_type_proto(info.elem_type, None if info.shape is None else list(info.shape))
+    return helper.make_tensor_type_proto(
+        info.elem_type, None if info.shape is None else list(info.shape)
+    )
 
 
 _REGISTERED: dict[str, FusedOp] = {}

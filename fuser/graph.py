@@ -22,8 +22,15 @@ from .modelio import LoadedModel, read_tensor
 
 # Ops whose value is not a function of their inputs: never treated as constants.
 _NONDETERMINISTIC = frozenset(
-    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
-     "Bernoulli", "Dropout"}
+    {
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Multinomial",
+        "Bernoulli",
+        "Dropout",
+    }
 )
 # A constant cone larger than this is not folded at fuse time (it would cost more than it saves).
 _MAX_CONSTANT_CONE = 64
@@ -216,7 +223,7 @@ class GraphIndex:
             )
         self.order = order
         self.pos = {node_id: i for i, node_id in enumerate(order) if node_id is not None}
-        if [n for n in order] != ids:
+        if order != ids:
             self.modified = True
 
     # -- queries ----------------------------------------------------------------------------------
@@ -325,17 +332,19 @@ class GraphIndex:
             if value is None:
                 return None
             feeds[leaf] = value
-        inputs = [onnx.helper.make_tensor_value_info(leaf, onnx.TensorProto.UNDEFINED, None)
-                  for leaf in leaves]
+        inputs = [
+            onnx.helper.make_tensor_value_info(leaf, onnx.TensorProto.UNDEFINED, None)
+            for leaf in leaves
+        ]
         outputs = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)]
         graph = onnx.helper.make_graph(nodes, "constant_cone", inputs, outputs)
         opsets = [onnx.helper.make_opsetid(d, v) for d, v in self.opsets.items()]
         model = onnx.helper.make_model(graph, opset_imports=opsets)
         try:
-            (value,) = ReferenceEvaluator(model).run(None, feeds)
+            (result,) = ReferenceEvaluator(model).run(None, feeds)
         except Exception:  # an op the reference runtime lacks: then it is simply not constant
             return None
-        return np.asarray(value)
+        return np.asarray(result)
 
     # -- rewriting ------------------------------------------------------------------------------
 
@@ -349,8 +358,12 @@ class GraphIndex:
 
     def unique_value_name(self, base: str) -> str:
         name, counter = base, 1
-        while (name in self.producer or name in self.initializers or name in self.types
-               or name in self.reserved_names):
+        while (
+            name in self.producer
+            or name in self.initializers
+            or name in self.types
+            or name in self.reserved_names
+        ):
             counter += 1
             name = f"{base}_{counter}"
         self.reserved_names.add(name)

@@ -48,7 +48,9 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
             return rejection(match.pattern, graph, [], "a node of the match was already removed")
         if graph.node(node_id).domain == DOMAIN:
             return rejection(
-                match.pattern, graph, [node_id],
+                match.pattern,
+                graph,
+                [node_id],
                 f"overlaps an earlier fusion ('{graph.describe(node_id)}')",
             )
 
@@ -66,11 +68,14 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
                 continue
             if outside:
                 reader = graph.node(outside[0])
-                why = f"is also read by '{graph.describe(outside[0])}' ({reader.op_type}) outside the match"
+                who = graph.describe(outside[0])
+                why = f"is also read by '{who}' ({reader.op_type}) outside the match"
             else:
                 why = "is a graph output"
             return rejection(
-                match.pattern, graph, list(match.nodes),
+                match.pattern,
+                graph,
+                list(match.nodes),
                 f"internal value '{value}' {why}, and {match.op.name} cannot output it",
                 value,
             )
@@ -78,8 +83,11 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
     _, back_edge = graph.descendants_in_window(members)
     if back_edge is not None:
         return rejection(
-            match.pattern, graph, list(match.nodes),
-            f"fusing would create a cycle: value '{back_edge}' leaves the match and feeds back into it",
+            match.pattern,
+            graph,
+            list(match.nodes),
+            f"fusing would create a cycle: value '{back_edge}' leaves the match "
+            "and feeds back into it",
             back_edge,
         )
 

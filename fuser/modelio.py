@@ -78,7 +78,9 @@ def _parse(data: bytes, label: str) -> onnx.ModelProto:
     try:
         model.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as exc:
-        raise ModelLoadError(f"{label}: not a valid ONNX model (protobuf parse failed: {exc})") from exc
+        raise ModelLoadError(
+            f"{label}: not a valid ONNX model (protobuf parse failed: {exc})"
+        ) from exc
     if not model.HasField("graph") or not model.opset_import:
         raise ModelLoadError(f"{label}: not an ONNX model (no graph or no opset import)")
     return model

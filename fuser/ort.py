@@ -53,7 +53,9 @@ class RunContext:
     communicator: Communicator | None
 
 
-Handler = Callable[[Sequence["np.ndarray | None"], Mapping[str, Any], RunContext], Sequence[np.ndarray]]
+Handler = Callable[
+    [Sequence["np.ndarray | None"], Mapping[str, Any], RunContext], Sequence[np.ndarray]
+]
 _HANDLERS: dict[tuple[str, str], Handler] = {}
 _CONTEXTS: dict[str, RunContext] = {}
 
@@ -63,8 +65,9 @@ def register_handler(domain: str, op_type: str, handler: Handler) -> None:
     _HANDLERS[(domain, op_type)] = handler
 
 
-def _fused_handler(inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any],
-                   ctx: RunContext) -> Sequence[np.ndarray]:
+def _fused_handler(
+    inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any], ctx: RunContext
+) -> Sequence[np.ndarray]:
     op = fusedop.get(attrs["__op__"])
     values = {k: v for k, v in attrs.items() if not k.startswith("__")}
     full = {a.name: a.default for a in op.attributes} | values
@@ -127,8 +130,9 @@ def session(
     return onnxruntime.InferenceSession(copy.SerializeToString(), opts, providers=providers)
 
 
-def _remap_graph(graph: onnx.GraphProto, path: str, types: dict[str, dict[str, ValueType]],
-                 context_id: str) -> bool:
+def _remap_graph(
+    graph: onnx.GraphProto, path: str, types: dict[str, dict[str, ValueType]], context_id: str
+) -> bool:
     from .engine import _sub_path
 
     changed = False
@@ -138,8 +142,9 @@ def _remap_graph(graph: onnx.GraphProto, path: str, types: dict[str, dict[str, V
         for attr in node.attribute:
             subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
             for i, sub in enumerate(subs):
-                changed |= _remap_graph(sub, _sub_path(path, node, attr.name, i, len(subs)),
-                                        types, context_id)
+                changed |= _remap_graph(
+                    sub, _sub_path(path, node, attr.name, i, len(subs)), types, context_id
+                )
         if node.domain == fusedop.DOMAIN or (node.domain, node.op_type) in _HANDLERS:
             rebuilt.extend(_remap_node(node, table, types, context_id))
             changed = True
@@ -151,7 +156,9 @@ def _remap_graph(graph: onnx.GraphProto, path: str, types: dict[str, dict[str, V
     return changed
 
 
-def _elem_type(name: str, table: Mapping[str, ValueType], types: dict[str, dict[str, ValueType]]) -> int:
+def _elem_type(
+    name: str, table: Mapping[str, ValueType], types: dict[str, dict[str, ValueType]]
+) -> int:
     found = table.get(name)
     if found is None:
         for other in types.values():  # outer scopes
@@ -166,12 +173,18 @@ def _elem_type(name: str, table: Mapping[str, ValueType], types: dict[str, dict[
 # onnxruntime-extensions' Python ops abort the process on float16 ("Type float16 not supported
 # by python customops api"); such values cross the boundary as float32 (lossless both ways) and
 # the dispatcher restores the real dtype, so handlers see exactly what the graph holds.
-_TRANSPORT = {onnx.TensorProto.FLOAT16: onnx.TensorProto.FLOAT,
-              onnx.TensorProto.BFLOAT16: onnx.TensorProto.FLOAT}
+_TRANSPORT: dict[int, int] = {
+    onnx.TensorProto.FLOAT16: onnx.TensorProto.FLOAT,
+    onnx.TensorProto.BFLOAT16: onnx.TensorProto.FLOAT,
+}
 
 
-def _remap_node(node: onnx.NodeProto, table: Mapping[str, ValueType],
-                types: dict[str, dict[str, ValueType]], context_id: str) -> list[onnx.NodeProto]:
+def _remap_node(
+    node: onnx.NodeProto,
+    table: Mapping[str, ValueType],
+    types: dict[str, dict[str, ValueType]],
+    context_id: str,
+) -> list[onnx.NodeProto]:
     in_pos = [i for i, n in enumerate(node.input) if n]
     out_pos = [i for i, n in enumerate(node.output) if n]
     in_types = [_elem_type(node.input[i], table, types) for i in in_pos]
@@ -183,9 +196,13 @@ def _remap_node(node: onnx.NodeProto, table: Mapping[str, ValueType],
         if isinstance(attrs[attr.name], list | tuple):
             attrs[attr.name] = [v.decode() if isinstance(v, bytes) else v for v in attrs[attr.name]]
     packed = {
-        "__op__": node.op_type, "__domain__": node.domain, "__context__": context_id,
-        "__inputs__": in_pos, "__n_inputs__": len(node.input),
-        "__outputs__": out_pos, "__name__": node.name,
+        "__op__": node.op_type,
+        "__domain__": node.domain,
+        "__context__": context_id,
+        "__inputs__": in_pos,
+        "__n_inputs__": len(node.input),
+        "__outputs__": out_pos,
+        "__name__": node.name,
         "__in_dtypes__": [helper.tensor_dtype_to_np_dtype(t).name for t in in_types],
         "__out_dtypes__": [helper.tensor_dtype_to_np_dtype(t).name for t in out_types],
         **attrs,
@@ -236,15 +253,21 @@ def _register_contrib_op(name: str, in_types: list[int], out_types: list[int]) -
             raise UsageError(f"onnxruntime-extensions cannot pass tensors of type {np_name}")
         return int(getattr(PyCustomOpDef, attr))
 
-    onnx_op(op_type=name, inputs=[dt(t) for t in in_types], outputs=[dt(t) for t in out_types],
-            attrs={_PACKED: PyCustomOpDef.dt_string})(_dispatch)
+    onnx_op(
+        op_type=name,
+        inputs=[dt(t) for t in in_types],
+        outputs=[dt(t) for t in out_types],
+        attrs={_PACKED: PyCustomOpDef.dt_string},
+    )(_dispatch)
     _REGISTERED_CONTRIB.add(name)
 
 
 def _dispatch(*arrays: np.ndarray, **kwargs: Any) -> Any:
     packed = json.loads(kwargs[_PACKED])
     inputs: list[np.ndarray | None] = [None] * packed["__n_inputs__"]
-    for position, array, dtype in zip(packed["__inputs__"], arrays, packed["__in_dtypes__"], strict=True):
+    for position, array, dtype in zip(
+        packed["__inputs__"], arrays, packed["__in_dtypes__"], strict=True
+    ):
         inputs[position] = array.astype(dtype, copy=False)
     ctx = _CONTEXTS[packed["__context__"]]
     domain, op_type = packed["__domain__"], packed["__op__"]
@@ -253,9 +276,13 @@ def _dispatch(*arrays: np.ndarray, **kwargs: Any) -> Any:
         results = handler(inputs, packed, ctx)
     except Exception as exc:
         # onnxruntime reports a Python failure without its type; keep the node and the cause.
-        raise RuntimeError(f"fuser: node '{packed['__name__']}' ({op_type}) failed: {exc!r}") from exc
+        raise RuntimeError(
+            f"fuser: node '{packed['__name__']}' ({op_type}) failed: {exc!r}"
+        ) from exc
     selected = [
-        np.ascontiguousarray(np.asarray(results[i], dtype=dtype).astype(_wire_dtype(dtype), copy=False))
+        np.ascontiguousarray(
+            np.asarray(results[i], dtype=dtype).astype(_wire_dtype(dtype), copy=False)
+        )
         for i, dtype in zip(packed["__outputs__"], packed["__out_dtypes__"], strict=True)
     ]
     return selected[0] if len(selected) == 1 else tuple(selected)

@@ -71,7 +71,12 @@ class Pattern(Protocol):
     def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None: ...
 
 
-def rejection(pattern: str, graph: GraphIndex, node_ids: tuple[int, ...] | list[int],
-              reason: str, value: str | None = None) -> Rejection:
+def rejection(
+    pattern: str,
+    graph: GraphIndex,
+    node_ids: tuple[int, ...] | list[int],
+    reason: str,
+    value: str | None = None,
+) -> Rejection:
     """A Rejection naming the nodes by their (or their op type's) name."""
     return Rejection(pattern, tuple(graph.describe(i) for i in node_ids), reason, value)

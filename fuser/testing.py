@@ -12,8 +12,8 @@ import onnx
 
 from .api import FusionResult, fuse
 from .decide import AlwaysFuse
-from .validation import ValidationResult, validate_models
 from .modelio import load_model
+from .validation import ValidationResult, validate_models
 
 
 def fuse_all(model: onnx.ModelProto, patterns: Sequence[str] | None = None) -> FusionResult:
@@ -23,8 +23,11 @@ def fuse_all(model: onnx.ModelProto, patterns: Sequence[str] | None = None) -> F
 
 def count_ops(model: onnx.ModelProto, op_type: str, domain: str | None = None) -> int:
     """Nodes of `op_type` in the main graph (and `domain`, if given)."""
-    return sum(1 for n in model.graph.node
-               if n.op_type == op_type and (domain is None or n.domain == domain))
+    return sum(
+        1
+        for n in model.graph.node
+        if n.op_type == op_type and (domain is None or n.domain == domain)
+    )
 
 
 def reasons(result: FusionResult, pattern: str | None = None) -> list[str]:
@@ -33,12 +36,25 @@ def reasons(result: FusionResult, pattern: str | None = None) -> list[str]:
 
 
 def assert_equivalent(
-    original: onnx.ModelProto, fused: onnx.ModelProto, *, runs: int = 3, seed: int = 0,
-    dim_size: int = 3, inputs: Mapping[str, np.ndarray] | None = None, kernel: str = "reference",
+    original: onnx.ModelProto,
+    fused: onnx.ModelProto,
+    *,
+    runs: int = 3,
+    seed: int = 0,
+    dim_size: int = 3,
+    inputs: Mapping[str, np.ndarray] | None = None,
+    kernel: str = "reference",
 ) -> ValidationResult:
     """Run both in onnxruntime (fused ops through the plugin); fail with the worst output."""
-    result = validate_models(load_model(original), load_model(fused), runs=runs, seed=seed,
-                             dim_size=dim_size, inputs=inputs, kernel=kernel)
+    result = validate_models(
+        load_model(original),
+        load_model(fused),
+        runs=runs,
+        seed=seed,
+        dim_size=dim_size,
+        inputs=inputs,
+        kernel=kernel,
+    )
     bad = [o for o in result.outputs if not o.ok]
     assert not bad, f"outputs differ: {bad}"
     return result

@@ -63,8 +63,15 @@ class ValidationResult:
             "seed": self.seed,
             "kernel": self.kernel,
             "outputs": [
-                {"name": o.name, "dtype": o.dtype, "max_abs": o.max_abs, "max_rel": o.max_rel,
-                 "tolerance": o.tolerance, "ok": o.ok, "detail": o.detail}
+                {
+                    "name": o.name,
+                    "dtype": o.dtype,
+                    "max_abs": o.max_abs,
+                    "max_rel": o.max_rel,
+                    "tolerance": o.tolerance,
+                    "ok": o.ok,
+                    "detail": o.detail,
+                }
                 for o in self.outputs
             ],
         }
@@ -72,7 +79,7 @@ class ValidationResult:
 
 def group_size(model: onnx.ModelProto) -> int:
     """Ranks a model needs: the group_size of its collectives (1 if it has none)."""
-    sizes = set()
+    sizes: set[int] = set()
 
     def visit(graph: onnx.GraphProto) -> None:
         for node in graph.node:
@@ -100,7 +107,12 @@ def _concrete_shape(value: onnx.ValueInfoProto, dim_size: int) -> tuple[int, ...
 
 
 def make_inputs(
-    model: onnx.ModelProto, *, run: int, rank: int, seed: int, dim_size: int,
+    model: onnx.ModelProto,
+    *,
+    run: int,
+    rank: int,
+    seed: int,
+    dim_size: int,
     given: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Inputs for one run on one rank: `given` ones as they are, the rest seeded random."""
@@ -111,7 +123,9 @@ def make_inputs(
             feeds[value.name] = np.asarray(given[value.name])
             continue
         if not value.type.HasField("tensor_type"):
-            raise ValidationInputError(f"input '{value.name}' is not a tensor; pass it with --input")
+            raise ValidationInputError(
+                f"input '{value.name}' is not a tensor; pass it with --input"
+            )
         dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
         shape = _concrete_shape(value, dim_size)
         feeds[value.name] = _random(rng, shape, dtype, run)
@@ -122,7 +136,9 @@ def make_inputs(
     return feeds
 
 
-def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype, run: int) -> np.ndarray:
+def _random(
+    rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype, run: int
+) -> np.ndarray:
     if np.issubdtype(dtype, np.floating):
         x = rng.standard_normal(shape) * (1.0 if run != 2 else 4.0)
         if run == 1 and len(shape) >= 1 and shape[-1] > 0:
@@ -151,12 +167,18 @@ def _sessions(loaded: LoadedModel, ranks: int, kernel: str, target: str) -> list
         import onnxruntime
 
         if ranks == 1:
-            return [onnxruntime.InferenceSession(loaded.model.SerializeToString(),
-                                                 providers=["CPUExecutionProvider"])
-                    if not _has_external(loaded) else session(loaded)]
+            return [
+                onnxruntime.InferenceSession(
+                    loaded.model.SerializeToString(), providers=["CPUExecutionProvider"]
+                )
+                if not _has_external(loaded)
+                else session(loaded)
+            ]
     communicator = Communicator(ranks) if ranks > 1 else None
-    return [session(loaded, kernel=kernel, target=target, rank=r, communicator=communicator)
-            for r in range(ranks)]
+    return [
+        session(loaded, kernel=kernel, target=target, rank=r, communicator=communicator)
+        for r in range(ranks)
+    ]
 
 
 def _has_external(loaded: LoadedModel) -> bool:
@@ -165,7 +187,9 @@ def _has_external(loaded: LoadedModel) -> bool:
     return has_external_data(loaded.model)
 
 
-def _run_ranks(sessions: Sequence[Any], feeds: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+def _run_ranks(
+    sessions: Sequence[Any], feeds: Sequence[dict[str, np.ndarray]]
+) -> list[dict[str, np.ndarray]]:
     """Run every rank's session at once (collectives meet at a barrier)."""
     results: list[dict[str, np.ndarray] | None] = [None] * len(sessions)
     errors: list[BaseException] = []
@@ -190,21 +214,47 @@ def _run_ranks(sessions: Sequence[Any], feeds: Sequence[dict[str, np.ndarray]]) 
     return [r for r in results if r is not None]
 
 
-def compare(name: str, expected: np.ndarray, actual: np.ndarray, rtol: float | None,
-            atol: float | None) -> OutputComparison:
+def compare(
+    name: str, expected: np.ndarray, actual: np.ndarray, rtol: float | None, atol: float | None
+) -> OutputComparison:
     """Compare one output; `rtol`/`atol` (numpy allclose) override the dtype's default."""
     dtype = expected.dtype.name
     if expected.shape != actual.shape:
-        return OutputComparison(name, dtype, float("inf"), float("inf"), 0.0, False,
-                                f"shape {list(actual.shape)} != {list(expected.shape)}")
+        return OutputComparison(
+            name,
+            dtype,
+            float("inf"),
+            float("inf"),
+            0.0,
+            False,
+            f"shape {list(actual.shape)} != {list(expected.shape)}",
+        )
     if actual.dtype != expected.dtype:
-        return OutputComparison(name, dtype, float("inf"), float("inf"), 0.0, False,
-                                f"dtype {actual.dtype.name} != {dtype}")
+        return OutputComparison(
+            name,
+            dtype,
+            float("inf"),
+            float("inf"),
+            0.0,
+            False,
+            f"dtype {actual.dtype.name} != {dtype}",
+        )
     if not np.issubdtype(expected.dtype, np.floating):
         mismatches = int(np.count_nonzero(expected != actual))
-        diff = float(np.max(np.abs(expected.astype(np.int64) - actual.astype(np.int64)))) if expected.size else 0.0
-        return OutputComparison(name, dtype, diff, diff, 0.0, mismatches == 0,
-                                f"{mismatches} elements differ" if mismatches else "")
+        diff = (
+            float(np.max(np.abs(expected.astype(np.int64) - actual.astype(np.int64))))
+            if expected.size
+            else 0.0
+        )
+        return OutputComparison(
+            name,
+            dtype,
+            diff,
+            diff,
+            0.0,
+            mismatches == 0,
+            f"{mismatches} elements differ" if mismatches else "",
+        )
     e, a = expected.astype(np.float64), actual.astype(np.float64)
     same_nan = np.isnan(e) == np.isnan(a)
     finite = ~np.isnan(e) & ~np.isnan(a)
@@ -246,22 +296,28 @@ def validate_models(
     fused_names = {o.name for o in fused.model.graph.output}
     missing = [n for n in out_names if n not in fused_names]
     if missing:
-        raise ValidationInputError(f"{fused.label}: lacks output '{missing[0]}' of {original.label}")
+        raise ValidationInputError(
+            f"{fused.label}: lacks output '{missing[0]}' of {original.label}"
+        )
     given = {k: np.asarray(v) for k, v in (inputs or {}).items()}
     sessions_a = _sessions(original, ranks, "reference", target)
     sessions_b = _sessions(fused, ranks, kernel, target)
     worst: dict[str, OutputComparison] = {}
     for run in range(runs):
-        feeds = [make_inputs(original.model, run=run, rank=r, seed=seed, dim_size=dim_size, given=given)
-                 for r in range(ranks)]
+        feeds = [
+            make_inputs(original.model, run=run, rank=r, seed=seed, dim_size=dim_size, given=given)
+            for r in range(ranks)
+        ]
         expected = _run_ranks(sessions_a, feeds)
         actual = _run_ranks(sessions_b, feeds)
         for rank in range(ranks):
             for name in out_names:
                 result = compare(name, expected[rank][name], actual[rank][name], rtol, atol)
                 previous = worst.get(name)
-                if previous is None or (previous.ok and not result.ok) or (
-                    previous.ok == result.ok and result.max_rel > previous.max_rel
+                if (
+                    previous is None
+                    or (previous.ok and not result.ok)
+                    or (previous.ok == result.ok and result.max_rel > previous.max_rel)
                 ):
                     worst[name] = result
     outputs = tuple(worst[n] for n in out_names)

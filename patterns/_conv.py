@@ -67,17 +67,23 @@ def conv_output_spatial(
         if a["auto_pad"] in ("SAME_UPPER", "SAME_LOWER"):
             out.append(math.ceil(size / s))
             continue
-        pads = resolve_pads([size], [k], [s], [d], a["auto_pad"], [a["pads"][i], a["pads"][i + len(spatial)]])
+        pads = resolve_pads(
+            [size], [k], [s], [d], a["auto_pad"], [a["pads"][i], a["pads"][i + len(spatial)]]
+        )
         out.append((size + pads[0] + pads[1] - ((k - 1) * d + 1)) // s + 1)
     return tuple(out)
 
 
-def conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, attrs: Mapping[str, Any]) -> np.ndarray:
+def conv(
+    x: np.ndarray, w: np.ndarray, b: np.ndarray | None, attrs: Mapping[str, Any]
+) -> np.ndarray:
     """ONNX Conv (1-D, 2-D or 3-D; groups, strides, dilations, pads, auto_pad), in float64."""
     a = conv_attrs(attrs, w.shape)
     rank = w.ndim - 2
     spatial = x.shape[2:]
-    pads = resolve_pads(spatial, a["kernel_shape"], a["strides"], a["dilations"], a["auto_pad"], a["pads"])
+    pads = resolve_pads(
+        spatial, a["kernel_shape"], a["strides"], a["dilations"], a["auto_pad"], a["pads"]
+    )
     xp = np.pad(
         x.astype(np.float64),
         [(0, 0), (0, 0)] + [(pads[i], pads[i + rank]) for i in range(rank)],

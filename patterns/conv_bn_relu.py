@@ -34,25 +34,35 @@ NAME = "conv_bn_relu"
 PRIORITY = 10
 
 
-def _infer(inputs: Sequence[TensorInfo | None], attrs: Mapping[str, Any]) -> list[TensorInfo | None]:
+def _infer(
+    inputs: Sequence[TensorInfo | None], attrs: Mapping[str, Any]
+) -> list[TensorInfo | None]:
     x, w = inputs[0], inputs[1]
     if x is None:
         return [None]
-    if x.shape is None or w is None or w.shape is None or not all(isinstance(d, int) for d in w.shape):
+    if (
+        x.shape is None
+        or w is None
+        or w.shape is None
+        or not all(isinstance(d, int) for d in w.shape)
+    ):
         return [TensorInfo(x.elem_type, None)]
     w_shape = [int(d) for d in w.shape]  # type: ignore[arg-type]
     spatial = conv_output_spatial(x.shape[2:], attrs, w_shape)
     return [TensorInfo(x.elem_type, (x.shape[0], w_shape[0], *spatial))]
 
 
-def reference(inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]) -> tuple[np.ndarray, ...]:
+def reference(
+    inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]
+) -> tuple[np.ndarray, ...]:
     """relu?(BN?(Conv(X, W, B))) with ONNX semantics, computed in float64."""
     x, w, b = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
-    assert x is not None and w is not None
+    assert x is not None
+    assert w is not None
     y = conv(x, w, b, attrs)
     bn = list(inputs[3:7]) if len(inputs) > 3 else []
     if any(p is not None for p in bn):
-        scale, bias, mean, var = (np.asarray(p, dtype=np.float64) for p in bn)  # type: ignore[arg-type]
+        scale, bias, mean, var = (np.asarray(p, dtype=np.float64) for p in bn)
         shape = (1, -1) + (1,) * (y.ndim - 2)
         y = (y - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + float(attrs["epsilon"]))
         y = y * scale.reshape(shape) + bias.reshape(shape)
@@ -102,9 +112,13 @@ class ConvBnReluPattern:
     def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
         conv_node = graph.node(node_id)
         conv_out = conv_node.output[0]
-        bn_ids = [r for r in graph.readers(conv_out)
-                  if graph.node(r).op_type == "BatchNormalization" and graph.node(r).domain == ""
-                  and graph.node(r).input[0] == conv_out]
+        bn_ids = [
+            r
+            for r in graph.readers(conv_out)
+            if graph.node(r).op_type == "BatchNormalization"
+            and graph.node(r).domain == ""
+            and graph.node(r).input[0] == conv_out
+        ]
         if not bn_ids:
             return None
         bn_id = bn_ids[0]
@@ -117,19 +131,34 @@ class ConvBnReluPattern:
         w_name = conv_node.input[1]
         w_shape = graph.shape(w_name)
         if w_shape is None or not all(isinstance(d, int) for d in w_shape):
-            return rejection(self.name, graph, ids,
-                             f"shape of Conv weight '{w_name}' is not known at fuse time", w_name)
+            return rejection(
+                self.name,
+                graph,
+                ids,
+                f"shape of Conv weight '{w_name}' is not known at fuse time",
+                w_name,
+            )
         if len(w_shape) not in (3, 4):
-            return rejection(self.name, graph, ids,
-                             f"{len(w_shape) - 2}-D convolution (weight '{w_name}'); ConvBnRelu "
-                             "supports 1-D and 2-D", w_name)
+            return rejection(
+                self.name,
+                graph,
+                ids,
+                f"{len(w_shape) - 2}-D convolution (weight '{w_name}'); ConvBnRelu "
+                "supports 1-D and 2-D",
+                w_name,
+            )
         cout = int(w_shape[0])  # type: ignore[arg-type]
         for param in bn.input[1:5]:
             shape = graph.shape(param)
             if shape is not None and tuple(shape) != (cout,):
-                return rejection(self.name, graph, ids,
-                                 f"BN parameter '{param}' has shape {list(shape)}, expected [{cout}] "
-                                 "(one value per Conv output channel)", param)
+                return rejection(
+                    self.name,
+                    graph,
+                    ids,
+                    f"BN parameter '{param}' has shape {list(shape)}, expected [{cout}] "
+                    "(one value per Conv output channel)",
+                    param,
+                )
 
         relu_ids, notes = _relu_after(graph, bn.output[0])
         ids += relu_ids
@@ -143,28 +172,49 @@ class ConvBnReluPattern:
         conv_b = conv_node.input[2] if len(conv_node.input) > 2 else ""
         if isinstance(folded, tuple):
             w_new, b_new = folded
-            return Match(self.name, CONV_BN_RELU, tuple(ids), (conv_node.input[0], w_new.name, b_new.name),
-                         (out_value,), attrs, new_initializers=(w_new, b_new), notes=tuple(notes))
+            return Match(
+                self.name,
+                CONV_BN_RELU,
+                tuple(ids),
+                (conv_node.input[0], w_new.name, b_new.name),
+                (out_value,),
+                attrs,
+                new_initializers=(w_new, b_new),
+                notes=tuple(notes),
+            )
         x_type = graph.elem_type(conv_node.input[0])
         for param in bn.input[1:5]:
             if graph.elem_type(param) != x_type:
-                return rejection(self.name, graph, ids,
-                                 f"BN parameter '{param}' is computed at run time and its dtype "
-                                 "differs from the Conv input's", param)
+                return rejection(
+                    self.name,
+                    graph,
+                    ids,
+                    f"BN parameter '{param}' is computed at run time and its dtype "
+                    "differs from the Conv input's",
+                    param,
+                )
         attrs["epsilon"] = epsilon
         notes.append(f"BN kept as inputs: {folded}")
         inputs = (conv_node.input[0], w_name, conv_b, *bn.input[1:5])
-        return Match(self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs, notes=tuple(notes))
+        return Match(
+            self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs, notes=tuple(notes)
+        )
 
 
 def _bn_problem(graph: GraphIndex, bn: onnx.NodeProto) -> tuple[str, str | None] | None:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in bn.attribute}
     if attrs.get("training_mode", 0) == 1:
-        return (f"BatchNormalization '{bn.name}' is in training mode (training_mode=1)", bn.output[0])
+        return (
+            f"BatchNormalization '{bn.name}' is in training mode (training_mode=1)",
+            bn.output[0],
+        )
     extra = [o for o in bn.output[1:] if o]
     if extra:
-        return (f"BatchNormalization '{bn.name}' outputs running statistics ('{extra[0]}'): "
-                "training mode", extra[0])
+        return (
+            f"BatchNormalization '{bn.name}' outputs running statistics ('{extra[0]}'): "
+            "training mode",
+            extra[0],
+        )
     if attrs.get("spatial", 1) == 0:
         return (f"BatchNormalization '{bn.name}' has spatial=0 (per-activation statistics)", None)
     if len(bn.input) < 5 or not all(bn.input[1:5]):
@@ -186,8 +236,11 @@ def _relu_after(graph: GraphIndex, bn_out: str) -> tuple[list[int], list[str]]:
         return [], []
     if len(readers) == 1 and not graph.is_graph_output(bn_out):
         return relus, []
-    other = "is a graph output" if graph.is_graph_output(bn_out) else (
-        f"is also read by '{graph.describe(next(r for r in readers if r != relus[0]))}'")
+    other = (
+        "is a graph output"
+        if graph.is_graph_output(bn_out)
+        else (f"is also read by '{graph.describe(next(r for r in readers if r != relus[0]))}'")
+    )
     return [], [f"Relu '{graph.describe(relus[0])}' left unfused: BN output '{bn_out}' {other}"]
 
 
@@ -203,7 +256,11 @@ def _fold(
     for name in names:
         value = graph.constant(name)
         if value is None:
-            why = "an overridable graph input" if name in graph.graph_inputs else "computed at run time"
+            why = (
+                "an overridable graph input"
+                if name in graph.graph_inputs
+                else "computed at run time"
+            )
             return f"'{name}' is {why}"
         values[name] = value
     w = values[conv_node.input[1]]
@@ -218,8 +275,12 @@ def _fold(
     if not (np.all(np.isfinite(w_new.astype(dtype))) and np.all(np.isfinite(b_new.astype(dtype)))):
         return f"folded weights overflow {dtype}"
     base = conv_node.name or conv_node.output[0]
-    w_tensor = numpy_helper.from_array(w_new.astype(dtype), graph.unique_value_name(f"{base}.W_bn_folded"))
-    b_tensor = numpy_helper.from_array(b_new.astype(dtype), graph.unique_value_name(f"{base}.B_bn_folded"))
+    w_tensor = numpy_helper.from_array(
+        w_new.astype(dtype), graph.unique_value_name(f"{base}.W_bn_folded")
+    )
+    b_tensor = numpy_helper.from_array(
+        b_new.astype(dtype), graph.unique_value_name(f"{base}.B_bn_folded")
+    )
     return w_tensor, b_tensor
 
 

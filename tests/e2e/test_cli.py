@@ -24,8 +24,9 @@ FUSER = [sys.executable, "-m", "fuser.cli"]
 def fuser(*args: str) -> subprocess.CompletedProcess[str]:
     # Run outside the repository: `python -m` puts the working directory first on sys.path, and
     # the repo's own fuser/ folder (without patterns/ mapped in) must not shadow the install.
-    return subprocess.run([*FUSER, *args], capture_output=True, text=True, cwd=Path(__file__).anchor,
-                          timeout=300)
+    return subprocess.run(
+        [*FUSER, *args], capture_output=True, text=True, cwd=Path(__file__).anchor, timeout=300
+    )
 
 
 def digest(path: Path) -> str:
@@ -49,8 +50,13 @@ def small_cnn(seed: int = 0) -> onnx.ModelProto:
         helper.make_node("Relu", ["n"], ["r"], name="relu"),
         helper.make_node("Conv", ["r", "W2"], ["y"], name="conv2"),
     ]
-    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 5])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", c, 6, 5])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", c, 6, 5])],
+        inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -70,7 +76,10 @@ def test_fuse_validate_and_report(model_file: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "conv_bn_relu" in result.stdout and "nodes: 4 -> 2" in result.stdout
     data = json.loads(report.read_text())
-    assert data["summary"] == {"conv_bn_relu": 1, **{k: 0 for k in data["summary"] if k != "conv_bn_relu"}}
+    assert data["summary"] == {
+        "conv_bn_relu": 1,
+        **{k: 0 for k in data["summary"] if k != "conv_bn_relu"},
+    }
     assert data["fusions"][0]["replaced"] == ["conv", "bn", "relu"]
     assert data["nodes_before"] == 4 and data["nodes_after"] == 2
     assert data["validation"]["ok"] is True
@@ -102,13 +111,17 @@ def test_validate_with_given_inputs(model_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "f.onnx"
     assert fuser("fuse", str(model_file), "-o", str(out)).returncode == 0
     np.save(tmp_path / "x.npy", np.ones((1, 3, 6, 5), np.float32))
-    result = fuser("validate", str(model_file), str(out), "--input", f"x={tmp_path / 'x.npy'}", "--json")
+    result = fuser(
+        "validate", str(model_file), str(out), "--input", f"x={tmp_path / 'x.npy'}", "--json"
+    )
     assert result.returncode == 0, result.stderr
     wrong = fuser("validate", str(model_file), str(out), "--input", "nope=missing.npy")
     assert wrong.returncode == 2 and "nope" in wrong.stderr
 
 
-def test_same_input_gives_same_bytes_and_fusing_twice_changes_nothing(model_file: Path, tmp_path: Path) -> None:
+def test_same_input_gives_same_bytes_and_fusing_twice_changes_nothing(
+    model_file: Path, tmp_path: Path
+) -> None:
     a, b, c = tmp_path / "a.onnx", tmp_path / "b.onnx", tmp_path / "c.onnx"
     for out in (a, b):
         assert fuser("fuse", str(model_file), "-o", str(out)).returncode == 0
@@ -121,8 +134,14 @@ def test_external_data_round_trip(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     model = small_cnn()
-    onnx.save(model, src / "model.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
-              location="weights.bin", size_threshold=0)
+    onnx.save(
+        model,
+        src / "model.onnx",
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="weights.bin",
+        size_threshold=0,
+    )
     assert (src / "weights.bin").exists()
     out = tmp_path / "elsewhere" / "fused.onnx"
     result = fuser("fuse", str(src / "model.onnx"), "-o", str(out), "--validate")
@@ -141,7 +160,9 @@ def test_api_keeps_external_tensors_unloaded(tmp_path: Path) -> None:
     import fuser
 
     model = small_cnn()
-    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.bin", size_threshold=0)
+    onnx.save(
+        model, tmp_path / "m.onnx", save_as_external_data=True, location="m.bin", size_threshold=0
+    )
     result = fuser.fuse(tmp_path / "m.onnx")
     w2 = next(t for t in result.model.graph.initializer if t.name == "W2")
     assert w2.data_location == TensorProto.EXTERNAL and not w2.raw_data
@@ -152,7 +173,10 @@ def test_api_keeps_external_tensors_unloaded(tmp_path: Path) -> None:
     [
         (lambda d: d / "missing.onnx", "no such file"),
         (lambda d: _write(d / "text.onnx", b"this is not a model\n"), "not a valid ONNX model"),
-        (lambda d: _write(d / "trunc.onnx", small_cnn().SerializeToString()[:300]), "not a valid ONNX model"),
+        (
+            lambda d: _write(d / "trunc.onnx", small_cnn().SerializeToString()[:300]),
+            "not a valid ONNX model",
+        ),
         (lambda d: _save(d / "cycle.onnx", _cycle_model()), "cycle"),
         (lambda d: _save(d / "dangling.onnx", _dangling_model()), "dangling"),
         (lambda d: _traversal_model(d), "outside the model's folder"),
@@ -225,15 +249,24 @@ def _save(path: Path, model: onnx.ModelProto) -> Path:
 
 def _cycle_model() -> onnx.ModelProto:
     graph = helper.make_graph(
-        [helper.make_node("Neg", ["b"], ["a"], name="n1"), helper.make_node("Relu", ["a"], ["b"], name="n2")],
-        "g", [], [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1])])
+        [
+            helper.make_node("Neg", ["b"], ["a"], name="n1"),
+            helper.make_node("Relu", ["a"], ["b"], name="n2"),
+        ],
+        "g",
+        [],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1])],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def _dangling_model() -> onnx.ModelProto:
     graph = helper.make_graph(
         [helper.make_node("Neg", ["ghost"], ["a"], name="n1")],
-        "g", [], [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1])])
+        "g",
+        [],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1])],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 

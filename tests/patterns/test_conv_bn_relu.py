@@ -44,11 +44,15 @@ def conv_bn_model(
         inits.append(numpy_helper.from_array(rng.standard_normal(cout).astype(np_dtype), "B"))
         conv_inputs.append("B")
     params = {
-        "scale": rng.uniform(0.5, 1.5, cout), "bias": rng.standard_normal(cout),
-        "mean": rng.standard_normal(cout), "var": rng.uniform(0.05, 1.0, cout),
+        "scale": rng.uniform(0.5, 1.5, cout),
+        "bias": rng.standard_normal(cout),
+        "mean": rng.standard_normal(cout),
+        "var": rng.uniform(0.05, 1.0, cout),
     }
     graph_inputs = [helper.make_tensor_value_info("x", dtype, [batch, cin, *spatial])]
-    nodes = [helper.make_node("Conv", conv_inputs, ["c"], name="conv", group=group, **(conv_attrs or {}))]
+    nodes = [
+        helper.make_node("Conv", conv_inputs, ["c"], name="conv", group=group, **(conv_attrs or {}))
+    ]
     if bn_from_input:
         # scale is computed at run time: s = scale_in * 1, so BN cannot be folded
         graph_inputs.append(helper.make_tensor_value_info("scale_in", dtype, [cout]))
@@ -56,8 +60,15 @@ def conv_bn_model(
         nodes.append(helper.make_node("Mul", ["scale_in", "one"], ["scale"], name="scale_mul"))
         params.pop("scale")
     inits += [numpy_helper.from_array(v.astype(np_dtype), k) for k, v in params.items()]
-    nodes.append(helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["n"],
-                                  name="bn", epsilon=epsilon))
+    nodes.append(
+        helper.make_node(
+            "BatchNormalization",
+            ["c", "scale", "bias", "mean", "var"],
+            ["n"],
+            name="bn",
+            epsilon=epsilon,
+        )
+    )
     out = "n"
     if relu:
         nodes.append(helper.make_node("Relu", ["n"], ["y"], name="relu"))
@@ -125,10 +136,23 @@ def test_epsilon_is_honored() -> None:
         ({"strides": [2], "pads": [1, 2]}, (3,), (13,), 1, 3, 5),  # 1-D
     ],
 )
-def test_conv_variants(conv_attrs: dict[str, Any], kernel: tuple[int, ...], spatial: tuple[int, ...],
-                       group: int, cin: int, cout: int) -> None:
-    model = conv_bn_model(conv_attrs=conv_attrs, kernel=kernel, spatial=spatial, group=group,
-                          cin=cin, cout=cout, batch=1)
+def test_conv_variants(
+    conv_attrs: dict[str, Any],
+    kernel: tuple[int, ...],
+    spatial: tuple[int, ...],
+    group: int,
+    cin: int,
+    cout: int,
+) -> None:
+    model = conv_bn_model(
+        conv_attrs=conv_attrs,
+        kernel=kernel,
+        spatial=spatial,
+        group=group,
+        cin=cin,
+        cout=cout,
+        batch=1,
+    )
     result = fuse_all(model)
     assert result.report.summary["conv_bn_relu"] == 1
     assert_equivalent(model, result.model)
@@ -167,10 +191,19 @@ def test_constant_node_and_constant_of_shape_parameters_fold() -> None:
     graph.initializer.extend(keep)
     shape = numpy_helper.from_array(np.array([5], np.int64), "shape5")
     graph.node.insert(0, helper.make_node("Constant", [], ["mean"], name="mean_const", value=mean))
-    graph.node.insert(0, helper.make_node("Constant", [], ["shape"], name="shape_const", value=shape))
-    graph.node.insert(1, helper.make_node(
-        "ConstantOfShape", ["shape"], ["var"], name="var_fill",
-        value=numpy_helper.from_array(np.array([0.25], np.float32), "v")))
+    graph.node.insert(
+        0, helper.make_node("Constant", [], ["shape"], name="shape_const", value=shape)
+    )
+    graph.node.insert(
+        1,
+        helper.make_node(
+            "ConstantOfShape",
+            ["shape"],
+            ["var"],
+            name="var_fill",
+            value=numpy_helper.from_array(np.array([0.25], np.float32), "v"),
+        ),
+    )
     result = fuse_all(model)
     assert [n.op_type for n in result.model.graph.node] == ["ConvBnRelu"]
     assert_equivalent(model, result.model)
@@ -183,7 +216,9 @@ def test_shared_weight_is_copied_not_changed() -> None:
     graph.output.append(helper.make_tensor_value_info("c2", F32, [None] * 4))
     result = fuse_all(model)
     w_before = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "W"))
-    w_after = numpy_helper.to_array(next(t for t in result.model.graph.initializer if t.name == "W"))
+    w_after = numpy_helper.to_array(
+        next(t for t in result.model.graph.initializer if t.name == "W")
+    )
     np.testing.assert_array_equal(w_before, w_after)
     assert count_ops(result.model, "ConvBnRelu") == 1
     assert_equivalent(model, result.model)
@@ -241,21 +276,48 @@ def test_integer_typed_parameter_dtype_mismatch_is_refused() -> None:
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    cin=st.integers(1, 6), cout=st.integers(1, 7), k=st.integers(1, 4), stride=st.integers(1, 3),
-    dilation=st.integers(1, 2), pad=st.integers(0, 2), size=st.integers(4, 12),
-    depthwise=st.booleans(), relu=st.booleans(), seed=st.integers(0, 2**16),
+    cin=st.integers(1, 6),
+    cout=st.integers(1, 7),
+    k=st.integers(1, 4),
+    stride=st.integers(1, 3),
+    dilation=st.integers(1, 2),
+    pad=st.integers(0, 2),
+    size=st.integers(4, 12),
+    depthwise=st.booleans(),
+    relu=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
-def test_random_conv_shapes_stay_equivalent(cin: int, cout: int, k: int, stride: int, dilation: int,
-                                            pad: int, size: int, depthwise: bool, relu: bool,
-                                            seed: int) -> None:
+def test_random_conv_shapes_stay_equivalent(
+    cin: int,
+    cout: int,
+    k: int,
+    stride: int,
+    dilation: int,
+    pad: int,
+    size: int,
+    depthwise: bool,
+    relu: bool,
+    seed: int,
+) -> None:
     if (k - 1) * dilation + 1 > size + 2 * pad:
         return  # no output position: not a valid Conv
     group = cin if depthwise else 1
     cout = cin if depthwise else cout
-    model = conv_bn_model(cin=cin, cout=cout, kernel=(k, k), spatial=(size, size + 1), group=group,
-                          relu=relu, seed=seed, batch=2,
-                          conv_attrs={"strides": [stride, stride], "dilations": [dilation, dilation],
-                                      "pads": [pad, pad, pad, pad]})
+    model = conv_bn_model(
+        cin=cin,
+        cout=cout,
+        kernel=(k, k),
+        spatial=(size, size + 1),
+        group=group,
+        relu=relu,
+        seed=seed,
+        batch=2,
+        conv_attrs={
+            "strides": [stride, stride],
+            "dilations": [dilation, dilation],
+            "pads": [pad, pad, pad, pad],
+        },
+    )
     result = fuse_all(model)
     assert count_ops(result.model, "ConvBnRelu") == 1
     assert_equivalent(model, result.model, runs=1, seed=seed)
