@@ -19,7 +19,9 @@ Matched:
   bias broadcasting along the last axis only (either operand order); and Reshape(N, [-1, K]) ->
   Gemm (GPT-2's Conv1D), with transB, alpha and beta folded into new W'/b' initializers at fuse
   time:  alpha * A @ op(B) + beta * C  =  A @ (alpha * op(B)) + (beta * C);  that output is 2-D
-  (flatten=1). All such consumers of one N go into one fused node, one output each.
+  (flatten=1). The Reshape's target may be constant or computed from Shape(N), as TorchScript
+  writes `x.view(-1, x.size(-1))`; those few shape nodes then join the match. All such
+  consumers of one N go into one fused node, one output each.
 
 Every constant that carries meaning is checked exactly, never with a tolerance: ReduceMean
 keepdims=1 and both ReduceMeans over the same trailing axes, exponent exactly 2, epsilon a
