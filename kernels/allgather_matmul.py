@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._budget import QueueSpec, capacity, check_flag, check_positive, require_fits
+from ._budget import QueueSpec, check_flag, check_positive, require_fits
+from ._levels import overflow
 from ._link import arrival_order, ring_arrivals, with_link
 from .allgather import Gather, concat_shards, gather_spec
 from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
@@ -139,14 +140,6 @@ def _specs(p: _Problem, t: AllGatherMatMulTiling) -> list[QueueSpec]:
     return specs
 
 
-def _overflow(machine: Machine, specs: Sequence[QueueSpec]) -> Level | None:
-    """The first level whose queues exceed its capacity, or None when everything fits."""
-    for level in (Level.L1, Level.L0A, Level.L0B, Level.L0C):
-        if sum(s.reserved for s in specs if s.level is level) > capacity(machine, level):
-            return level
-    return None
-
-
 def _tiles(m: int, n: int, tm: int, tn: int) -> list[_Tile]:
     return [
         _Tile(m0, min(m0 + tm, m), n0, min(n0 + tn, n))
@@ -212,7 +205,7 @@ class AllGatherMatMulKernel(Kernel):
             cores=machine.cube_cores,
         )
         rep = dataclasses.replace
-        while (level := _overflow(machine, _specs(p, t))) is not None:
+        while (level := overflow(machine, _specs(p, t))) is not None:
             # Shrink what fills the level that overflows.
             if level is Level.L1 and t.tile_k > t.tile_k0:
                 t = rep(t, tile_k=max(t.tile_k0, t.tile_k // 2))

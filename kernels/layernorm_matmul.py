@@ -31,168 +31,31 @@ as the op's contract returns every output.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._budget import QueueSpec, capacity, check_flag, check_positive, require_fits
-from ._groups import (
-    Group,
-    from_workspace,
-    launch_groups,
-    to_workspace,
-    ub_to_l1,
-    vector_cores_per_group,
-    workspace_tile,
+from ._budget import QueueSpec, check_flag, check_positive, require_fits
+from ._groups import Group, from_workspace, launch_groups, to_workspace, ub_to_l1, workspace_tile
+from ._lnmm import (
+    Item,
+    LayerNormMatMulTiling,
+    Problem,
+    default_tiling,
+    effective,
+    n_blocks,
+    part_columns,
+    problem,
+    specs,
 )
-from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
-from .layernorm import LayerNormSpec, flat_param, layernorm_rows, layernorm_spec, layernorm_steps
-from .npu.launch import split_balanced
+from .api import Kernel, KernelRun, TensorMeta, Tiling, TilingError
+from .layernorm import LayerNormSpec, flat_param, layernorm_rows, layernorm_steps
 from .npu.machine import Machine
-from .npu.memory import Queue, Tile
+from .npu.memory import Buffer, Queue, Tile
 from .npu.pipes import Level, Pipe
-
-
-@dataclass(frozen=True)
-class LayerNormMatMulTiling(Tiling):
-    """Row block of `rows` matmul rows (a multiple of D / K); each W_i's columns split in
-    `n_split` parts (a work item is a row block x a part); `vec_rows` normalized rows per
-    vector step; W tiles of `tile_k` x `tile_n` in L1, fed to L0 in steps of `tile_k0`; double
-    buffering (0/1); cube cores (groups)."""
-
-    rows: int
-    n_split: int
-    vec_rows: int
-    tile_n: int
-    tile_k: int
-    tile_k0: int
-    double_buffer: int
-    cores: int
-
-
-class _Item(NamedTuple):
-    m0: int
-    m1: int
-    part: int
-
-
-class _Linear(NamedTuple):
-    n: int
-    has_bias: bool
-    flatten: bool
-
-
-@dataclass(frozen=True)
-class _Problem:
-    ln: LayerNormSpec
-    m: int  # matmul rows
-    k: int
-    q: int  # matmul rows per normalized slice
-    linears: tuple[_Linear, ...]
-    emit_normalized: bool
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.ln.dtype
-
-    @property
-    def max_n(self) -> int:
-        return max((lin.n for lin in self.linears), default=1)
-
-
-def _problem(
-    op: str, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
-) -> _Problem:
-    metas = [*inputs_meta, None, None, None]
-    ln = layernorm_spec(op, metas[0], metas[1], metas[2], attrs)
-    has_bias = [int(v) for v in attrs.get("has_bias") or []]
-    flatten = [int(v) for v in attrs.get("flatten") or []] or [0] * len(has_bias)
-    if not has_bias or len(flatten) != len(has_bias):
-        raise KernelError(
-            f"{op}: has_bias and flatten need one entry per MatMul, got {has_bias}, {flatten}"
-        )
-    k = ln.shape[-1]
-    linears = []
-    pos = 3
-    for i, (hb, fl) in enumerate(zip(has_bias, flatten, strict=True)):
-        w = metas[pos] if pos < len(inputs_meta) else None
-        if w is None or len(w.shape) != 2 or w.shape[0] != k:
-            got = None if w is None else w.shape
-            raise KernelError(f"{op}: W_{i} must be [{k}, N], got {got}")
-        if w.dtype != ln.dtype:
-            raise KernelError(f"{op}: W_{i} is {w.dtype}, X is {ln.dtype}")
-        if hb:
-            b = metas[pos + 1] if pos + 1 < len(inputs_meta) else None
-            if b is None or b.size != w.shape[1] or (b.shape and b.shape[-1] != w.shape[1]):
-                got = None if b is None else b.shape
-                raise KernelError(
-                    f"{op}: b_{i} must hold {w.shape[1]} values along its last axis, got {got}"
-                )
-        linears.append(_Linear(w.shape[1], bool(hb), bool(fl)))
-        pos += 1 + hb
-    d = ln.width
-    return _Problem(
-        ln=ln,
-        m=ln.rows * (d // k) if k else 0,
-        k=k,
-        q=d // k if k else 1,
-        linears=tuple(linears),
-        emit_normalized=bool(int(attrs.get("emit_normalized", 0))),
-    )
-
-
-def _effective(p: _Problem, t: LayerNormMatMulTiling) -> tuple[int, int, int, int, int]:
-    """(rows, vec_rows, tile_n, tile_k, tile_k0) clipped to the problem."""
-    rows = min(t.rows, max(p.q, p.m))
-    tk = min(t.tile_k, p.k)
-    return (
-        rows, min(t.vec_rows, max(1, rows // p.q)), min(t.tile_n, p.max_n), tk,
-        min(t.tile_k0, tk),
-    )  # fmt: skip
-
-
-def _specs(p: _Problem, t: LayerNormMatMulTiling) -> list[QueueSpec]:
-    tm, vr, tn, tk, tk0 = _effective(p, t)
-    isz = p.dtype.itemsize
-    depth = 2 if t.double_buffer else 1
-    d = p.ln.width
-    specs = [
-        QueueSpec(Level.UB, "x", vr * d * isz, depth),
-        QueueSpec(Level.UB, "n", vr * d * isz, depth),
-        QueueSpec(Level.UB, "tmp", vr * d * p.ln.stats.itemsize, 1),
-        QueueSpec(Level.L1, "a_block", tm * p.k * isz, depth),
-        QueueSpec(Level.L1, "w", tk * tn * isz, depth),
-        QueueSpec(Level.L0A, "a", tm * tk0 * isz, depth),
-        QueueSpec(Level.L0B, "b", tk0 * tn * isz, depth),
-        QueueSpec(Level.L0C, "acc", tm * tn * 4, depth),
-    ]
-    for name, present in (("scale", p.ln.has_scale), ("bias", p.ln.has_bias)):
-        if present:
-            specs.append(QueueSpec(Level.UB, name, d * isz, 1))
-    for i, lin in enumerate(p.linears):
-        if lin.has_bias:
-            specs.append(QueueSpec(Level.L1, f"b{i}", lin.n * isz, 1))
-    return specs
-
-
-def _n_blocks(p: _Problem) -> int:
-    """16-column blocks of the widest W_i: the most parts N can be split into."""
-    return max(1, math.ceil(p.max_n / 16))
-
-
-def _part(n: int, part: int, parts: int) -> tuple[int, int]:
-    """Columns of part `part` of `parts` of an N of n, in balanced 16-column blocks."""
-    r = split_balanced(math.ceil(n / 16), parts)[part]
-    return min(n, r.start * 16), min(n, r.stop * 16)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 class LayerNormMatMulKernel(Kernel):
@@ -205,7 +68,7 @@ class LayerNormMatMulKernel(Kernel):
     def infer(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
     ) -> tuple[TensorMeta, ...]:
-        p = _problem(self.op_type, inputs_meta, attrs)
+        p = problem(inputs_meta, attrs)
         lead = p.ln.shape[:-1]
         outs = [TensorMeta(p.ln.shape, p.dtype)]
         for lin in p.linears:
@@ -235,40 +98,18 @@ class LayerNormMatMulKernel(Kernel):
                 f"{op}: tiling uses {t.cores} cores, {machine.name} has {machine.cube_cores} "
                 "cube cores"
             )
-        p = _problem(op, inputs_meta, attrs)
+        p = problem(inputs_meta, attrs)
         if t.rows % p.q:
             raise TilingError(
                 f"{op}: rows {t.rows} must be a multiple of {p.q} (matmul rows per normalized "
                 "slice)"
             )
-        require_fits(op, machine, _specs(p, t))
+        require_fits(op, machine, specs(p, t))
 
     def default_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> LayerNormMatMulTiling:
-        """The best of a few row-block x N-split shapes by a rough estimate (`_estimate`), each
-        with the biggest W tiles that fit; the cost model of the tiling search refines it."""
-        p = _problem(self.op_type, inputs_meta, attrs)
-        unit = math.lcm(machine.cube_m, p.q)
-        top = _round_up(max(1, p.m), p.q)
-        rows_options = sorted({min(top, unit * 2**i) for i in range(5)})
-        splits = [
-            s
-            for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-            if s <= min(machine.cube_cores, _n_blocks(p))
-        ]
-        best: tuple[float, LayerNormMatMulTiling] | None = None
-        for rows in rows_options:
-            for ns in splits:
-                t = _fit(p, machine, rows, ns)
-                if t is None:
-                    continue
-                est = _estimate(p, t, machine)
-                if best is None or est < best[0]:
-                    best = (est, t)
-        if best is None:
-            raise TilingError(f"{self.op_type}: no tiling fits {machine.name}")
-        return best[1]
+        return default_tiling(problem(inputs_meta, attrs), machine)
 
     def simulate(
         self,
@@ -281,12 +122,12 @@ class LayerNormMatMulKernel(Kernel):
         timeline: bool,
     ) -> KernelRun:
         assert isinstance(tiling, LayerNormMatMulTiling)
-        p = _problem(self.op_type, inputs_meta, attrs)
-        tm = _effective(p, tiling)[0]
+        p = problem(inputs_meta, attrs)
+        tm = effective(p, tiling)[0]
         work = [
-            _Item(m0, min(m0 + tm, p.m), part)
+            Item(m0, min(m0 + tm, p.m), part)
             for m0 in range(0, p.m, tm)
-            for part in range(min(tiling.n_split, _n_blocks(p)))
+            for part in range(min(tiling.n_split, n_blocks(p)))
         ]
         data = _data(p, inputs) if functional else None
         program = partial(_program, p, tiling, data)
@@ -302,89 +143,6 @@ class LayerNormMatMulKernel(Kernel):
         return KernelRun(tuple(outs), stats)
 
 
-def _fit(p: _Problem, machine: Machine, rows: int, n_split: int) -> LayerNormMatMulTiling | None:
-    """Big W tiles (few DMA heads) shrunk until the queues fit, or None."""
-    k0 = machine.cube_k_block(p.dtype)
-    cn = machine.cube_n
-    vecs = max(1, vector_cores_per_group(machine))
-    part_n = math.ceil(p.max_n / n_split)
-    t = LayerNormMatMulTiling(
-        rows=rows,
-        n_split=n_split,
-        vec_rows=max(1, math.ceil(rows // p.q / vecs)),
-        tile_n=min(_round_up(part_n, cn), 256),
-        tile_k=min(_round_up(max(1, p.k), k0), 1024),
-        # Wide L0 steps: fewer, bigger Cube instructions (and numpy calls in functional runs).
-        tile_k0=min(_round_up(max(1, p.k), k0), 512 // p.dtype.itemsize),
-        double_buffer=1,
-        cores=machine.cube_cores,
-    )
-    rep = dataclasses.replace
-    while (level := _overflow(machine, _specs(p, t))) is not None:
-        # Shrink what fills the level that overflows; give up when only `rows` would help
-        # (the caller tries smaller row blocks itself).
-        if level is Level.UB and t.vec_rows > 1:
-            t = rep(t, vec_rows=t.vec_rows // 2)
-        elif level is Level.L1 and t.tile_k > t.tile_k0:
-            t = rep(t, tile_k=max(t.tile_k0, _round_up(t.tile_k // 2, t.tile_k0)))
-        elif level in (Level.L0A, Level.L0B) and t.tile_k0 > 2 * k0:
-            t = rep(t, tile_k0=t.tile_k0 // 2, tile_k=_round_up(t.tile_k, t.tile_k0 // 2))
-        elif level in (Level.L0B, Level.L0C, Level.L1) and t.tile_n > 2 * cn:
-            t = rep(t, tile_n=_round_up(t.tile_n // 2, cn))
-        elif t.double_buffer:
-            t = rep(t, double_buffer=0)
-        else:
-            return None
-    return t
-
-
-def _overflow(machine: Machine, specs: Sequence[QueueSpec]) -> Level | None:
-    """The first level whose queues exceed its capacity, or None when everything fits."""
-    for level in (Level.UB, Level.L1, Level.L0A, Level.L0B, Level.L0C):
-        if sum(s.reserved for s in specs if s.level is level) > capacity(machine, level):
-            return level
-    return None
-
-
-def _estimate(p: _Problem, t: LayerNormMatMulTiling, machine: Machine) -> float:
-    """Rough cycles of a tiling: waves of items, each bounded by its slowest pipe (W copies
-    with their DMA heads, Cube blocks, vector work), or by HBM traffic."""
-    tm, vr, tn, tk, _ = _effective(p, t)
-    blocks = math.ceil(p.m / tm)
-    parts = min(t.n_split, _n_blocks(p))
-    items = blocks * parts
-    groups = min(t.cores, machine.cube_cores, items)
-    active = groups  # cube cores share HBM among themselves (see `_groups`)
-    isz = p.dtype.itemsize
-    bw = machine.dma_bytes_per_cycle(active)
-    k0 = machine.cube_k_block(p.dtype)
-    mte2 = cube = 0.0
-    for lin in p.linears:
-        cols = math.ceil(lin.n / parts)
-        tiles = math.ceil(cols / tn) * math.ceil(p.k / tk)
-        mte2 += tiles * machine.copy_in_head(tk * tn * isz, active) + p.k * cols * isz / bw
-        cube += math.ceil(tm / 16) * math.ceil(p.k / k0) * math.ceil(cols / 16)
-    # The normalized block reaches L1 in sub-blocks, each with its own copy (and head).
-    subs = math.ceil(tm // p.q / vr)
-    sub_bytes = vr * p.ln.width * isz
-    if vector_cores_per_group(machine):
-        mte2 += subs * (machine.copy_in_head(sub_bytes, active) + sub_bytes / bw)
-    vecs = max(1, vector_cores_per_group(machine))
-    vec = subs / vecs * (machine.copy_in_head(sub_bytes, active) + sub_bytes / bw)
-    for step in layernorm_steps(p.ln):
-        for op in step.ops:
-            k, b = machine.vector_cost(op, step.dtype)
-            vec += k * (tm // p.q) * step.per_row + b * math.ceil(tm // p.q / vr)
-    vec /= max(1, vector_cores_per_group(machine))
-    waves = math.ceil(items / groups)
-    gm = (
-        p.ln.rows * p.ln.width * isz * min(parts, groups)
-        + blocks * p.k * sum(lin.n for lin in p.linears) * isz
-        + p.m * sum(lin.n for lin in p.linears) * isz
-    )
-    return max(waves * max(mte2, cube, vec), gm / machine.hbm_bytes_per_cycle)
-
-
 class _Data(NamedTuple):
     x_rows: np.ndarray  # [R, D]
     scale: np.ndarray | None
@@ -395,7 +153,7 @@ class _Data(NamedTuple):
     ys: tuple[np.ndarray, ...]  # [M, N_i]
 
 
-def _data(p: _Problem, inputs: Sequence[np.ndarray | None]) -> _Data:
+def _data(p: Problem, inputs: Sequence[np.ndarray | None]) -> _Data:
     ins = [*inputs, None, None, None]
     x = ins[0]
     assert x is not None
@@ -419,25 +177,27 @@ def _data(p: _Problem, inputs: Sequence[np.ndarray | None]) -> _Data:
     )
 
 
-def _queues(core_buf: Any, specs: Sequence[QueueSpec]) -> dict[str, Queue]:
-    return {s.name: core_buf.queue(s.name, s.slot_bytes, s.depth) for s in specs}
+def _queues(buf: Buffer, wanted: Sequence[QueueSpec]) -> dict[str, Queue]:
+    return {s.name: buf.queue(s.name, s.slot_bytes, s.depth) for s in wanted}
 
 
 def _program(
-    p: _Problem,
+    p: Problem,
     t: LayerNormMatMulTiling,
     data: _Data | None,
     group: Group,
-    items: Sequence[_Item],
+    items: Sequence[Item],
 ) -> None:
-    _, vr, tn, tk, tk0 = _effective(p, t)
-    specs = _specs(p, t)
+    _, vr, tn, tk, tk0 = effective(p, t)
+    wanted = specs(p, t)
     cube = group.cube
     bufs = {Level.L1: cube.l1, Level.L0A: cube.l0a, Level.L0B: cube.l0b, Level.L0C: cube.l0c}
     cq = {
-        s.name: bufs[s.level].queue(s.name, s.slot_bytes, s.depth) for s in specs if s.level in bufs
+        s.name: bufs[s.level].queue(s.name, s.slot_bytes, s.depth)
+        for s in wanted
+        if s.level in bufs
     }
-    ub_specs = [s for s in specs if s.level is Level.UB]
+    ub_specs = [s for s in wanted if s.level is Level.UB]
     vq = [_queues(v.ub, ub_specs) for v in group.vecs]
     isz = p.dtype.itemsize
     d = p.ln.width
@@ -461,7 +221,7 @@ def _program(
             )
             bias_tiles[i] = tile
     steps = layernorm_steps(p.ln)
-    parts = min(t.n_split, _n_blocks(p))
+    parts = min(t.n_split, n_blocks(p))
     block: Tile | None = None
     last: tuple[int, int] | None = None
     for m0, m1, part in items:
@@ -475,7 +235,7 @@ def _program(
             last = (m0, m1)
         assert block is not None
         for i, lin in enumerate(p.linears):
-            c0, c1 = _part(lin.n, part, parts)
+            c0, c1 = part_columns(lin.n, part, parts)
             for n0 in range(c0, c1, tn):
                 n1 = min(n0 + tn, c1)
                 _block_matmul(
@@ -484,7 +244,7 @@ def _program(
 
 
 def _normalize(
-    p: _Problem,
+    p: Problem,
     group: Group,
     j: int,
     vq: list[dict[str, Queue]],
@@ -548,7 +308,7 @@ def _place(lo: int, k: int, dst: np.ndarray, rows: np.ndarray) -> None:
 
 
 def _block_matmul(
-    p: _Problem,
+    p: Problem,
     cube: Any,
     cq: dict[str, Queue],
     data: _Data | None,
