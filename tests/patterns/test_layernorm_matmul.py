@@ -379,6 +379,18 @@ def test_noop_cast_between_layernorm_and_linears_is_looked_through() -> None:
     assert_same(model, result.model)
 
 
+def test_static_reshape_to_rows_times_hidden_is_a_flatten() -> None:
+    g = Graph(opset=17)
+    n = op_ln(g, g.input("x", [2, 5, HIDDEN]))
+    flat = g.op("Reshape", n, g.const([10, HIDDEN], "shape", np.int64))
+    g.outputs.append(g.op("Gemm", flat, g.random([HIDDEN, 3], "W"), g.random([3], "C")))
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    assert len(result.model.graph.node) == 1
+    assert_same(model, result.model)
+
+
 def test_gemm_on_2d_layernorm_output() -> None:
     g = Graph(opset=17)
     x = g.input("x", ["tokens", HIDDEN])
