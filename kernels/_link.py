@@ -41,14 +41,17 @@ def check_group(op: str, machine: Machine, group_size: int) -> None:
         )
 
 
-def step_cycles(machine: Machine, nbytes: int) -> float:
-    """Cycles of one ring step moving `nbytes` over one link."""
-    return (machine.link_latency_s + nbytes / machine.link_bytes_per_s) * machine.clock_hz
+def step_cycles(machine: Machine, nbytes: int, pieces: int = 1) -> float:
+    """Cycles of one ring step moving `nbytes` over one link in `pieces` transfers (each pays
+    the link latency)."""
+    return (pieces * machine.link_latency_s + nbytes / machine.link_bytes_per_s) * machine.clock_hz
 
 
-def ring_arrivals(machine: Machine, group_size: int, shard_bytes: int) -> list[tuple[float, float]]:
+def ring_arrivals(
+    machine: Machine, group_size: int, shard_bytes: int, pieces: int = 1
+) -> list[tuple[float, float]]:
     """(start, end) of each of the p - 1 ring steps, in core cycles from the kernel's start."""
-    step = step_cycles(machine, shard_bytes)
+    step = step_cycles(machine, shard_bytes, pieces)
     return [(j * step, (j + 1) * step) for j in range(group_size - 1)]
 
 

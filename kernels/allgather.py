@@ -29,7 +29,12 @@ from .npu.timeline import Interval, Timeline
 
 @dataclass(frozen=True)
 class AllGatherTiling(Tiling):
-    """Nothing is staged on a core; `chunks` (1) is kept for a uniform tiling interface."""
+    """Each shard crosses its link in `chunks` transfers, each paying the link latency.
+
+    Nothing is staged on a core (the links move GM to GM), so no buffer limits the tiling;
+    alone, more chunks only add latency (a consumer that starts on the first chunk is what
+    would gain from them).
+    """
 
     chunks: int
 
@@ -126,8 +131,9 @@ class AllGatherKernel(Kernel):
         functional: bool,
         timeline: bool,
     ) -> KernelRun:
+        assert isinstance(tiling, AllGatherTiling)
         g = gather_spec(self.op_type, inputs_meta[0], attrs, machine)
-        steps = ring_arrivals(machine, g.group_size, g.shard_bytes)
+        steps = ring_arrivals(machine, g.group_size, g.shard_bytes, tiling.chunks)
         order = arrival_order(g.rank, g.group_size)
         stats = _link_only_stats(
             machine, self.op_type, steps, [f"shard {r}" for r in order[1:]],

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from fuser.kernels import registry
 from fuser.kernels._link import step_cycles
+from fuser.kernels.allgather import AllGatherTiling
 from fuser.kernels.api import KernelError, TensorMeta
 from fuser.kernels.npu.machine import load_target
 
@@ -36,6 +37,8 @@ def test_time_is_the_ring_and_timing_only_agrees() -> None:
     link = [i for i in f.timeline.intervals if i.pipe == "LINK"]
     assert [i.label for i in link] == ["shard 1", "shard 0", "shard 3"]
     assert f.gm_write == x.nbytes
+    chunked = KERNEL.run(M, [x], attrs, tiling=AllGatherTiling(4), functional=False).stats
+    assert chunked.cycles == pytest.approx(f.cycles + 3 * 3 * M.link_latency_s * M.clock_hz)
 
 
 def test_errors() -> None:
