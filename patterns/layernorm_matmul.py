@@ -221,6 +221,25 @@ def _is_noop_cast(graph: GraphIndex, node: onnx.NodeProto) -> bool:
     return bool(source) and source == _attr(node, "to", None)
 
 
+def _const(graph: GraphIndex, name: str) -> np.ndarray | None:
+    """`graph.constant`, with two shortcuts that keep matching cheap on big graphs: a value whose
+    inferred shape has a symbolic dim depends on a graph input (not a constant, no need to walk
+    its producers), and a `Constant` node is read directly (no evaluator)."""
+    if not name:
+        return None
+    shape = graph.shape(name)
+    if shape is not None and any(isinstance(d, str) for d in shape):
+        return None
+    node = graph.producer_of(name)
+    if node is not None and node.op_type == "Constant" and node.domain == "" and node.attribute:
+        attr = node.attribute[0]
+        if attr.name == "value":
+            return numpy_helper.to_array(attr.t)
+        if attr.name in ("value_float", "value_floats", "value_int", "value_ints"):
+            return np.asarray(onnx.helper.get_attribute_value(attr))
+    return graph.constant(name)
+
+
 def _only_reader(graph: GraphIndex, value: str) -> int | None:
     readers = graph.readers(value)
     return readers[0] if len(readers) == 1 and not graph.is_graph_output(value) else None
@@ -252,7 +271,7 @@ def _rank(graph: GraphIndex, value: str) -> int | None:
 def _scalar(graph: GraphIndex, value: str, what: str, node_id: int, rank: int | None) -> float:
     """The value of a one-element constant (that does not raise the rank of a rank-`rank`
     operand), or a near miss naming it."""
-    const = graph.constant(value)
+    const = _const(graph, value)
     name = graph.describe(node_id)
     if const is None:
         raise _NearMiss(
@@ -289,7 +308,7 @@ def _reduced_axes(graph: GraphIndex, node_id: int, rank: int | None) -> int:
         )
     axes: list[int] | None
     if len(node.input) > 1 and node.input[1]:
-        const = graph.constant(node.input[1])
+        const = _const(graph, node.input[1])
         if const is None:
             raise _NearMiss(
                 f"axes '{node.input[1]}' of ReduceMean '{name}' are computed at run time",
@@ -360,7 +379,7 @@ def _affine(
     if node.op_type != op_type or node.domain != "" or list(node.input).count(value) != 1:
         return None
     param = node.input[1] if node.input[0] == value else node.input[0]
-    const = graph.constant(param)
+    const = _const(graph, param)
     shape = tuple(const.shape) if const is not None else graph.shape(param)
     if shape is None:
         return None
@@ -522,7 +541,7 @@ def _row_bias(
     graph: GraphIndex, name: str, n: int, max_rank: int | None, base: str
 ) -> tuple[str, tuple[onnx.TensorProto, ...]] | None:
     """`name` as a [n] bias if it is a constant broadcasting along the last axis only."""
-    const = graph.constant(name)
+    const = _const(graph, name)
     if const is None or const.ndim > (1 if max_rank is None else max_rank):
         return None
     if any(d != 1 for d in const.shape[:-1]) or (const.ndim and const.shape[-1] not in (1, n)):
@@ -546,7 +565,7 @@ def _matmul(graph: GraphIndex, node_id: int, value: str) -> _Linear:
             (node_id,),
         )
     weight = node.input[1]
-    w = graph.constant(weight)
+    w = _const(graph, weight)
     if w is None:
         raise _NearMiss(
             f"weight '{weight}' of MatMul '{name}' is {_constant_why(graph, weight)}",
@@ -587,7 +606,7 @@ def _gemm(graph: GraphIndex, node_id: int, members: tuple[int, ...], flatten: in
             nodes,
         )
     weight = node.input[1]
-    w = graph.constant(weight)
+    w = _const(graph, weight)
     if w is None:
         raise _NearMiss(
             f"weight '{weight}' of Gemm '{name}' is {_constant_why(graph, weight)}", weight, nodes
@@ -602,7 +621,7 @@ def _gemm(graph: GraphIndex, node_id: int, members: tuple[int, ...], flatten: in
     n = int(w.shape[0] if trans_b else w.shape[1])
     bias = node.input[2] if len(node.input) > 2 else ""
     if bias:
-        c = graph.constant(bias)
+        c = _const(graph, bias)
         if c is None:
             raise _NearMiss(
                 f"bias '{bias}' of Gemm '{name}' is {_constant_why(graph, bias)}", bias, nodes
@@ -637,8 +656,10 @@ def _last_dim(graph: GraphIndex, norm: _Norm) -> int | None:
         return shape[-1]
     sizes = []
     for name in (norm.x, norm.scale, norm.bias):
-        const = graph.constant(name) if name else None
-        dims = tuple(const.shape) if const is not None else graph.shape(name) if name else None
+        dims = graph.shape(name) if name else None
+        if dims is None and name and name != norm.x:
+            const = _const(graph, name)
+            dims = None if const is None else tuple(const.shape)
         if dims and isinstance(dims[-1], int):
             sizes.append(dims[-1])
     return max(sizes) if sizes else None
@@ -654,7 +675,7 @@ def _shape_items(
     """A 1-D int64 value as items, when it is a constant or computed from `Shape(of)` (as
     TorchScript writes `x.view(-1, x.size(-1))`: Concat, Slice/Gather of Shape, Squeeze,
     Unsqueeze, Cast); None if it depends on anything else. The computing nodes go to `nodes`."""
-    const = graph.constant(name)
+    const = _const(graph, name)
     if const is not None:
         return [int(v) for v in const.reshape(-1)]
     node_id = graph.producer.get(name)
@@ -695,13 +716,13 @@ def _shape_items(
         return None
     nodes.append(source)
     if op == "Gather" and _attr(node, "axis", 0) == 0:
-        index = graph.constant(node.input[1])
+        index = _const(graph, node.input[1])
         if index is None or index.size != 1:
             return None
         i = int(index.reshape(-1)[0])
         return [dims[i]] if -len(dims) <= i < len(dims) else None
     if op == "Slice" and len(node.input) >= 3:
-        bounds = [graph.constant(i) if i else None for i in node.input[1:5]]
+        bounds = [_const(graph, i) if i else None for i in node.input[1:5]]
         if (
             bounds[0] is None
             or bounds[1] is None
