@@ -8,6 +8,10 @@ simulator (timing-only runs, default tilings) on the chosen target. Then the cos
 functional run against the op's numpy reference, and the speed of timing-only runs.
 
     python benchmarks/fusion_gain.py [--target ascend910b] [--batch 1] [--dtype float16]
+
+Wall times depend on the machine's load. A functional run does many small matmuls (one per
+Cube instruction); on a busy machine multi-threaded BLAS makes those erratic, so for stable
+ratios run with OPENBLAS_NUM_THREADS=1 (the reference then runs single-threaded too).
 """
 
 from __future__ import annotations
