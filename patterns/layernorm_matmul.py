@@ -222,13 +222,8 @@ def _is_noop_cast(graph: GraphIndex, node: onnx.NodeProto) -> bool:
 
 
 def _const(graph: GraphIndex, name: str) -> np.ndarray | None:
-    """`graph.constant`, with two shortcuts that keep matching cheap on big graphs: a value whose
-    inferred shape has a symbolic dim depends on a graph input (not a constant, no need to walk
-    its producers), and a `Constant` node is read directly (no evaluator)."""
+    """`graph.constant`, reading a `Constant` node directly (no evaluator: cheap on big graphs)."""
     if not name:
-        return None
-    shape = graph.shape(name)
-    if shape is not None and any(isinstance(d, str) for d in shape):
         return None
     node = graph.producer_of(name)
     if node is not None and node.op_type == "Constant" and node.domain == "" and node.attribute:
@@ -238,6 +233,17 @@ def _const(graph: GraphIndex, name: str) -> np.ndarray | None:
         if attr.name in ("value_float", "value_floats", "value_int", "value_ints"):
             return np.asarray(onnx.helper.get_attribute_value(attr))
     return graph.constant(name)
+
+
+def _operand_const(graph: GraphIndex, name: str) -> np.ndarray | None:
+    """`_const` for an operand that is usually an activation (a residual, a computed shape): one
+    whose inferred shape has a symbolic dim is taken as computed at run time without walking
+    its producers. (A constant shape inference could not size is then missed: the Add or the
+    Mul stays outside the match, which is still correct.)"""
+    shape = graph.shape(name)
+    if shape is not None and any(isinstance(d, str) for d in shape):
+        return None
+    return _const(graph, name)
 
 
 def _only_reader(graph: GraphIndex, value: str) -> int | None:
@@ -379,7 +385,7 @@ def _affine(
     if node.op_type != op_type or node.domain != "" or list(node.input).count(value) != 1:
         return None
     param = node.input[1] if node.input[0] == value else node.input[0]
-    const = _const(graph, param)
+    const = _operand_const(graph, param)
     shape = tuple(const.shape) if const is not None else graph.shape(param)
     if shape is None:
         return None
@@ -541,7 +547,7 @@ def _row_bias(
     graph: GraphIndex, name: str, n: int, max_rank: int | None, base: str
 ) -> tuple[str, tuple[onnx.TensorProto, ...]] | None:
     """`name` as a [n] bias if it is a constant broadcasting along the last axis only."""
-    const = _const(graph, name)
+    const = _operand_const(graph, name)
     if const is None or const.ndim > (1 if max_rank is None else max_rank):
         return None
     if any(d != 1 for d in const.shape[:-1]) or (const.ndim and const.shape[-1] not in (1, n)):
