@@ -112,22 +112,58 @@ def check(plan: RowPlan, t: RowTiling, machine: Machine) -> None:
 
 
 def default(plan: RowPlan, machine: Machine) -> RowTiling:
-    """Enough rows per tile that every vector core gets one tile, fewer if UB is short.
+    """The cheapest by `estimate` of a few tile sizes that fit UB, double-buffered if possible.
 
-    One big tile per core pays each instruction's fixed cost once; halving it until it fits
-    keeps double buffering, and drops it only when a single row does not fit twice.
+    Candidates split the rows evenly over all vector cores or over fewer of them: fewer active
+    cores each get a bigger share of HBM and pay smaller DMA heads, which can beat using them
+    all (the MoE gating sweep's shape).
     """
     cores = machine.vector_cores
-    rows = max(1, math.ceil(plan.rows / cores))
-    for db in (1, 0):
-        t = RowTiling(rows, db, cores)
-        while t.rows > 1 and not fits(machine, specs(plan, t)):
-            t = RowTiling(max(1, t.rows // 2), db, cores)
-        if fits(machine, specs(plan, t)):
-            return t
-    raise TilingError(
-        f"{plan.op}: one row of {plan.width} elements does not fit UB ({machine.ub_bytes} bytes)"
-    )
+    fracs = (1, 2, 3, 4, 6, 8)
+    sizes = sorted({max(1, math.ceil(plan.rows / max(1, cores * 2 // f))) for f in fracs})
+    best: tuple[float, RowTiling] | None = None
+    for rows in sizes:
+        for db in (1, 0):
+            t = RowTiling(rows, db, cores)
+            while t.rows > 1 and not fits(machine, specs(plan, t)):
+                t = RowTiling(max(1, t.rows // 2), db, cores)
+            if not fits(machine, specs(plan, t)):
+                continue
+            cost = estimate(plan, t, machine)
+            if best is None or cost < best[0]:
+                best = (cost, t)
+    if best is None:
+        raise TilingError(
+            f"{plan.op}: one row of {plan.width} elements does not fit UB "
+            f"({machine.ub_bytes} bytes)"
+        )
+    return best[1]
+
+
+def estimate(plan: RowPlan, t: RowTiling, machine: Machine) -> float:
+    """Rough cycles: per core, its tiles' copy-in, vector work and copy-out, pipelined when
+    double-buffered (fill + (n - 1) x slowest stage + drain), summed when not."""
+    tiles = math.ceil(plan.rows / t.rows) if plan.rows else 0
+    if tiles == 0:
+        return float(machine.kernel_launch_cycles)
+    active = min(t.cores, tiles)
+    per_core = math.ceil(tiles / active)
+    bw = machine.dma_bytes_per_cycle(active)
+    n = min(t.rows, plan.rows)
+    in_bytes = n * plan.width * plan.in_dtype.itemsize
+    t_in = machine.copy_in_head(in_bytes, active) + in_bytes / bw
+    out_bytes = [n * o.width * o.dtype.itemsize for o in plan.outs if o.emit]
+    t_out = sum(machine.copy_out_head_cycles + b / bw for b in out_bytes)
+    t_vec = 0.0
+    for step in plan.steps:
+        for op in step.ops:
+            k, b = machine.vector_cost(op, step.dtype)
+            t_vec += k * n * step.per_row + b
+    if t.double_buffer:
+        core = t_in + t_vec + t_out + (per_core - 1) * max(t_in, t_vec, t_out)
+    else:
+        core = per_core * (t_in + t_vec + t_out)
+    return machine.kernel_launch_cycles + core
 
 
 def run(
