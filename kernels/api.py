@@ -3,6 +3,7 @@
 A kernel runs one op on the simulated NPU (`fuser.kernels.npu`): it knows the op's inputs and
 attributes (as ONNX or `docs/fused-ops.md` define them) and no ONNX graph.
 
+    >>> import numpy as np
     >>> from fuser.kernels import registry
     >>> from fuser.kernels.npu.machine import load_target
     >>> k = registry.get_kernel("", "Relu")
