@@ -472,6 +472,42 @@ def test_any_exporter_variant_fuses_into_one_node(
     assert_same(model, result.model)
 
 
+def test_inside_an_if_branch_with_weights_from_the_outer_graph() -> None:
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((HIDDEN, 4)).astype(np.float32), "W"),
+        numpy_helper.from_array(np.ones(HIDDEN, np.float32), "g"),
+        numpy_helper.from_array(np.zeros(HIDDEN, np.float32), "b"),
+    ]
+    then_nodes = [
+        helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], epsilon=1e-6),
+        helper.make_node("MatMul", ["n", "W"], ["y_then"]),
+    ]
+    y_then = helper.make_tensor_value_info("y_then", TensorProto.FLOAT, ["tokens", 4])
+    then = helper.make_graph(then_nodes, "then", [], [y_then])
+    y_else = helper.make_tensor_value_info("y_else", TensorProto.FLOAT, ["tokens", 4])
+    other = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y_else"])], "else", [],
+                              [y_else])  # fmt: skip
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+        "branchy",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", HIDDEN])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["tokens", 4])],
+        inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}
+    (record,) = result.report.fusions
+    assert record.graph == "If.then_branch"
+    x = np.random.default_rng(1).standard_normal((7, HIDDEN)).astype(np.float32)
+    feeds_ = {"c": np.array(True), "x": x}
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds_)[0]
+    actual = session(result.model).run(None, feeds_)[0]
+    assert float(np.abs(expected - actual).max()) <= 1e-4 * max(1.0, float(np.abs(expected).max()))
+
+
 def test_fusing_twice_changes_nothing() -> None:
     g = Graph(opset=13)
     x = g.input("x", ["batch", "seq", HIDDEN])
