@@ -448,9 +448,16 @@ def test_float16(kind: str) -> None:
     residual=st.booleans(),
 )
 def test_any_exporter_variant_fuses_into_one_node(
-    opset: int, as_op: bool, square: str, divide: str, affine: bool, noop_casts: bool,
-    biases: list[str], shape_reader: bool, residual: bool,
-) -> None:  # fmt: skip
+    opset: int,
+    as_op: bool,
+    square: str,
+    divide: str,
+    affine: bool,
+    noop_casts: bool,
+    biases: list[str],
+    shape_reader: bool,
+    residual: bool,
+) -> None:
     g = Graph(opset=opset)
     x = g.input("x", ["batch", "seq", HIDDEN])
     if as_op and opset >= 17:
@@ -486,16 +493,19 @@ def test_inside_an_if_branch_with_weights_from_the_outer_graph() -> None:
     y_then = helper.make_tensor_value_info("y_then", TensorProto.FLOAT, ["tokens", 4])
     then = helper.make_graph(then_nodes, "then", [], [y_then])
     y_else = helper.make_tensor_value_info("y_else", TensorProto.FLOAT, ["tokens", 4])
-    other = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y_else"])], "else", [],
-                              [y_else])  # fmt: skip
+    other = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y_else"])], "else", [], [y_else]
+    )
     graph = helper.make_graph(
         [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
         "branchy",
-        [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", HIDDEN])],
+        [
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", HIDDEN]),
+        ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["tokens", 4])],
         inits,
-    )  # fmt: skip
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     result = fuse(model)
     assert result.report.summary == {PATTERN: 1}
