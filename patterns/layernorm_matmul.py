@@ -14,7 +14,10 @@ Matched:
     N  = Add(Mul(N, gamma), beta)            (affine part optional, either operand order)
   axes as attribute (opset < 18) or input (opset 18+); no-op Casts (to the dtype the value
   already has) are looked through. The fused op gets stash_type=0: statistics in the input
-  dtype, as the decomposed ops compute them.
+  dtype, as the decomposed ops compute them. TorchScript writes a float16 LayerNorm with the
+  variance in float64 (Cast after the Sub, Cast back after the Div): that form gets
+  stash_type=1 (statistics in float32), equal within float16 resolution, and says so in the
+  fusion's notes.
 - Consumers of N: MatMul(N, W) with W a constant 2-D weight, then optionally Add of a constant
   bias broadcasting along the last axis only (either operand order); and Reshape(N, [-1, K]) ->
   Gemm (GPT-2's Conv1D), with transB, alpha and beta folded into new W'/b' initializers at fuse
@@ -46,6 +49,7 @@ from onnx import numpy_helper
 
 from fuser.fusedop import FLOAT_TYPES, Attr, Dim, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
+from fuser.matcher import type_name
 from fuser.pattern import Match, Rejection, rejection
 
 NAME = "layernorm_matmul"
@@ -193,6 +197,7 @@ class _Norm:
     axis: int
     epsilon: float
     stash_type: int
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,27 @@ def _operand_const(graph: GraphIndex, name: str) -> np.ndarray | None:
     if shape is not None and any(isinstance(d, str) for d in shape):
         return None
     return _const(graph, name)
+
+
+_WIDER: dict[int, tuple[int, ...]] = {
+    onnx.TensorProto.FLOAT16: (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE),
+    onnx.TensorProto.BFLOAT16: (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE),
+    onnx.TensorProto.FLOAT: (onnx.TensorProto.DOUBLE,),
+}
+
+
+def _is_cast_to(node: onnx.NodeProto, elem_type: int | None) -> bool:
+    return node.op_type == "Cast" and node.domain == "" and _attr(node, "to", 0) == elem_type
+
+
+def _widening_cast(graph: GraphIndex, value: str) -> int | None:
+    """The only reader of `value` if it is a Cast to a wider float type, else None."""
+    reader = _only_reader(graph, value)
+    source = graph.elem_type(value)
+    if reader is None or source is None:
+        return None
+    node = graph.node(reader)
+    return reader if any(_is_cast_to(node, t) for t in _WIDER.get(source, ())) else None
 
 
 def _only_reader(graph: GraphIndex, value: str) -> int | None:
@@ -415,6 +441,10 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     sub = subs[0]
     members.append(sub)
     d = graph.node(sub).output[0]
+    widen = _widening_cast(graph, d)
+    if widen is not None:  # TorchScript's float16 LayerNorm: variance in float64
+        members.append(widen)
+        d = graph.node(widen).output[0]
     square = divide = None
     for r in graph.readers(d):
         node = graph.node(r)
@@ -482,7 +512,9 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         add_node = graph.node(add_eps)
         eps_name = add_node.input[1] if add_node.input[0] == var else add_node.input[0]
         epsilon = _scalar(graph, eps_name, "epsilon", add_eps, rank)
-        if float(np.float32(epsilon)) != epsilon:
+        if widen is not None:
+            epsilon = float(np.float32(epsilon))  # far below the float16 output's resolution
+        elif float(np.float32(epsilon)) != epsilon:
             raise _NearMiss(
                 f"epsilon '{eps_name}' = {epsilon!r} is not exactly representable in "
                 "LayerNormMatMul's float32 epsilon attribute",
@@ -490,6 +522,20 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
                 (add_eps,),
             )
         out = _follow(graph, div_node.output[0], members)
+        notes: tuple[str, ...] = ()
+        if widen is not None:
+            back = _only_reader(graph, out)
+            x_type = graph.elem_type(x)
+            if back is None or not _is_cast_to(graph.node(back), x_type):
+                return None  # statistics and output in the wide type: not this form
+            members.append(back)
+            out = graph.node(back).output[0]
+            notes = (
+                f"statistics in float32 (stash_type=1); the original computes the mean in "
+                f"{type_name(x_type)} and the variance in "
+                f"{type_name(_attr(graph.node(widen), 'to', 0))} (Cast "
+                f"'{graph.describe(widen)}'): equal within {type_name(x_type)} resolution",
+            )
         scale = bias = ""
         gamma = _affine(graph, out, "Mul", rank, k, "gamma")
         if gamma is not None:
@@ -512,7 +558,7 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     ):
         members.insert(1, producer)
         x = graph.node(producer).input[0]
-    return _Norm(tuple(members), x, scale, bias, out, -k, epsilon, 0)
+    return _Norm(tuple(members), x, scale, bias, out, -k, epsilon, int(widen is not None), notes)
 
 
 def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
@@ -887,7 +933,7 @@ class LayerNormMatMulPattern:
             "has_bias": [1 if lin.bias else 0 for lin in readers.linears],
             "flatten": [lin.flatten for lin in readers.linears],
         }
-        notes = tuple(f"left unfused: {m.reason}" for m in readers.misses)
+        notes = (*norm.notes, *(f"left unfused: {m.reason}" for m in readers.misses))
         return Match(
             self.name,
             LAYERNORM_MATMUL,

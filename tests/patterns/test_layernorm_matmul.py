@@ -111,16 +111,25 @@ def decomposed_ln(
     gamma_shape: Sequence[int] = (HIDDEN,),
     eps: float = 1e-5,
     noop_casts: bool = False,
+    widen: Any = None,
 ) -> str:
-    """The decomposed LayerNorm as exporters write it below opset 17; returns its output."""
+    """The decomposed LayerNorm as exporters write it below opset 17; returns its output.
+    `widen` (a numpy dtype): the variance and division in that type, between Casts, as
+    TorchScript writes a float16 LayerNorm."""
     if noop_casts:
         x = g.op("Cast", x, to=g.elem)
     mean = reduce_mean(g, x, axes, keepdims, name="mean")
     d = g.op("Sub", x, mean)
-    sq = g.op("Pow", d, g.const(exponent, "two")) if square == "pow" else g.op("Mul", d, d)
+    wide = g.dtype if widen is None else widen
+    if widen is not None:
+        d = g.op("Cast", d, to=helper.np_dtype_to_tensor_dtype(np.dtype(widen)), name="up")
+    two = g.const(exponent, "two", wide)
+    sq = g.op("Pow", d, two) if square == "pow" else g.op("Mul", d, d)
     var = reduce_mean(g, sq, axes, keepdims, name="var")
-    std = g.op("Sqrt", g.op("Add", var, g.const(eps, "eps")))
+    std = g.op("Sqrt", g.op("Add", var, g.const(eps, "eps", wide)))
     y = g.op("Div", d, std) if divide == "div" else g.op("Mul", d, g.op("Reciprocal", std))
+    if widen is not None:
+        y = g.op("Cast", y, to=g.elem)
     if not affine:
         return y
     if noop_casts:
@@ -516,6 +525,26 @@ def test_inside_an_if_branch_with_weights_from_the_outer_graph() -> None:
     expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds_)[0]
     actual = session(result.model).run(None, feeds_)[0]
     assert float(np.abs(expected - actual).max()) <= 1e-4 * max(1.0, float(np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("widen", [np.float32, np.float64])
+def test_torchscript_float16_layernorm_with_wide_variance(widen: Any) -> None:
+    """TorchScript below opset 17 writes a float16 LayerNorm with the mean in float16 and the
+    variance in float64 (Cast after the Sub, Cast back after the Div): fused with stash_type=1,
+    and the report says so."""
+    g = Graph(opset=13, dtype=np.float16)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    qkv_block(g, decomposed_ln(g, x, widen=widen), x)
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}, reasons(result)
+    (node,) = fused_nodes(result.model)
+    assert attrs(node)["stash_type"] == 1
+    assert attrs(node)["epsilon"] == float(np.float32(1e-5))
+    (record,) = result.report.fusions
+    assert record.notes[0].startswith("statistics in float32 (stash_type=1); the original computes")
+    assert "Cast 'up'" in record.notes[0]
+    assert_same(model, result.model, tolerance=1e-2)
 
 
 def test_fusing_twice_changes_nothing() -> None:
