@@ -7,9 +7,11 @@ to fuse. A chain whose intermediate value has extra readers is still counted.
 Keys of the returned mapping:
 - ``conv_bn_relu`` / ``conv_bn``: Conv -> BatchNormalization, with / without a Relu reading the BN.
 - ``layernorm``: LayerNormalization ops plus decomposed LayerNorms (one per ``Sqrt`` of
-  ``Add(ReduceMean(..), eps)``).
-- ``layernorm_matmul``: LayerNorms whose output (through no-op Casts) feeds at least one MatMul
-  (as left operand) or Reshape -> Gemm; ``layernorm_matmuls`` counts those MatMuls/Gemms.
+  ``Add(ReduceMean(square(x - ReduceMean(x))), eps)``; RMSNorm, without the centering, is not
+  counted).
+- ``layernorm_matmul``: LayerNorms whose output (through Casts) feeds at least one MatMul (as
+  left operand) or Reshape -> Gemm; ``layernorm_matmuls`` counts those MatMuls/Gemms.
+  Reshape -> MatMul (GPT-2's lm_head in real exports) is not counted.
 - ``softmax_topk``: Softmax -> (Cast ->) TopK; ``topk_softmax``: TopK values -> Softmax.
 - ``allgather_matmul``: com.microsoft AllGather -> MatMul (as left operand).
 """
@@ -50,12 +52,37 @@ class _Index:
         return node.op_type if node is not None else ""
 
 
+def _skip_casts(idx: _Index, value: str) -> onnx.NodeProto | None:
+    """The producer of ``value``, looking back through Cast nodes."""
+    node = idx.producer.get(value)
+    while node is not None and node.op_type == "Cast":
+        node = idx.producer.get(node.input[0])
+    return node
+
+
+def _is_centered_variance(idx: _Index, add: onnx.NodeProto) -> bool:
+    """``add`` is ``ReduceMean(Pow(d, 2) or Mul(d, d)) + eps`` with ``d = x - ReduceMean(x)``.
+
+    The centering is what tells LayerNorm from RMSNorm (which has no Sub).
+    """
+    for v in add.input:
+        var = _skip_casts(idx, v)
+        if var is None or var.op_type != "ReduceMean":
+            continue
+        square = _skip_casts(idx, var.input[0])
+        if square is None or square.op_type not in ("Pow", "Mul"):
+            continue
+        sub = _skip_casts(idx, square.input[0])
+        if sub is not None and sub.op_type == "Sub":
+            mean = _skip_casts(idx, sub.input[1])
+            return mean is not None and mean.op_type == "ReduceMean"
+    return False
+
+
 def _decomposed_ln_output(idx: _Index, sqrt: onnx.NodeProto) -> str | None:
     """Walk from the Sqrt of a decomposed LayerNorm to its last value (after the affine part)."""
-    add = idx.producer.get(sqrt.input[0])
-    if add is None or add.op_type != "Add":
-        return None
-    if not any(idx.producer_op(v) == "ReduceMean" for v in add.input):
+    add = _skip_casts(idx, sqrt.input[0])
+    if add is None or add.op_type != "Add" or not _is_centered_variance(idx, add):
         return None
     out = sqrt.output[0]
     if (div := idx.readers_of(out, "Div", 1)) != []:

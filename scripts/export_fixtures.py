@@ -1,0 +1,457 @@
+"""Export small real models with PyTorch exporters into tests/data/exported/.
+
+The fixtures show fuser the graphs exporters really write (Identity-wrapped or computed
+parameters, Casts, Shape consumers, exporter-specific LayerNorm and attention forms), so the
+tests need no torch: the .onnx files, a reference ``.npz`` per model (inputs and PyTorch's
+outputs) and README.md are committed.
+
+Needs ``torch==2.13.0`` (CPU wheel) and, for the Hugging Face models, ``transformers``; models are
+built from configs with random weights (nothing is downloaded). Run from the repository root::
+
+    python scripts/export_fixtures.py            # all fixtures
+    python scripts/export_fixtures.py bert-ts13  # some of them
+
+Each export is checked before it is written: ``onnx.checker`` (full), onnxruntime runs it and
+matches PyTorch's outputs, and the file must stay under 1 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: configs only
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from fuser.models.inventory import count_chains
+from torch import nn
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "exported"
+MAX_BYTES = 1_000_000
+
+
+@dataclass(frozen=True)
+class Fixture:
+    """One exported model: how to build it, how to export it, what it shows."""
+
+    name: str
+    build: Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]
+    exporter: Literal["torchscript", "dynamo"]
+    opset: int
+    notes: str
+    dynamic: dict[str, dict[int, str]] = field(default_factory=dict)  # input -> axis -> name
+    options: dict[str, Any] = field(default_factory=dict)
+    library: str = "torch.nn"
+    half: bool = False  # export in float16 (checked against PyTorch with fp16 tolerances)
+
+
+# -- models ------------------------------------------------------------------------------------
+
+
+def _randomize_batchnorm(model: nn.Module, gen: torch.Generator) -> None:
+    """Fresh BN layers are identity (weight 1, bias 0, mean 0, var 1): the TorchScript exporter
+    then de-duplicates them into Identity nodes and folding is trivial. Give them real stats."""
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d):
+            c = m.num_features
+            m.weight.data = torch.rand(c, generator=gen) + 0.5
+            m.bias.data = torch.rand(c, generator=gen) - 0.5
+            m.running_mean = torch.rand(c, generator=gen) * 0.4 - 0.2
+            m.running_var = torch.rand(c, generator=gen) + 0.5
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class TinyResNet(nn.Module):
+    """Stem Conv+BN+ReLU, two basic blocks (identity and projection shortcut), a depthwise
+    Conv+BN+ReLU, a 1-D Conv+BN+ReLU over the flattened rows, and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU()
+        )
+        self.layer1 = _BasicBlock(8, 8, 1)
+        self.layer2 = _BasicBlock(8, 12, 2)
+        self.dw = nn.Sequential(
+            nn.Conv2d(12, 12, 3, 1, 1, groups=12), nn.BatchNorm2d(12), nn.ReLU()
+        )
+        self.temporal = nn.Sequential(
+            nn.Conv1d(12, 12, 3, padding=1), nn.BatchNorm1d(12), nn.ReLU()
+        )
+        self.head = nn.Linear(12, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        y = self.dw(self.layer2(self.layer1(self.stem(images))))
+        y = self.temporal(y.flatten(2))
+        return self.head(y.mean(2))
+
+
+def build_cnn() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = TinyResNet()
+    _randomize_batchnorm(model, gen)
+    return model.eval(), {"images": torch.randn(2, 3, 16, 16, generator=gen)}
+
+
+def _token_inputs(vocab: int, with_mask: bool = True) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"input_ids": torch.randint(0, vocab, (2, 8), generator=gen)}
+    if with_mask:
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 6:] = 0  # one padded row, so the mask matters
+        inputs["attention_mask"] = mask
+    return inputs
+
+
+class _HiddenStates(nn.Module):
+    """Return only the first output (last hidden state or logits) as a plain tensor."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out[0]
+
+
+class _Encoder(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask)[0]
+
+
+def build_bert() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+    config._attn_implementation = "eager"  # sdpa has no TorchScript symbolic below opset 14
+    return _Encoder(BertModel(config).eval()).eval(), _token_inputs(100)
+
+
+def build_gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    return _HiddenStates(GPT2LMHeadModel(config).eval()).eval(), _token_inputs(100)
+
+
+def build_mixtral() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    config._experts_implementation = "batched_mm"
+    return _HiddenStates(MixtralForCausalLM(config).eval()).eval(), _token_inputs(100)
+
+
+def build_qwen2_moe() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    config._experts_implementation = "batched_mm"
+    return _HiddenStates(Qwen2MoeForCausalLM(config).eval()).eval(), _token_inputs(100)
+
+
+class LegacyRouter(nn.Module):
+    """The transformers 4.x Mixtral router: ``F.softmax(logits, dim=1, dtype=torch.float)``,
+    top-2, renormalize, cast back to the hidden dtype (the form facts.md describes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(32, 8, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(hidden.reshape(-1, 32))
+        weights = torch.softmax(logits, dim=1, dtype=torch.float)
+        weights, experts = torch.topk(weights, 2, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(hidden.dtype), experts
+
+
+def build_legacy_router() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(2)
+    return LegacyRouter().eval(), {"hidden": torch.randn(2, 8, 32, generator=gen)}
+
+
+TOKENS = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+
+FIXTURES = [
+    Fixture(
+        "cnn-ts13",
+        build_cnn,
+        "torchscript",
+        13,
+        "BN kept with training=PRESERVE (eval mode); Conv+BN+Relu incl. depthwise and 1-D,"
+        " Conv+BN before residual Adds, projection shortcut",
+        dynamic={"images": {0: "N"}},
+        options={"training": torch.onnx.TrainingMode.PRESERVE},
+    ),
+    Fixture(
+        "cnn-dynamo18",
+        build_cnn,
+        "dynamo",
+        18,
+        "optimize=False keeps BN; bias-free Convs get a zero bias computed at run time"
+        " (Shape -> Expand, CastLike -> Expand)",
+        dynamic={"images": {0: "N"}},
+        options={"optimize": False},
+    ),
+    Fixture(
+        "bert-ts13",
+        build_bert,
+        "torchscript",
+        13,
+        "post-LN encoder, decomposed LayerNorm (ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add)",
+        dynamic=TOKENS,
+        library="transformers",
+    ),
+    Fixture(
+        "bert-dynamo18",
+        build_bert,
+        "dynamo",
+        18,
+        "post-LN encoder, LayerNormalization op",
+        dynamic=TOKENS,
+        library="transformers",
+    ),
+    Fixture(
+        "gpt2-ts14",
+        build_gpt2,
+        "torchscript",
+        14,
+        "pre-LN decoder, decomposed LayerNorm read by 3 Shape nodes and a Reshape -> Gemm"
+        " (Conv1D); ln_f -> Reshape -> MatMul lm_head (not counted)",
+        dynamic=TOKENS,
+        library="transformers",
+    ),
+    Fixture(
+        "gpt2-dynamo18",
+        build_gpt2,
+        "dynamo",
+        18,
+        "pre-LN decoder, LayerNormalization op -> Reshape (constant shape) -> Gemm;"
+        " ln_f -> Reshape -> MatMul lm_head (not counted)",
+        dynamic=TOKENS,
+        library="transformers",
+    ),
+    Fixture(
+        "mixtral-dynamo18",
+        build_mixtral,
+        "dynamo",
+        18,
+        "sparse MoE: router Gemm -> Softmax -> TopK(2) -> ReduceSum/Div renormalize,"
+        " batched_mm experts; RMSNorm (no centering: not a LayerNorm)",
+        dynamic=TOKENS,
+        library="transformers",
+    ),
+    Fixture(
+        "mixtral-fp16-dynamo18",
+        build_mixtral,
+        "dynamo",
+        18,
+        "float16 Mixtral: router_logits.float() puts a Cast to float32 before the Softmax;"
+        " TopK, renormalize in float32, Cast back to float16",
+        dynamic=TOKENS,
+        library="transformers",
+        half=True,
+    ),
+    Fixture(
+        "router-fp16-ts14",
+        build_legacy_router,
+        "torchscript",
+        14,
+        "float16 router with softmax(dtype=float) (transformers 4.x Mixtral): MatMul ->"
+        " Softmax (fp16) -> Cast(float32) -> TopK(2) -> ReduceSum/Div -> Cast(float16)",
+        dynamic={"hidden": {0: "batch", 1: "seq"}},
+        half=True,
+    ),
+    Fixture(
+        "router-fp16-dynamo18",
+        build_legacy_router,
+        "dynamo",
+        18,
+        "the same router through dynamo: Gemm -> Softmax (fp16) -> Cast(float32) -> TopK(2)"
+        " -> ReduceSum/Div -> Cast(float16)",
+        dynamic={"hidden": {0: "batch", 1: "seq"}},
+        half=True,
+    ),
+    Fixture(
+        "qwen2moe-dynamo18",
+        build_qwen2_moe,
+        "dynamo",
+        18,
+        "sparse MoE: router Gemm -> Softmax -> TopK(4) without renormalization, shared"
+        " expert with sigmoid gate; RMSNorm",
+        dynamic=TOKENS,
+        library="transformers",
+    ),
+]
+
+
+# -- export ------------------------------------------------------------------------------------
+
+
+def export(fx: Fixture, path: Path) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """Export ``fx`` to ``path``; return the example inputs and PyTorch's outputs."""
+    model, inputs = fx.build()
+    if fx.half:
+        model = model.half()
+        inputs = {k: v.half() if v.is_floating_point() else v for k, v in inputs.items()}
+    names = list(inputs)
+    args = tuple(inputs.values())
+    with torch.no_grad():
+        expected = model(*args)
+    outputs = [expected] if isinstance(expected, torch.Tensor) else list(expected)
+    output_names = ["output"] if len(outputs) == 1 else [f"output_{i}" for i in range(len(outputs))]
+    quiet = contextlib.redirect_stdout(io.StringIO())
+    with warnings.catch_warnings(), quiet:
+        warnings.simplefilter("ignore")
+        if fx.exporter == "torchscript":
+            torch.onnx.export(
+                model, args, str(path), dynamo=False, opset_version=fx.opset,
+                input_names=names, output_names=output_names, dynamic_axes=fx.dynamic,
+                **fx.options,
+            )  # fmt: skip
+        else:
+            dims = {n: torch.export.Dim(n, min=2, max=32) for a in fx.dynamic.values()
+                    for n in a.values()}  # fmt: skip
+            shapes = {n: {axis: dims[d] for axis, d in fx.dynamic.get(n, {}).items()}
+                      for n in names}  # fmt: skip
+            program = torch.onnx.export(
+                model, kwargs=inputs, dynamo=True, opset_version=fx.opset,
+                input_names=names, output_names=output_names, dynamic_shapes=shapes,
+                **fx.options,
+            )  # fmt: skip
+            assert program is not None
+            program.save(str(path))
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    return feeds, [o.detach().numpy() for o in outputs]
+
+
+def verify(
+    path: Path, feeds: dict[str, np.ndarray], expected: list[np.ndarray], tol: float
+) -> None:
+    """Full checker, size limit, and onnxruntime equal to PyTorch."""
+    size = path.stat().st_size
+    if size > MAX_BYTES:
+        raise SystemExit(f"{path.name}: {size} bytes, over the {MAX_BYTES} limit")
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, feeds)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=tol, atol=tol, err_msg=path.name)
+
+
+def readme_rows(rows: list[tuple[Fixture, onnx.ModelProto, int]]) -> str:
+    import transformers
+
+    versions = {
+        "torch.nn": f"torch {torch.__version__}",
+        "transformers": f"torch {torch.__version__}, transformers {transformers.__version__}",
+    }
+    lines = [
+        "# Exported ONNX fixtures",
+        "",
+        "Small real models exported by PyTorch exporters, with random weights, written by",
+        "`scripts/export_fixtures.py` (rerun it to regenerate; do not edit by hand). Each `X.onnx`",
+        "has an `X.npz` with the example inputs (`in_<name>`) and PyTorch's outputs (`out_<i>`);",
+        "onnxruntime matched them within 1e-4 (2e-2 for float16) at export. Chain counts are from",
+        "`fuser.models.inventory.count_chains` (structural, see its docstring).",
+        "",
+        "| file | model | exporter | opset | nodes | KB | chains | what it shows |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for fx, model, size in rows:
+        exporter = "TorchScript (`dynamo=False`)" if fx.exporter == "torchscript" else "dynamo"
+        counts = ", ".join(f"{k} {v}" for k, v in count_chains(model).items() if v) or "none"
+        lines.append(
+            f"| `{fx.name}.onnx` | {fx.library} ({versions[fx.library]}) | {exporter} | "
+            f"{fx.opset} | {len(model.graph.node)} | {size // 1024} | {counts} | {fx.notes} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="fixtures to export (default: all)")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    chosen = [f for f in FIXTURES if not args.names or f.name in args.names]
+    if unknown := set(args.names) - {f.name for f in FIXTURES}:
+        parser.error(f"unknown fixtures {sorted(unknown)}; known: {[f.name for f in FIXTURES]}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for fx in chosen:
+        path = args.out / f"{fx.name}.onnx"
+        feeds, expected = export(fx, path)
+        verify(path, feeds, expected, 2e-2 if fx.half else 1e-4)
+        arrays = {f"in_{k}": v for k, v in feeds.items()}
+        arrays.update({f"out_{i}": v for i, v in enumerate(expected)})
+        np.savez(args.out / f"{fx.name}.npz", **arrays)  # type: ignore[arg-type]
+        print(f"{path.name}: {path.stat().st_size // 1024} KB, ok", file=sys.stderr)
+    rows = []
+    for fx in FIXTURES:
+        path = args.out / f"{fx.name}.onnx"
+        if path.exists():
+            rows.append((fx, onnx.load(str(path)), path.stat().st_size))
+    (args.out / "README.md").write_text(readme_rows(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

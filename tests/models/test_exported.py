@@ -1,0 +1,129 @@
+"""Committed exports from real PyTorch exporters: load, check, run, match PyTorch, and show the
+chains and exporter quirks tests/data/exported/README.md says they show."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from fuser.models.inventory import count_chains, layernorm_outputs
+from model_checks import check, producer_op, readers, session
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "exported"
+
+# Structural chain counts (fuser.models.inventory) per fixture; absent keys are 0.
+EXPECTED: dict[str, dict[str, int]] = {
+    "cnn-ts13": {"conv_bn_relu": 5, "conv_bn": 3},
+    "cnn-dynamo18": {"conv_bn_relu": 5, "conv_bn": 3},
+    "bert-ts13": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 8},
+    "bert-dynamo18": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 8},
+    "gpt2-ts14": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 4},
+    "gpt2-dynamo18": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 4},
+    "mixtral-dynamo18": {"softmax_topk": 1},
+    "mixtral-fp16-dynamo18": {"softmax_topk": 1},
+    "router-fp16-ts14": {"softmax_topk": 1},
+    "router-fp16-dynamo18": {"softmax_topk": 1},
+    "qwen2moe-dynamo18": {"softmax_topk": 1},
+}
+
+
+def _load(name: str) -> onnx.ModelProto:
+    return onnx.load(str(DATA / f"{name}.onnx"))
+
+
+def _node(model: onnx.ModelProto, op_type: str) -> onnx.NodeProto:
+    (node,) = [n for n in model.graph.node if n.op_type == op_type]
+    return node
+
+
+def test_every_committed_fixture_is_listed() -> None:
+    files = {p.stem for p in DATA.glob("*.onnx")}
+    assert files == set(EXPECTED)
+    assert files == {p.stem for p in DATA.glob("*.npz")}
+    readme = (DATA / "README.md").read_text()
+    assert all(f"`{name}.onnx`" in readme for name in files)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fixture_checks_runs_and_matches_pytorch(name: str) -> None:
+    path = DATA / f"{name}.onnx"
+    assert path.stat().st_size < 1_000_000
+    model = _load(name)
+    check(model)
+    reference = np.load(DATA / f"{name}.npz")
+    feeds = {k.removeprefix("in_"): reference[k] for k in reference.files if k.startswith("in_")}
+    outputs = session(model).run(None, feeds)
+    tol = 2e-2 if "fp16" in name else 1e-4
+    for i, got in enumerate(outputs):
+        np.testing.assert_allclose(got, reference[f"out_{i}"], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fixture_chain_counts(name: str) -> None:
+    counts = count_chains(_load(name))
+    assert {k: v for k, v in counts.items() if v} == EXPECTED[name]
+
+
+def test_torchscript_keeps_batchnorm_with_preserve() -> None:
+    model = _load("cnn-ts13")
+    assert sum(n.op_type == "BatchNormalization" for n in model.graph.node) == 8
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in convs]
+    assert sum(a.get("group") == 12 for a in attrs) == 1  # depthwise
+    assert sum(len(a["kernel_shape"]) == 1 for a in attrs) == 1  # Conv1d
+
+
+def test_dynamo_unoptimized_computes_conv_bias_at_run_time() -> None:
+    model = _load("cnn-dynamo18")
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    computed = [n for n in convs if producer_op(model, n.input[2]) == "Expand"]
+    assert len(computed) == 6  # every bias-free nn.Conv2d
+
+
+def test_layernorm_forms() -> None:
+    ts = _load("bert-ts13")
+    assert not any(n.op_type == "LayerNormalization" for n in ts.graph.node)
+    assert sum(n.op_type == "Pow" for n in ts.graph.node) == 5
+    dynamo = _load("bert-dynamo18")
+    assert sum(n.op_type == "LayerNormalization" for n in dynamo.graph.node) == 5
+
+
+@pytest.mark.parametrize("name", ["gpt2-ts14", "gpt2-dynamo18"])
+def test_gpt2_conv1d_is_reshape_gemm(name: str) -> None:
+    model = _load(name)
+    lns = layernorm_outputs(model)
+    for out in lns[:-1]:
+        (reshape,) = [n for n in readers(model, out) if n.op_type == "Reshape"]
+        assert [n.op_type for n in readers(model, reshape.output[0])] == ["Gemm"]
+    (reshape,) = readers(model, lns[-1])  # ln_f -> Reshape -> MatMul (lm_head)
+    assert [n.op_type for n in readers(model, reshape.output[0])] == ["MatMul"]
+
+
+def test_mixtral_router_renormalizes_and_qwen_does_not() -> None:
+    mixtral = _load("mixtral-dynamo18")
+    topk = _node(mixtral, "TopK")
+    assert producer_op(mixtral, topk.input[0]) == "Softmax"
+    assert sorted(n.op_type for n in readers(mixtral, topk.output[0])) == ["Div", "ReduceSum"]
+    qwen = _load("qwen2moe-dynamo18")
+    topk = _node(qwen, "TopK")
+    assert [n.op_type for n in readers(qwen, topk.output[0])] == ["Reshape"]
+    k = next(t for t in qwen.graph.initializer if t.name == topk.input[1])
+    assert onnx.numpy_helper.to_array(k).tolist() == [4]
+
+
+def test_where_the_float32_cast_sits() -> None:
+    # transformers 5: router_logits.float() -> Cast before the Softmax
+    mixtral = _load("mixtral-fp16-dynamo18")
+    topk = _node(mixtral, "TopK")
+    assert producer_op(mixtral, topk.input[0]) == "Softmax"
+    softmax_input = next(n for n in mixtral.graph.node if topk.input[0] in n.output).input[0]
+    assert producer_op(mixtral, softmax_input) == "Cast"
+    # softmax(dtype=float) on float16: Softmax -> Cast(float32) -> TopK, with both exporters
+    for name in ("router-fp16-ts14", "router-fp16-dynamo18"):
+        model = _load(name)
+        (cast,) = readers(model, _node(model, "Softmax").output[0])
+        assert cast.op_type == "Cast"
+        assert cast.attribute[0].i == onnx.TensorProto.FLOAT
+        assert [n.op_type for n in readers(model, cast.output[0])] == ["TopK"]
