@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -767,5 +768,32 @@ def test_models(example: str, fused: int, linears: int) -> None:
     assert result.report.summary == {PATTERN: fused}
     assert reasons(result) == []
     assert sum(len(attrs(n)["has_bias"]) for n in fused_nodes(result.model)) == linears
+    validation = fuser.validate(model, result.model)
+    assert validation.ok, validation.to_dict()
+
+
+# -- models exported by PyTorch (tests/data/exported, see its README) --------------------------
+
+EXPORTED = Path(__file__).resolve().parent.parent / "data" / "exported"
+
+
+@pytest.mark.parametrize(
+    ("file", "fused", "linears", "flatten"),
+    [
+        ("bert-ts13.onnx", 4, 8, 0),  # HF BERT, TorchScript: decomposed LN, MatMul + Add(b, y)
+        ("bert-dynamo18.onnx", 4, 8, 0),  # dynamo: LayerNormalization op
+        ("gpt2-ts14.onnx", 4, 4, 4),  # HF GPT-2 Conv1D: view shape computed from Shape(n)
+        ("gpt2-dynamo18.onnx", 4, 4, 4),
+        ("mixtral-dynamo18.onnx", 0, 0, 0),  # RMSNorm: not a LayerNorm, and no near miss
+    ],
+)
+def test_pytorch_exports(file: str, fused: int, linears: int, flatten: int) -> None:
+    model = onnx.load(str(EXPORTED / file))
+    result = fuse(model)
+    assert result.report.summary.get(PATTERN, 0) == fused
+    assert reasons(result) == []
+    nodes = fused_nodes(result.model)
+    assert sum(len(attrs(n)["has_bias"]) for n in nodes) == linears
+    assert sum(sum(attrs(n)["flatten"]) for n in nodes) == flatten
     validation = fuser.validate(model, result.model)
     assert validation.ok, validation.to_dict()
