@@ -143,21 +143,23 @@ def to_workspace(vec: Core, src: Tile, ws: Tile, nbytes: int) -> None:
 
 def from_workspace(
     cube: Core,
-    ws: Tile,
+    sources: Sequence[Tile],
     dst: Tile,
     nbytes: int,
-    place: Callable[[np.ndarray, np.ndarray], None],
+    fill: Callable[..., None],
 ) -> None:
-    """MTE2 of the cube core: GM/L2 workspace -> L1, at L2 rate; `place(dst_data, data)` puts
-    the piece where it belongs in `dst` (functional mode)."""
+    """MTE2 of the cube core: GM/L2 workspace -> L1, at L2 rate, once every piece in `sources`
+    has been written; `fill(dst, *pieces' data)` sets what lands in `dst` (functional mode)."""
     m = cube.machine
     cycles = m.copy_in_head(nbytes, cube.active_cores) + nbytes / l2_bytes_per_cycle(
         m, cube.active_cores
     )
-    cube.issue(Pipe.MTE2, cycles, (ws,), (dst,), f"in workspace -> {dst.name}")
+    cube.issue(Pipe.MTE2, cycles, tuple(sources), (dst,), f"in workspace -> {dst.name}")
     cube.moved["l1"] += nbytes
-    if cube.functional and ws.data is not None and dst.data is not None:
-        place(dst.data, ws.data)
+    if cube.functional:
+        pieces = [t.data for t in sources]
+        if all(d is not None for d in pieces):
+            fill(dst, *pieces)
 
 
 def ub_to_l1(
@@ -165,13 +167,13 @@ def ub_to_l1(
     src: Tile,
     dst: Tile,
     nbytes: int,
-    place: Callable[[np.ndarray, np.ndarray], None],
+    fill: Callable[[Tile, np.ndarray], None],
 ) -> None:
     """A combined core's direct UB -> L1 move (MTE3), with the on-chip start-up of an L1 move
-    rather than a GM head."""
+    rather than a GM head; `fill(dst, data)` sets what lands in `dst` (functional mode)."""
     m = core.machine
     cycles = m.l1_to_l0_startup_cycles + nbytes / m.ub_to_l1_bytes_per_cycle
     core.issue(Pipe.MTE3, cycles, (src,), (dst,), f"{src.name} -> {dst.name}")
     core.moved["l1"] += nbytes
-    if core.functional and src.data is not None and dst.data is not None:
-        place(dst.data, src.data)
+    if core.functional and src.data is not None:
+        fill(dst, src.data)

@@ -3,13 +3,15 @@
 `problem` checks the op's inputs and attributes and says what the kernel computes: M matmul
 rows of K, q = D / K matmul rows per normalized slice, the Linears. `specs` lists the queues a
 tiling reserves on the vector cores (UB) and the cube core (L1, L0A, L0B, L0C), double buffering
-counted. `default_tiling` tries a few row-block x N-split shapes, gives each the biggest tiles
-that fit, and keeps the one a rough estimate (`estimate`) prices lowest.
+counted. `default_tiling` tries a few row-block x N-split shapes, with the normalized block in L1 or
+streamed from the workspace, gives each the biggest tiles that fit, and keeps the one a rough
+estimate (`estimate`) prices lowest.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._budget import QueueSpec
-from ._groups import vector_cores_per_group
+from ._groups import l2_bytes_per_cycle, vector_cores_per_group
 from ._levels import overflow
 from .api import KernelError, TensorMeta, Tiling, TilingError
 from .layernorm import LayerNormSpec, layernorm_spec, layernorm_steps
@@ -33,8 +35,10 @@ OP = "LayerNormMatMul"
 class LayerNormMatMulTiling(Tiling):
     """Row block of `rows` matmul rows (a multiple of D / K); each W_i's columns split in
     `n_split` parts (a work item is a row block x a part); `vec_rows` normalized rows per
-    vector step; W tiles of `tile_k` x `tile_n` in L1, fed to L0 in steps of `tile_k0`; double
-    buffering (0/1); cube cores (groups)."""
+    vector step; W tiles of `tile_k` x `tile_n` in L1, fed to L0 in steps of `tile_k0`;
+    `a_resident` 1: the normalized block stays in L1 for all its matmuls, 0: it stays in the
+    GM/L2 workspace and `rows` x `tile_k` panels of it are copied to L1 per step (big K);
+    double buffering (0/1); cube cores (groups)."""
 
     rows: int
     n_split: int
@@ -42,6 +46,7 @@ class LayerNormMatMulTiling(Tiling):
     tile_n: int
     tile_k: int
     tile_k0: int
+    a_resident: int
     double_buffer: int
     cores: int
 
@@ -147,7 +152,9 @@ def specs(p: Problem, t: LayerNormMatMulTiling) -> list[QueueSpec]:
         QueueSpec(Level.UB, "x", vr * d * isz, depth),
         QueueSpec(Level.UB, "n", vr * d * isz, depth),
         QueueSpec(Level.UB, "tmp", vr * d * p.ln.stats.itemsize, 1),
-        QueueSpec(Level.L1, "a_block", tm * p.k * isz, depth),
+        QueueSpec(Level.L1, "a_block", tm * p.k * isz, depth)
+        if t.a_resident
+        else QueueSpec(Level.L1, "a_panel", tm * tk * isz, depth),
         QueueSpec(Level.L1, "w", tk * tn * isz, depth),
         QueueSpec(Level.L0A, "a", tm * tk0 * isz, depth),
         QueueSpec(Level.L0B, "b", tk0 * tn * isz, depth),
@@ -178,7 +185,9 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def fit(p: Problem, machine: Machine, rows: int, n_split: int) -> LayerNormMatMulTiling | None:
+def fit(
+    p: Problem, machine: Machine, rows: int, n_split: int, a_resident: int
+) -> LayerNormMatMulTiling | None:
     """Big W tiles (few DMA heads) shrunk until the queues fit, or None."""
     k0 = machine.cube_k_block(p.dtype)
     cn = machine.cube_n
@@ -192,6 +201,7 @@ def fit(p: Problem, machine: Machine, rows: int, n_split: int) -> LayerNormMatMu
         tile_k=min(round_up(max(1, p.k), k0), 1024),
         # Wide L0 steps: fewer, bigger Cube instructions (and numpy calls in functional runs).
         tile_k0=min(round_up(max(1, p.k), k0), 512 // p.dtype.itemsize),
+        a_resident=a_resident,
         double_buffer=1,
         cores=machine.cube_cores,
     )
@@ -232,10 +242,16 @@ def estimate(p: Problem, t: LayerNormMatMulTiling, machine: Machine) -> float:
         tiles = math.ceil(cols / tn) * math.ceil(p.k / tk)
         mte2 += tiles * machine.copy_in_head(tk * tn * isz, active) + p.k * cols * isz / bw
         cube += math.ceil(tm / 16) * math.ceil(p.k / k0) * math.ceil(cols / 16)
-    # The normalized block reaches L1 in sub-blocks, each with its own copy (and head).
     subs = math.ceil(tm // p.q / vr)
     sub_bytes = vr * p.ln.width * isz
-    if vector_cores_per_group(machine):
+    if not t.a_resident:
+        # A panels from the L2 workspace, once per W tile.
+        l2 = l2_bytes_per_cycle(machine, active)
+        for lin in p.linears:
+            tiles = math.ceil(math.ceil(lin.n / parts) / tn) * math.ceil(p.k / tk)
+            mte2 += tiles * (machine.copy_in_head(tm * tk * isz, active) + tm * tk * isz / l2)
+    elif vector_cores_per_group(machine):
+        # The normalized block reaches L1 in sub-blocks, each with its own copy (and head).
         mte2 += subs * (machine.copy_in_head(sub_bytes, active) + sub_bytes / bw)
     vecs = max(1, vector_cores_per_group(machine))
     vec = subs / vecs * (machine.copy_in_head(sub_bytes, active) + sub_bytes / bw)
@@ -254,22 +270,21 @@ def estimate(p: Problem, t: LayerNormMatMulTiling, machine: Machine) -> float:
 
 
 def default_tiling(p: Problem, machine: Machine) -> LayerNormMatMulTiling:
-    """The best of a few row-block x N-split shapes by `estimate`, each with the biggest tiles
-    that fit; the cost model of the tiling search refines it."""
+    """The best of a few row-block x N-split x A-placement shapes by `estimate`, each with the
+    biggest tiles that fit; the cost model of the tiling search refines it."""
     unit = math.lcm(machine.cube_m, p.q)
     top = round_up(max(1, p.m), p.q)
     rows_options = sorted({min(top, unit * 2**i) for i in range(5)})
     most = min(machine.cube_cores, n_blocks(p))
     splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s <= most]
     best: tuple[float, LayerNormMatMulTiling] | None = None
-    for rows in rows_options:
-        for ns in splits:
-            t = fit(p, machine, rows, ns)
-            if t is None:
-                continue
-            est = estimate(p, t, machine)
-            if best is None or est < best[0]:
-                best = (est, t)
+    for rows, ns, resident in itertools.product(rows_options, splits, (1, 0)):
+        t = fit(p, machine, rows, ns, resident)
+        if t is None:
+            continue
+        est = estimate(p, t, machine)
+        if best is None or est < best[0]:
+            best = (est, t)
     if best is None:
         raise TilingError(f"{OP}: no tiling fits {machine.name}")
     return best[1]

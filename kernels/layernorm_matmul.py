@@ -53,6 +53,7 @@ from ._lnmm import (
 )
 from .api import Kernel, KernelRun, TensorMeta, Tiling, TilingError
 from .layernorm import LayerNormSpec, flat_param, layernorm_rows, layernorm_steps
+from .npu.core import Core
 from .npu.machine import Machine
 from .npu.memory import Buffer, Queue, Tile
 from .npu.pipes import Level, Pipe
@@ -92,7 +93,7 @@ class LayerNormMatMulKernel(Kernel):
         )  # fmt: skip
         if t.tile_k0 > t.tile_k:
             raise TilingError(f"{op}: tile_k0 {t.tile_k0} exceeds tile_k {t.tile_k}")
-        check_flag(op, double_buffer=t.double_buffer)
+        check_flag(op, a_resident=t.a_resident, double_buffer=t.double_buffer)
         if t.cores > machine.cube_cores:
             raise TilingError(
                 f"{op}: tiling uses {t.cores} cores, {machine.name} has {machine.cube_cores} "
@@ -222,25 +223,38 @@ def _program(
             bias_tiles[i] = tile
     steps = layernorm_steps(p.ln)
     parts = min(t.n_split, n_blocks(p))
-    block: Tile | None = None
+    a_src: _ASource | None = None
     last: tuple[int, int] | None = None
     for m0, m1, part in items:
         if (m0, m1) != last:
-            block = cq["a_block"].alloc()
-            if data is not None:
-                block.data = np.empty((m1 - m0, p.k), p.dtype)
-            for j, r0 in enumerate(range(m0 // p.q, m1 // p.q, vr)):
-                r1 = min(r0 + vr, m1 // p.q)
-                _normalize(p, group, j, vq, params, steps, data, block, m0, r0, r1)
+            block = None
+            if t.a_resident:
+                block = cq["a_block"].alloc()
+                if data is not None:
+                    block.data = np.empty((m1 - m0, p.k), p.dtype)
+            pieces = [
+                _normalize(
+                    p, group, j, vq, params, steps, data, block, m0, r0, min(r0 + vr, m1 // p.q)
+                )
+                for j, r0 in enumerate(range(m0 // p.q, m1 // p.q, vr))
+            ]
+            a_src = _ASource(block, tuple(pieces))
             last = (m0, m1)
-        assert block is not None
+        assert a_src is not None
         for i, lin in enumerate(p.linears):
             c0, c1 = part_columns(lin.n, part, parts)
             for n0 in range(c0, c1, tn):
                 n1 = min(n0 + tn, c1)
                 _block_matmul(
-                    p, cube, cq, data, block, i, bias_tiles.get(i), m0, m1, n0, n1, tk, tk0
+                    p, cube, cq, data, a_src, i, bias_tiles.get(i), m0, m1, n0, n1, tk, tk0
                 )
+
+
+class _ASource(NamedTuple):
+    """Where a row block's normalized rows are: in L1 (`block`) or in workspace `pieces`."""
+
+    block: Tile | None
+    pieces: tuple[Tile, ...]
 
 
 def _normalize(
@@ -251,12 +265,13 @@ def _normalize(
     params: list[list[Tile]],
     steps: Sequence[Any],
     data: _Data | None,
-    block: Tile,
+    block: Tile | None,
     m0: int,
     r0: int,
     r1: int,
-) -> None:
-    """Sub-block j (normalized rows r0..r1) on one of the group's vector cores, then to L1."""
+) -> Tile:
+    """Sub-block j (normalized rows r0..r1) on one of the group's vector cores, then into the
+    L1 `block` (None: it stays in the workspace). Returns where the rows went."""
     v = group.vecs[j % len(group.vecs)]
     q = vq[j % len(group.vecs)]
     n_rows = r1 - r0
@@ -278,12 +293,12 @@ def _normalize(
     if data is not None and out.data is not None:
         data.normalized[r0:r1] = out.data
     lo = (r0 - m0 // p.q) * p.q
-    place = partial(_place, lo, p.k)
+    fill = partial(_place, lo, p.k)
     if p.emit_normalized:
         v.copy_out(out, nbytes, None, label="out normalized")
-    if not group.separate:
-        ub_to_l1(v, out, block, nbytes, place)
-        return
+    if block is not None and not group.separate:
+        ub_to_l1(v, out, block, nbytes, fill)
+        return block
     if p.emit_normalized:
         # The normalized output in GM doubles as the workspace the cube core reads (L2-hot).
         ws = workspace_tile(f"normalized[{r0}:{r1}]")
@@ -292,7 +307,9 @@ def _normalize(
     else:
         ws = workspace_tile(f"ws[{r0}:{r1}]")
         to_workspace(v, out, ws, nbytes)
-    from_workspace(group.cube, ws, block, nbytes, place)
+    if block is not None:
+        from_workspace(group.cube, (ws,), block, nbytes, fill)
+    return ws
 
 
 def _ln_tile(s: LayerNormSpec, x: np.ndarray, *params: np.ndarray) -> np.ndarray:
@@ -302,17 +319,22 @@ def _ln_tile(s: LayerNormSpec, x: np.ndarray, *params: np.ndarray) -> np.ndarray
     return layernorm_rows(s, x, scale, bias)[0]
 
 
-def _place(lo: int, k: int, dst: np.ndarray, rows: np.ndarray) -> None:
+def _place(lo: int, k: int, dst: Tile, rows: np.ndarray) -> None:
     piece = rows.reshape(-1, k)
-    dst[lo : lo + piece.shape[0]] = piece
+    assert dst.data is not None
+    dst.data[lo : lo + piece.shape[0]] = piece
+
+
+def _panel(k: int, k0: int, k1: int, dst: Tile, *pieces: np.ndarray) -> None:
+    dst.data = np.concatenate([piece.reshape(-1, k)[:, k0:k1] for piece in pieces])
 
 
 def _block_matmul(
     p: Problem,
-    cube: Any,
+    cube: Core,
     cq: dict[str, Queue],
     data: _Data | None,
-    block: Tile,
+    a_src: _ASource,
     i: int,
     bias: Tile | None,
     m0: int,
@@ -322,7 +344,8 @@ def _block_matmul(
     tk: int,
     tk0: int,
 ) -> None:
-    """Y_i[m0:m1, n0:n1] = block @ W_i[:, n0:n1] (+ b_i), K in steps of tk."""
+    """Y_i[m0:m1, n0:n1] = A @ W_i[:, n0:n1] (+ b_i), K in steps of tk; A is the row block in
+    L1, or its panels copied from the workspace step by step."""
     rows, cols = m1 - m0, n1 - n0
     isz = p.dtype.itemsize
     acc = cq["acc"].alloc()
@@ -331,10 +354,16 @@ def _block_matmul(
         k1 = min(k0 + tk, p.k)
         w = cq["w"].alloc()
         cube.copy_in(w, (k1 - k0) * cols * isz, None if W is None else W[k0:k1, n0:n1])
+        if a_src.block is not None:
+            a_l1, base = a_src.block, 0
+        else:
+            a_l1, base = cq["a_panel"].alloc(), k0
+            fill = partial(_panel, p.k, k0, k1)
+            from_workspace(cube, a_src.pieces, a_l1, rows * (k1 - k0) * isz, fill)
         for s0 in range(k0, k1, tk0):
             s1 = min(s0 + tk0, k1)
             a = cq["a"].alloc()
-            cube.load_l0(a, block, rows * (s1 - s0) * isz, partial(_cols, s0, s1))
+            cube.load_l0(a, a_l1, rows * (s1 - s0) * isz, partial(_cols, s0 - base, s1 - base))
             b = cq["b"].alloc()
             cube.load_l0(b, w, (s1 - s0) * cols * isz, partial(_rows, s0 - k0, s1 - k0))
             cube.mmad(acc, a, b, rows, s1 - s0, cols, p.dtype, init=s0 == 0)

@@ -68,7 +68,12 @@ def test_matches_reference(machine, dtype, shape, axis, ns, hb, fl, stash, affin
 
 @pytest.mark.parametrize(
     "tiling",
-    [T(16, 1, 1, 16, 32, 16, 0, 2), T(32, 3, 3, 48, 64, 32, 1, 24), T(48, 2, 5, 32, 96, 96, 1, 5)],
+    [
+        T(16, 1, 1, 16, 32, 16, 1, 0, 2),
+        T(32, 3, 3, 48, 64, 32, 0, 1, 24),
+        T(48, 2, 5, 32, 96, 96, 1, 1, 5),
+        T(64, 1, 7, 64, 32, 32, 0, 0, 3),
+    ],
 )
 def test_explicit_tilings_with_tails(tiling: T) -> None:
     ins, attrs = make((3, 29, 96), -1, (70, 45), (1, 1), (0, 0), np.float16, seed=7)
@@ -78,7 +83,7 @@ def test_explicit_tilings_with_tails(tiling: T) -> None:
 
 def test_vector_to_cube_hop_crosses_workspace_only_on_separate_cores() -> None:
     ins, attrs = make((1, 40, 64), -1, (64,), (0,), (0,), np.float16)
-    tiling = T(16, 1, 8, 64, 64, 64, 1, 24)
+    tiling = T(16, 1, 8, 64, 64, 64, 1, 1, 24)
     sep = KERNEL.run(B910, ins, attrs, tiling=tiling).stats.timeline
     comb = KERNEL.run(C910, ins, attrs, tiling=tiling).stats.timeline
     assert sep is not None
@@ -93,11 +98,27 @@ def test_vector_to_cube_hop_crosses_workspace_only_on_separate_cores() -> None:
     assert len([i for i in comb.intervals if i.pipe == "MTE3" and "-> a_block" in i.label]) == 5
 
 
+def test_streamed_a_panels_come_from_the_workspace_and_w_is_read_once_per_block() -> None:
+    ins, attrs = make((1, 96, 64), -1, (80,), (0,), (0,), np.float16)
+    tiling = T(96, 1, 24, 32, 32, 16, 0, 1, 24)
+    for machine in (B910, C910):
+        st = KERNEL.run(machine, ins, attrs, tiling=tiling).stats
+        tl = st.timeline
+        assert tl is not None
+        # One A panel per (N tile, K panel): 3 x 2, each read from the workspace.
+        panels = [i for i in tl.intervals if i.pipe == "MTE2" and "-> a_panel" in i.label]
+        assert len(panels) == 3 * 2
+        # X and W once (one row block); A's re-reads stay in L2; scale and bias per vector core.
+        vec_cores = 2 if machine is B910 else 1
+        params = vec_cores * (ins[1].nbytes + ins[2].nbytes)
+        assert st.gm_read == ins[0].nbytes + ins[3].nbytes + params
+
+
 def test_gm_traffic_follows_the_fused_formula() -> None:
     # n_split=1: |X| + |W| * row-blocks + |Y| (+ the small parameters each core loads once).
     ins, attrs = make((2, 50, 64), -1, (96,), (1,), (0,), np.float16)
     x, scale, bias, w, b = ins
-    tiling = T(32, 1, 8, 96, 64, 64, 1, 24)
+    tiling = T(32, 1, 8, 96, 64, 64, 1, 1, 24)
     st = KERNEL.run(B910, ins, attrs, tiling=tiling).stats
     blocks = -(-100 // 32)
     vec_cores = blocks * 2
@@ -136,17 +157,17 @@ def test_capacity_and_malformed_tilings_are_refused() -> None:
     ins, attrs = make((1, 512, 1024), -1, (256,), (0,), (0,), np.float16)
     metas = [None if a is None else TensorMeta.of(a) for a in ins]
     with pytest.raises(TilingError, match="L1"):
-        KERNEL.check_tiling(metas, attrs, T(256, 1, 1, 256, 256, 64, 1, 24), B910)
+        KERNEL.check_tiling(metas, attrs, T(256, 1, 1, 256, 256, 64, 1, 1, 24), B910)
     with pytest.raises(TilingError, match="UB"):
-        KERNEL.check_tiling(metas, attrs, T(64, 1, 64, 64, 64, 64, 1, 24), B910)
+        KERNEL.check_tiling(metas, attrs, T(64, 1, 64, 64, 64, 64, 1, 1, 24), B910)
     with pytest.raises(TilingError, match="L0A"):
-        KERNEL.check_tiling(metas, attrs, T(128, 1, 1, 64, 512, 512, 0, 24), B910)
+        KERNEL.check_tiling(metas, attrs, T(128, 1, 1, 64, 512, 512, 1, 0, 24), B910)
     with pytest.raises(TilingError, match="tile_k0"):
-        KERNEL.check_tiling(metas, attrs, T(16, 1, 1, 64, 64, 128, 1, 24), B910)
+        KERNEL.check_tiling(metas, attrs, T(16, 1, 1, 64, 64, 128, 1, 1, 24), B910)
     ins, attrs = make((3, 5, 6, 8), 2, (16,), (0,), (0,), np.float16)
     metas = [None if a is None else TensorMeta.of(a) for a in ins]
     with pytest.raises(TilingError, match="multiple of 6"):
-        KERNEL.check_tiling(metas, attrs, T(16, 1, 1, 16, 16, 16, 1, 24), B910)
+        KERNEL.check_tiling(metas, attrs, T(16, 1, 1, 16, 16, 16, 1, 1, 24), B910)
 
 
 def test_bad_inputs() -> None:
