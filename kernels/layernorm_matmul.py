@@ -12,16 +12,19 @@ item:
   vector cores): copy X in, statistics and normalization (`layernorm`), then hand the rows to
   the Cube. On 910B (separate cores) that hop crosses a GM/L2 workspace (MTE3 out of UB, MTE2
   into L1, both at L2 rate); on a combined core it is a direct UB -> L1 move.
-- Cube core: the normalized block stays in L1 for every weight: per `tile_n` columns of W_i,
-  per `tile_k` of K, W's tile is copied GM -> L1; per `tile_k0` step both operands go to
+- Cube core: with `a_resident=1` the normalized block stays in L1 for every weight; with 0
+  (big K, where a whole block cannot fit L1) it stays in the GM/L2 workspace and a
+  `rows` x `tile_k` panel of it is copied to L1 at L2 rate per step. Per `tile_n` columns of
+  W_i, per `tile_k` of K, W's tile is copied GM -> L1; per `tile_k0` step both operands go to
   L0A/L0B and the Cube accumulates in L0C (float32); FixPipe writes the block with b_i
   added, rounded to T as MatMul then Add round.
 
 GM (HBM) traffic is then npu-model.md's fused `|X| + |W| * row-blocks + |Y|` (plus biases)
 with `n_split=1`, and `|X| * n_split + |W| * row-blocks + |Y|` in general (few rows, as in
 decoding, are better served by splitting N than by re-reading W); the unfused chain pays
-`|X| + 2|N| + |W| + |Y|`. With `double_buffer` the X/N queues in UB and
-the block, W tiles, L0A/L0B and L0C have two slots, so the vector cores normalize block b+1
+`|X| + 2|N| + |W| + |Y|`. Workspace traffic stays in L2 and is charged in time at L2 rate,
+not counted as HBM bytes. With `double_buffer` the X/N queues in UB and the block (or A
+panels), W tiles, L0A/L0B and L0C have two slots, so the vector cores normalize block b+1
 while the Cube multiplies block b.
 
 The optional `normalized` output is copied out (the workspace write becomes an HBM write)
