@@ -261,6 +261,16 @@ FIXTURES = [
         library="transformers",
     ),
     Fixture(
+        "bert-fp16-ts13",
+        build_bert,
+        "torchscript",
+        13,
+        "float16 post-LN encoder: TorchScript's float16 LayerNorm decomposition, with Casts",
+        dynamic=TOKENS,
+        library="transformers",
+        half=True,
+    ),
+    Fixture(
         "bert-dynamo18",
         build_bert,
         "dynamo",

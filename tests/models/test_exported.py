@@ -19,6 +19,7 @@ EXPECTED: dict[str, dict[str, int]] = {
     "cnn-dynamo18": {"conv_bn_relu": 5, "conv_bn": 3},
     "bert-ts13": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 8},
     "bert-dynamo18": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 8},
+    "bert-fp16-ts13": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 8},
     "gpt2-ts14": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 4},
     "gpt2-dynamo18": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 4},
     "mixtral-dynamo18": {"softmax_topk": 1},
@@ -88,6 +89,10 @@ def test_layernorm_forms() -> None:
     assert sum(n.op_type == "Pow" for n in ts.graph.node) == 5
     dynamo = _load("bert-dynamo18")
     assert sum(n.op_type == "LayerNormalization" for n in dynamo.graph.node) == 5
+    # float16: the variance is computed in float64 between Casts (Sub -> Cast -> Pow ...)
+    half = _load("bert-fp16-ts13")
+    casts = [n for n in half.graph.node if n.op_type == "Cast" and "LayerNorm" in n.name]
+    assert sorted(n.attribute[0].i for n in casts) == [10] * 5 + [11] * 5
 
 
 @pytest.mark.parametrize("name", ["gpt2-ts14", "gpt2-dynamo18"])
