@@ -12,7 +12,7 @@ import onnx
 
 from . import engine
 from .decide import AlwaysFuse, Decider
-from .modelio import LoadedModel, ModelSource, load_model, save_model
+from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
 from .registry import select
 from .report import FusionRecord, FusionReport, RejectionRecord
 
@@ -36,6 +36,8 @@ class FusionResult:
 
     def save(self, path: str | os.PathLike[str], *, external: bool | None = None) -> list[Path]:
         """Write the fused model atomically; returns the files written."""
+        if external is None:
+            external = self.source.external or self.model.ByteSize() > PROTOBUF_LIMIT_BYTES
         return save_model(self.model, path, source=self.source, external=external)
 
 
@@ -66,7 +68,7 @@ def fuse(
     log = engine.run_passes(loaded, chosen, decider or _default_decider(target, force), types)
     seconds["match_rewrite"] = next(clock)
     if log.fusions:
-        engine.verify(loaded.model, loaded.label)
+        engine.verify(loaded.model, loaded.label, external=loaded.external)
     seconds["verify"] = next(clock)
     report = FusionReport(
         target=target,
@@ -161,5 +163,6 @@ def validate(
 
 def _loaded(model: ModelSource | FusionResult) -> LoadedModel:
     if isinstance(model, FusionResult):
-        return LoadedModel(model.model, model.source.base_dir, f"fused {model.source.label}")
+        source = model.source
+        return LoadedModel(model.model, source.base_dir, f"fused {source.label}", source.external)
     return load_model(model)

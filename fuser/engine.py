@@ -12,16 +12,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import onnx
 from onnx import helper
 
 from .decide import Decider
 from .errors import FusionError, ModelLoadError
-from .fusedop import DOMAIN, VERSION
-from .graph import GraphIndex, ValueType, _node_subgraphs
+from .fusedop import DOMAIN, VERSION, TensorInfo
+from .graph import GraphIndex, TypeTable, _node_subgraphs
 from .matcher import check_match
-from .modelio import LoadedModel, has_external_data
+from .modelio import LoadedModel
 from .pattern import Match, Pattern, Rejection
 from .registry import ensure_fused_ops_registered
 from .report import FusionRecord, Prediction, RejectionRecord
@@ -44,26 +46,26 @@ def opset_map(model: onnx.ModelProto) -> dict[str, int]:
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
 
 
-def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+def checkable(model: onnx.ModelProto, *, external: bool) -> onnx.ModelProto:
     """The model as onnx's checker can see it without reading external data.
 
     The checker resolves external files against the working directory and checks their sizes;
     fuser has already validated those locations itself (modelio), so here each external
     initializer becomes a typed graph input: same structure, no data read.
     """
-    if not has_external_data(model):
+    if not external:
         return model
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     graph = copy.graph
-    external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    outside = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
     del graph.initializer[:]
     graph.initializer.extend(kept)
     declared = {v.name for v in graph.input}
     graph.input.extend(
         helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-        for t in external
+        for t in outside
         if t.name not in declared
     )
     return copy
@@ -72,34 +74,32 @@ def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
 def check_structure(loaded: LoadedModel) -> None:
     """onnx's checker on the proto (external tensors stay unread); one line on failure."""
     try:
-        onnx.checker.check_model(checkable(loaded.model), full_check=False)
+        onnx.checker.check_model(
+            checkable(loaded.model, external=loaded.external), full_check=False
+        )
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid model"
         raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {first}") from exc
 
 
-def infer_types(model: onnx.ModelProto) -> dict[str, dict[str, ValueType]]:
+def infer_types(model: onnx.ModelProto) -> dict[str, TypeTable]:
     """Element types and shapes of every value, per graph path (shape inference on a copy)."""
     ensure_fused_ops_registered()
     try:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
     except Exception:  # inference is best-effort here; patterns refuse what they cannot type
         inferred = model
-    types: dict[str, dict[str, ValueType]] = {}
+    types: dict[str, TypeTable] = {}
     _collect_types(inferred.graph, "", types)
     return types
 
 
-def _collect_types(graph: onnx.GraphProto, path: str, out: dict[str, dict[str, ValueType]]) -> None:
-    from .graph import _value_type
-
-    table: dict[str, ValueType] = {}
-    for value in [*graph.input, *graph.output, *graph.value_info]:
-        vt = _value_type(value)
-        if vt is not None:
-            table[value.name] = vt
+def _collect_types(graph: onnx.GraphProto, path: str, out: dict[str, TypeTable]) -> None:
+    table = TypeTable()
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        table.add_proto(value.name, value)
     for tensor in graph.initializer:
-        table.setdefault(tensor.name, ValueType(tensor.data_type, tuple(tensor.dims)))
+        table.add_proto(tensor.name, tensor)
     out[path] = table
     for node in graph.node:
         for attr in node.attribute:
@@ -118,12 +118,12 @@ def run_passes(
     loaded: LoadedModel,
     patterns: Sequence[Pattern],
     decider: Decider,
-    types: dict[str, dict[str, ValueType]],
+    types: dict[str, TypeTable],
 ) -> PassLog:
     """Apply `patterns` to the model in place (graph and subgraphs); return what happened."""
     log = PassLog()
     opsets = opset_map(loaded.model)
-    main = GraphIndex.build(loaded.model.graph, loaded, opsets, dict(types.get("", {})))
+    main = GraphIndex.build(loaded.model.graph, loaded, opsets, types.get("") or TypeTable())
     for index in _walk(main, loaded, opsets, types):
         for pattern in patterns:
             _run_pattern(index, pattern, decider, log)
@@ -137,7 +137,7 @@ def _walk(
     index: GraphIndex,
     loaded: LoadedModel,
     opsets: dict[str, int],
-    types: dict[str, dict[str, ValueType]],
+    types: dict[str, TypeTable],
 ) -> Iterator[GraphIndex]:
     """The graph, then (after its own rewrites) each subgraph, depth first."""
     yield index
@@ -148,7 +148,7 @@ def _walk(
             for i, sub in enumerate(subs):
                 path = _sub_path(index.path, node, attr.name, i, len(subs))
                 child = GraphIndex.build(
-                    sub, loaded, opsets, dict(types.get(path, {})), outer=index, path=path
+                    sub, loaded, opsets, types.get(path) or TypeTable(), outer=index, path=path
                 )
                 yield from _walk(child, loaded, opsets, types)
 
@@ -197,9 +197,15 @@ def _apply(
     name = index.unique_node_name(f"{base}/{match.op.name}")
     attributes = {k: v for k, v in match.attributes.items() if v is not None}
     attributes.update(extra_attrs)
-    inputs = _trim(match.inputs)
-    outputs = _trim(match.outputs)
-    fused = helper.make_node(match.op.name, inputs, outputs, name=name, domain=DOMAIN, **attributes)
+    _check_inferred_types(index, match, attributes)
+    fused = onnx.NodeProto(
+        op_type=match.op.name,
+        domain=DOMAIN,
+        name=name,
+        input=_trim(match.inputs),
+        output=_trim(match.outputs),
+    )
+    fused.attribute.extend(make_attribute(k, attributes[k]) for k in sorted(attributes))
     index.replace(match.nodes, fused, match.new_initializers)
     log.fusions.append(
         FusionRecord(
@@ -215,6 +221,66 @@ def _apply(
     )
 
 
+def make_attribute(name: str, value: Any) -> onnx.AttributeProto:
+    """onnx.helper.make_attribute for the plain types fused ops use, without its generality
+    (which costs more than the rest of a rewrite on large models)."""
+    attr = onnx.AttributeProto(name=name)
+    if isinstance(value, bool | int | np.integer):
+        attr.type, attr.i = onnx.AttributeProto.INT, int(value)
+    elif isinstance(value, float | np.floating):
+        attr.type, attr.f = onnx.AttributeProto.FLOAT, float(value)
+    elif isinstance(value, str):
+        attr.type, attr.s = onnx.AttributeProto.STRING, value.encode()
+    elif isinstance(value, list | tuple) and value and all(isinstance(v, int) for v in value):
+        attr.type = onnx.AttributeProto.INTS
+        attr.ints.extend(value)
+    else:
+        return helper.make_attribute(name, value)
+    return attr
+
+
+def _check_inferred_types(index: GraphIndex, match: Match, attributes: Mapping[str, Any]) -> None:
+    """Shape inference of the fused node against what the original graph said of its outputs.
+
+    Only the rewritten nodes change, so this local check is what shape inference on the whole
+    result would add; a disagreement is a bug in a pattern, never the user's.
+    """
+    new = {t.name: TensorInfo(t.data_type, tuple(t.dims)) for t in match.new_initializers}
+    infos: list[TensorInfo | None] = []
+    for value in match.inputs:
+        vt = index.value_type(value) if value else None
+        infos.append(new.get(value) or (TensorInfo(vt.elem_type, vt.shape) if vt else None))
+    full = {a.name: a.default for a in match.op.attributes} | dict(attributes)
+    inferred = match.op.infer(infos, full)
+    for position, value in enumerate(match.outputs):
+        known = index.value_type(value) if value else None
+        got = inferred[position] if position < len(inferred) else None
+        if known is None or got is None or known.elem_type == 0:
+            continue
+        if got.elem_type != known.elem_type or not _shapes_agree(got.shape, known.shape):
+            raise FusionError(
+                f"{match.op.name} replacing '{index.describe(match.nodes[0])}' infers "
+                f"{_show(got.elem_type, got.shape)} for '{value}', but the original graph has "
+                f"{_show(known.elem_type, known.shape)}. This is a bug in fuser's pattern "
+                f"'{match.pattern}': please report it with the model"
+            )
+
+
+def _shapes_agree(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> bool:
+    if a is None or b is None:
+        return True
+    if len(a) != len(b):
+        return False
+    return all(
+        not (isinstance(x, int) and isinstance(y, int)) or x == y for x, y in zip(a, b, strict=True)
+    )
+
+
+def _show(elem_type: int, shape: tuple[Any, ...] | None) -> str:
+    dims = "?" if shape is None else ",".join("?" if d is None else str(d) for d in shape)
+    return f"{helper.tensor_dtype_to_np_dtype(elem_type).name}[{dims}]"
+
+
 def _trim(names: tuple[str, ...]) -> list[str]:
     """Drop trailing absent optionals (ONNX allows omitting them; empty ones in the middle stay)."""
     trimmed = list(names)
@@ -223,25 +289,17 @@ def _trim(names: tuple[str, ...]) -> list[str]:
     return trimmed
 
 
-def verify(model: onnx.ModelProto, label: str) -> None:
-    """Checker and shape inference on the rewritten model; a failure is fuser's bug, so say so."""
-    model = checkable(model)
+def verify(model: onnx.ModelProto, label: str, *, external: bool) -> None:
+    """The checker on the rewritten model (each fused node's shape inference was checked
+    against the original graph when it was made); a failure is fuser's bug, so say so."""
     try:
-        onnx.checker.check_model(model, full_check=False)
-        onnx.shape_inference.infer_shapes(
-            model, check_type=True, strict_mode=_all_domains_known(model)
-        )
+        onnx.checker.check_model(checkable(model, external=external), full_check=False)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FusionError(
             f"{label}: the fused model failed verification ({first}); nothing was written. "
             "This is a bug in fuser: please report it with the model"
         ) from exc
-
-
-def _all_domains_known(model: onnx.ModelProto) -> bool:
-    known = {"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", DOMAIN}
-    return all(o.domain in known for o in model.opset_import)
 
 
 def timed() -> Iterator[float]:

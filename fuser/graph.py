@@ -11,7 +11,7 @@ node that owns the subgraph: a fusion must never hide a value a subgraph still n
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +32,8 @@ _NONDETERMINISTIC = frozenset(
         "Dropout",
     }
 )
+# Standard ops that carry subgraphs; other domains are checked attribute by attribute.
+_SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 # A constant cone larger than this is not folded at fuse time (it would cost more than it saves).
 _MAX_CONSTANT_CONE = 64
 
@@ -87,6 +89,54 @@ def _value_type(proto: onnx.ValueInfoProto) -> ValueType | None:
     return ValueType(tensor.elem_type, shape)
 
 
+class TypeTable(MutableMapping[str, ValueType]):
+    """Types of a graph's values, converted from their protos only when asked for.
+
+    Shape inference annotates every value; converting all of them up front costs more than the
+    whole fusion pass on a large model, and a pass asks about a small fraction.
+    """
+
+    def __init__(self) -> None:
+        self._raw: dict[str, onnx.ValueInfoProto | onnx.TensorProto] = {}
+        self._done: dict[str, ValueType] = {}
+
+    def add_proto(self, name: str, proto: onnx.ValueInfoProto | onnx.TensorProto) -> None:
+        """Remember `proto` as the source of `name`'s type, unless one is known already."""
+        if name not in self._done:
+            self._raw.setdefault(name, proto)
+
+    def __getitem__(self, name: str) -> ValueType:
+        found = self._done.get(name)
+        if found is not None:
+            return found
+        proto = self._raw[name]
+        if isinstance(proto, onnx.TensorProto):
+            found = ValueType(proto.data_type, tuple(proto.dims))
+        else:
+            found = _value_type(proto)
+        if found is None:
+            raise KeyError(name)
+        self._done[name] = found
+        return found
+
+    def __setitem__(self, name: str, value: ValueType) -> None:
+        self._done[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        self._done.pop(name, None)
+        del self._raw[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._done or name in self._raw
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._done
+        yield from (k for k in self._raw if k not in self._done)
+
+    def __len__(self) -> int:
+        return len(self._done.keys() | self._raw.keys())
+
+
 @dataclass
 class GraphIndex:
     """Producers, consumers, constants and types of one graph (a model's or a subgraph)."""
@@ -94,7 +144,7 @@ class GraphIndex:
     graph: onnx.GraphProto
     source: LoadedModel
     opsets: Mapping[str, int]
-    types: dict[str, ValueType]
+    types: TypeTable
     outer: GraphIndex | None = None
     path: str = ""  # where this graph lives, for messages: "" for the main graph
 
@@ -111,6 +161,7 @@ class GraphIndex:
     dead_initializers: set[str] = field(default_factory=set)
     new_initializers: list[onnx.TensorProto] = field(default_factory=list)
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
+    _reads: dict[int, list[str]] = field(default_factory=dict)
     _next_id: int = 0
     modified: bool = False
 
@@ -120,7 +171,7 @@ class GraphIndex:
         graph: onnx.GraphProto,
         source: LoadedModel,
         opsets: Mapping[str, int],
-        types: dict[str, ValueType],
+        types: TypeTable,
         *,
         outer: GraphIndex | None = None,
         path: str = "",
@@ -130,12 +181,10 @@ class GraphIndex:
         index.initializers = {t.name: t for t in graph.initializer}
         index.graph_inputs = {v.name for v in graph.input}
         index.graph_outputs = {v.name for v in graph.output}
-        for value in list(graph.input) + list(graph.output) + list(graph.value_info):
-            vt = _value_type(value)
-            if vt is not None:
-                types.setdefault(value.name, vt)
+        for value in (*graph.input, *graph.output, *graph.value_info):
+            types.add_proto(value.name, value)
         for tensor in graph.initializer:
-            types.setdefault(tensor.name, ValueType(tensor.data_type, tuple(tensor.dims)))
+            types.add_proto(tensor.name, tensor)
         for node in graph.node:
             index._add_node(node, at_end=False)
         index._sort_topologically()
@@ -149,7 +198,9 @@ class GraphIndex:
         self.nodes[node_id] = node
         if node.name:
             self.node_names.add(node.name)
-        for name in self.read_names(node):
+        reads = self.read_names(node)
+        self._reads[node_id] = reads
+        for name in reads:
             self.consumers.setdefault(name, {})[node_id] = None
         for name in node.output:
             if name:
@@ -168,8 +219,9 @@ class GraphIndex:
     def read_names(node: onnx.NodeProto) -> list[str]:
         """Every value a node reads: its inputs and what its subgraphs take from outer scope."""
         names = [name for name in node.input if name]
-        for sub in _node_subgraphs(node):
-            names.extend(sorted(subgraph_free_names(sub)))
+        if node.op_type in _SUBGRAPH_OPS or node.domain:
+            for sub in _node_subgraphs(node):
+                names.extend(sorted(subgraph_free_names(sub)))
         return names
 
     def _known_outside(self, name: str) -> bool:
@@ -188,7 +240,7 @@ class GraphIndex:
         readers: dict[int, list[int]] = {}
         for node_id in ids:
             count = 0
-            for name in self.read_names(self.nodes[node_id]):
+            for name in self._reads[node_id]:
                 src = self.producer.get(name)
                 if src is None:
                     if not self._known_outside(name):
@@ -412,7 +464,7 @@ class GraphIndex:
         removed_inputs: list[str] = []
         for member in member_set:
             node = self.nodes.pop(member)
-            for name in self.read_names(node):
+            for name in self._reads.pop(member):
                 readers = self.consumers.get(name)
                 if readers is not None:
                     readers.pop(member, None)
@@ -462,7 +514,7 @@ class GraphIndex:
             for out in node.output:
                 self.producer.pop(out, None)
             self.order[self.pos.pop(node_id)] = None
-            for read in self.read_names(node):
+            for read in self._reads.pop(node_id):
                 readers = self.consumers.get(read)
                 if readers is not None:
                     readers.pop(node_id, None)

@@ -42,6 +42,7 @@ class LoadedModel:
     model: onnx.ModelProto
     base_dir: Path | None
     label: str  # how messages name the model: its path, or "<bytes>" / "<model>"
+    external: bool = False  # whether any tensor lives in an external file (found at load)
 
 
 def load_model(source: ModelSource, *, label: str | None = None) -> LoadedModel:
@@ -67,8 +68,8 @@ def load_model(source: ModelSource, *, label: str | None = None) -> LoadedModel:
         except OSError as exc:
             raise ModelLoadError(f"{name}: cannot read ({exc.strerror})") from exc
         loaded = LoadedModel(_parse(data, name), path.resolve().parent, name)
-    check_external_locations(loaded)
-    return loaded
+    external = check_external_locations(loaded)
+    return LoadedModel(loaded.model, loaded.base_dir, loaded.label, external)
 
 
 def _parse(data: bytes, label: str) -> onnx.ModelProto:
@@ -135,11 +136,17 @@ def _safe_location(loaded: LoadedModel, tensor: onnx.TensorProto) -> Path:
     return target
 
 
-def check_external_locations(loaded: LoadedModel) -> None:
-    """Refuse absolute, escaping or missing external-data locations before reading any."""
+def check_external_locations(loaded: LoadedModel) -> bool:
+    """Refuse absolute, escaping or missing external-data locations before reading any.
+
+    Returns whether the model has external tensors at all.
+    """
+    found = False
     for tensor in iter_all_tensors(loaded.model.graph):
         if _is_external(tensor):
             _safe_location(loaded, tensor)
+            found = True
+    return found
 
 
 def read_external_bytes(loaded: LoadedModel, tensor: onnx.TensorProto) -> bytes:

@@ -131,12 +131,12 @@ def session(
 
 
 def _remap_graph(
-    graph: onnx.GraphProto, path: str, types: dict[str, dict[str, ValueType]], context_id: str
+    graph: onnx.GraphProto, path: str, types: Mapping[str, Mapping[str, ValueType]], context_id: str
 ) -> bool:
     from .engine import _sub_path
 
     changed = False
-    table = types.get(path, {})
+    table: Mapping[str, ValueType] = types.get(path) or {}
     rebuilt: list[onnx.NodeProto] = []
     for node in graph.node:
         for attr in node.attribute:
@@ -157,7 +157,7 @@ def _remap_graph(
 
 
 def _elem_type(
-    name: str, table: Mapping[str, ValueType], types: dict[str, dict[str, ValueType]]
+    name: str, table: Mapping[str, ValueType], types: Mapping[str, Mapping[str, ValueType]]
 ) -> int:
     found = table.get(name)
     if found is None:
@@ -182,7 +182,7 @@ _TRANSPORT: dict[int, int] = {
 def _remap_node(
     node: onnx.NodeProto,
     table: Mapping[str, ValueType],
-    types: dict[str, dict[str, ValueType]],
+    types: Mapping[str, Mapping[str, ValueType]],
     context_id: str,
 ) -> list[onnx.NodeProto]:
     in_pos = [i for i, n in enumerate(node.input) if n]
