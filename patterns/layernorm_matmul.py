@@ -198,6 +198,7 @@ class _Norm:
     epsilon: float
     stash_type: int
     notes: tuple[str, ...] = ()
+    problem: _NearMiss | None = None  # a failed check, reported if a Linear reads `out`
 
 
 @dataclass(frozen=True)
@@ -402,8 +403,9 @@ def _broadcast_problem(shape: Sequence[Dim], rank: int | None, k: int) -> str | 
 
 def _affine(
     graph: GraphIndex, value: str, op_type: str, rank: int | None, k: int, what: str
-) -> tuple[int, str] | None:
-    """The Mul gamma / Add beta reading `value`: (node id, parameter name), or None."""
+) -> tuple[int, str, _NearMiss | None] | None:
+    """The Mul gamma / Add beta reading `value`: (node id, parameter, why its broadcasting is
+    wrong or None), or None if the reader is not the affine part."""
     reader = _only_reader(graph, value)
     if reader is None:
         return None
@@ -417,12 +419,11 @@ def _affine(
         return None
     problem = _broadcast_problem(shape, rank, k)
     if problem is None:
-        return reader, param
+        return reader, param, None
     if const is None:
         return None  # a run-time tensor of activation shape: a residual, not the affine part
-    raise _NearMiss(
-        f"{what} '{param}' of {op_type} '{graph.describe(reader)}' {problem}", param, (reader,)
-    )
+    why = f"{what} '{param}' of {op_type} '{graph.describe(reader)}' {problem}"
+    return reader, param, _NearMiss(why, param, (reader,))
 
 
 def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
@@ -488,67 +489,42 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         return None
     members.append(divide)
 
-    # The structure is a LayerNorm: now every constant that carries meaning, exactly.
+    # The structure is a LayerNorm: now every constant that carries meaning, exactly. A failed
+    # check is reported only if a Linear reads the output (else this is not the pattern), so
+    # the walk goes on to the output.
+    rank = _rank(graph, x)
+    problem: _NearMiss | None = None
+    k, epsilon = 1, 0.0
     try:
-        rank = _rank(graph, x)
-        k = _reduced_axes(graph, anchor, rank)
-        if _reduced_axes(graph, r2[0], rank) != k:
-            raise _NearMiss(
-                f"ReduceMeans '{graph.describe(anchor)}' and "
-                f"'{graph.describe(r2[0])}' average over different axes",
-                var,
-                (r2[0],),
-            )
-        sq_node = graph.node(square)
-        if sq_node.op_type == "Pow":
-            exponent = _scalar(graph, sq_node.input[1], "exponent", square, rank)
-            if exponent != 2.0:
-                raise _NearMiss(
-                    f"Pow '{graph.describe(square)}' raises to {exponent:g}; the "
-                    "variance needs exactly 2",
-                    sq_node.input[1],
-                    (square,),
-                )
-        add_node = graph.node(add_eps)
-        eps_name = add_node.input[1] if add_node.input[0] == var else add_node.input[0]
-        epsilon = _scalar(graph, eps_name, "epsilon", add_eps, rank)
-        if widen is not None:
-            epsilon = float(np.float32(epsilon))  # far below the float16 output's resolution
-        elif float(np.float32(epsilon)) != epsilon:
-            raise _NearMiss(
-                f"epsilon '{eps_name}' = {epsilon!r} is not exactly representable in "
-                "LayerNormMatMul's float32 epsilon attribute",
-                eps_name,
-                (add_eps,),
-            )
-        out = _follow(graph, div_node.output[0], members)
-        notes: tuple[str, ...] = ()
-        if widen is not None:
-            back = _only_reader(graph, out)
-            x_type = graph.elem_type(x)
-            if back is None or not _is_cast_to(graph.node(back), x_type):
-                return None  # statistics and output in the wide type: not this form
-            members.append(back)
-            out = graph.node(back).output[0]
-            notes = (
-                f"statistics in float32 (stash_type=1); the original computes the mean in "
-                f"{type_name(x_type)} and the variance in "
-                f"{type_name(_attr(graph.node(widen), 'to', 0))} (Cast "
-                f"'{graph.describe(widen)}'): equal within {type_name(x_type)} resolution",
-            )
-        scale = bias = ""
-        gamma = _affine(graph, out, "Mul", rank, k, "gamma")
-        if gamma is not None:
-            members.append(gamma[0])
-            scale = gamma[1]
-            out = _follow(graph, graph.node(gamma[0]).output[0], members)
-        beta = _affine(graph, out, "Add", rank, k, "beta")
-        if beta is not None:
-            members.append(beta[0])
-            bias = beta[1]
-            out = _follow(graph, graph.node(beta[0]).output[0], members)
+        k, epsilon = _statistics(
+            graph, anchor, r2[0], var, square, add_eps, rank, widen is not None
+        )
     except _NearMiss as miss:
-        raise _NearMiss(miss.reason, miss.value, tuple(members)) from None
+        problem = miss
+    out = _follow(graph, div_node.output[0], members)
+    notes: tuple[str, ...] = ()
+    if widen is not None:
+        back = _only_reader(graph, out)
+        x_type = graph.elem_type(x)
+        if back is None or not _is_cast_to(graph.node(back), x_type):
+            return None  # statistics and output in the wide type: not this form
+        members.append(back)
+        out = graph.node(back).output[0]
+        notes = (
+            f"statistics in float32 (stash_type=1); the original computes the mean in "
+            f"{type_name(x_type)} and the variance in "
+            f"{type_name(_attr(graph.node(widen), 'to', 0))} (Cast "
+            f"'{graph.describe(widen)}'): equal within {type_name(x_type)} resolution",
+        )
+    params = {"Mul": "", "Add": ""}
+    for op_type, what in (("Mul", "gamma"), ("Add", "beta")):
+        found = _affine(graph, out, op_type, rank, k, what)
+        if found is None:
+            continue
+        reader, params[op_type], broadcast = found
+        problem = problem or broadcast
+        members.append(reader)
+        out = _follow(graph, graph.node(reader).output[0], members)
     # A no-op Cast in front of the LayerNorm joins the match when only the LayerNorm reads it.
     while (
         (producer := graph.producer.get(x)) is not None
@@ -558,7 +534,65 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     ):
         members.insert(1, producer)
         x = graph.node(producer).input[0]
-    return _Norm(tuple(members), x, scale, bias, out, -k, epsilon, int(widen is not None), notes)
+    stash_type = int(widen is not None)
+    return _Norm(
+        tuple(members),
+        x,
+        params["Mul"],
+        params["Add"],
+        out,
+        -k,
+        epsilon,
+        stash_type,
+        notes,
+        problem,
+    )
+
+
+def _statistics(
+    graph: GraphIndex,
+    mean: int,
+    var: int,
+    variance: str,
+    square: int,
+    add_eps: int,
+    rank: int | None,
+    widened: bool,
+) -> tuple[int, float]:
+    """(normalized axes, epsilon) of a decomposed LayerNorm, or a near miss: both ReduceMeans
+    (`mean`, `var`) over the same trailing axes with keepdims=1, exponent exactly 2, epsilon a
+    single value added to `variance`."""
+    k = _reduced_axes(graph, mean, rank)
+    if _reduced_axes(graph, var, rank) != k:
+        raise _NearMiss(
+            f"ReduceMeans '{graph.describe(mean)}' and '{graph.describe(var)}' average over "
+            "different axes",
+            graph.node(var).output[0],
+            (var,),
+        )
+    sq_node = graph.node(square)
+    if sq_node.op_type == "Pow":
+        exponent = _scalar(graph, sq_node.input[1], "exponent", square, rank)
+        if exponent != 2.0:
+            raise _NearMiss(
+                f"Pow '{graph.describe(square)}' raises to {exponent:g}; the variance needs "
+                "exactly 2",
+                sq_node.input[1],
+                (square,),
+            )
+    add_node = graph.node(add_eps)
+    eps_name = add_node.input[1] if add_node.input[0] == variance else add_node.input[0]
+    epsilon = _scalar(graph, eps_name, "epsilon", add_eps, rank)
+    if widened:
+        return k, float(np.float32(epsilon))  # far below the float16 output's resolution
+    if float(np.float32(epsilon)) != epsilon:
+        raise _NearMiss(
+            f"epsilon '{eps_name}' = {epsilon!r} is not exactly representable in "
+            "LayerNormMatMul's float32 epsilon attribute",
+            eps_name,
+            (add_eps,),
+        )
+    return k, epsilon
 
 
 def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
@@ -905,17 +939,19 @@ class LayerNormMatMulPattern:
 
     def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
         node = graph.node(node_id)
-        try:
-            norm = (
-                _layernorm_op(graph, node_id)
-                if node.op_type == "LayerNormalization"
-                else _decomposed(graph, node_id)
-            )
-        except _NearMiss as miss:
-            return rejection(self.name, graph, miss.nodes or (node_id,), miss.reason, miss.value)
+        norm = (
+            _layernorm_op(graph, node_id)
+            if node.op_type == "LayerNormalization"
+            else _decomposed(graph, node_id)
+        )
         if norm is None:
             return None
         readers = _classify(graph, norm.out, _last_dim(graph, norm))
+        if norm.problem is not None:
+            if not readers.linears and not readers.misses:
+                return None  # no Linear after it: not this pattern, whatever its constants
+            problem = norm.problem
+            return rejection(self.name, graph, norm.nodes, problem.reason, problem.value)
         if not readers.linears:
             if not readers.misses:
                 return None  # a LayerNorm without a Linear after it: not this pattern
