@@ -88,13 +88,11 @@ def _renormalize(values: np.ndarray, axis: int) -> np.ndarray:
     return (values.astype(np.float64) / total.astype(np.float64)).astype(values.dtype)
 
 
-def working_dtype(x_dtype: np.dtype, to_float32: bool) -> np.dtype:
-    """The dtype the chain's intermediate values have: float32 for 16-bit inputs (as
-    onnxruntime's CPU provider computes fp16 Softmax/TopK/ReduceSum/Div, casting once at the
-    end) or after a Cast to float32; the input's own dtype otherwise."""
-    if to_float32 or x_dtype.itemsize < 4:
-        return np.dtype(np.float32)
-    return np.dtype(x_dtype)
+def compute_dtype(x_dtype: np.dtype) -> np.dtype:
+    """The dtype the chain's ops compute in: float32 for 16-bit inputs (onnxruntime's CPU
+    provider runs fp16 Softmax/TopK/ReduceSum/Div in float32 and drops the fp16 round trips
+    between them), the input's own dtype otherwise."""
+    return np.dtype(np.float32) if x_dtype.itemsize < 4 else np.dtype(x_dtype)
 
 
 def reference(
@@ -102,23 +100,23 @@ def reference(
 ) -> tuple[np.ndarray, ...]:
     """(values, indices, probs); `probs` is empty in topk_softmax order.
 
-    TopK ranks the values in the working dtype (`working_dtype`), so ties are exactly those the
-    original chain sees there. With sorted=0 ONNX leaves the order of the k results
-    unspecified; they come sorted here.
+    TopK ranks the values in the dtype the original TopK sees, so ties are exactly its ties.
+    With sorted=0 ONNX leaves the order of the k results unspecified; they come sorted here.
     """
     x = inputs[0]
     assert x is not None
     axis = int(attrs["axis"]) % x.ndim
     k = int(attrs["k"])
     to_float32 = bool(int(attrs["to_float32"]))
-    work = working_dtype(x.dtype, to_float32)
+    compute = compute_dtype(x.dtype)
+    between = np.dtype(np.float32) if to_float32 else compute  # after the optional Cast
     if attrs["order"] == TOPK_SOFTMAX_ORDER:
-        top, indices = _topk(x.astype(work), k, axis)
-        values = _softmax(top, axis)
+        top, indices = _topk(x, k, axis)
+        values = _softmax(top.astype(between), axis)
         probs = np.zeros((0,), dtype=x.dtype)
     else:
-        full = _softmax(x.astype(work), axis)
-        values, indices = _topk(full, k, axis)
+        full = _softmax(x.astype(compute), axis)
+        values, indices = _topk(full.astype(between), k, axis)
         probs = full.astype(x.dtype)
     if int(attrs["renormalize"]):
         values = _renormalize(values, axis)

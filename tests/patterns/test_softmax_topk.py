@@ -179,6 +179,29 @@ def test_old_opsets_with_axes_attributes() -> None:
     assert_equivalent(model, result.model)
 
 
+def test_opset_9_topk_with_k_attribute() -> None:
+    model = parse(
+        "(float[N, 8] x) => (float[N, 2] t, int64[N, 2] i)",
+        "p = Softmax<axis=1>(x)\nt, i = TopK<k=2>(p)",
+        opset=9,
+    )
+    result = fuse_all(model, PATTERN)
+    assert result.report.nodes_after == 1
+    assert attrs(fused_node(result.model))["k"] == 2
+    assert_equivalent(model, result.model)
+
+
+def test_double_softmax_cast_to_float32() -> None:
+    """The cast rounds the float64 probabilities; TopK ranks (and ties) the float32 ones."""
+    model = parse(
+        "(double[N, 8] x) => (float[N, 2] t, int64[N, 2] i)",
+        f"p = Softmax(x)\nc = Cast<to=1>(p)\n{K}\nt, i = TopK(c, k)",
+    )
+    result = fuse_all(model, PATTERN)
+    assert attrs(fused_node(result.model))["to_float32"] == 1
+    assert_equivalent(model, result.model, runs=3)
+
+
 def test_symbolic_dims_and_shape_inference() -> None:
     model = parse(
         "(float16[B, S, 8] x) => (float16[B, S, 2] t, int64[B, S, 2] i)",
