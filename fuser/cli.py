@@ -293,6 +293,9 @@ def list_patterns(
         pass
 
 
+importlib.import_module(".cli_profile", __package__).register(app)  # fuser profile
+
+
 def main() -> None:
     """Console-script entry point."""
     try:
