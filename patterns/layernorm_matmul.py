@@ -882,24 +882,30 @@ def _flatten_reshape(
 
 @dataclass(frozen=True)
 class _Readers:
-    """What reads the normalized value: the Linears taken, casts taken, near misses."""
+    """What reads the normalized value: the Linears taken, casts taken, near misses, and the
+    readers left outside (then the fused op outputs `normalized` for them)."""
 
     linears: tuple[_Linear, ...]
     casts: tuple[int, ...]
     misses: tuple[_NearMiss, ...]
-    others: bool
+    outside: tuple[str, ...]
+
+    @property
+    def others(self) -> bool:
+        return bool(self.outside)
 
 
 def _classify(graph: GraphIndex, value: str, last_dim: int | None) -> _Readers:
     linears: list[_Linear] = []
     casts: list[int] = []
     misses: list[_NearMiss] = []
-    others = graph.is_graph_output(value)
+    outside: list[str] = ["the graph output"] if graph.is_graph_output(value) else []
     for r in graph.readers(value):
         node = graph.node(r)
+        left_out = f"'{graph.describe(r)}' ({node.op_type})"
         try:
             if node.domain != "":
-                others = True
+                outside.append(left_out)
             elif node.op_type == "MatMul":
                 linears.append(_matmul(graph, r, value))
             elif node.op_type == "Gemm" and node.input[0] == value:
@@ -910,19 +916,18 @@ def _classify(graph: GraphIndex, value: str, last_dim: int | None) -> _Readers:
                 linears.append(_gemm(graph, found[0], (*found[1], r), 1))
             elif _is_noop_cast(graph, node):
                 inner = _classify(graph, node.output[0], last_dim)
+                misses.extend(inner.misses)
                 if inner.others or not inner.linears:
-                    others = True
-                    misses.extend(inner.misses)
+                    outside.append(left_out)
                 else:
                     linears.extend(inner.linears)
                     casts.extend((r, *inner.casts))
-                    misses.extend(inner.misses)
             else:
-                others = True
+                outside.append(left_out)
         except _NearMiss as miss:
             misses.append(miss)
-            others = True
-    return _Readers(tuple(linears), tuple(casts), tuple(misses), others)
+            outside.append(left_out)
+    return _Readers(tuple(linears), tuple(casts), tuple(misses), tuple(outside))
 
 
 @dataclass(frozen=True)
@@ -970,6 +975,8 @@ class LayerNormMatMulPattern:
             "flatten": [lin.flatten for lin in readers.linears],
         }
         notes = (*norm.notes, *(f"left unfused: {m.reason}" for m in readers.misses))
+        if readers.outside:
+            notes += (f"normalized also output, for {', '.join(readers.outside)}",)
         return Match(
             self.name,
             LAYERNORM_MATMUL,

@@ -368,6 +368,7 @@ def test_view_shape_read_elsewhere_leaves_that_gemm_unfused() -> None:
     assert record.notes == (
         "left unfused: the target shape of Reshape 'view' is computed by 'view_target', which is "
         "also read elsewhere, so the Reshape cannot be fused away",
+        "normalized also output, for 'view_shape' (Shape), 'view' (Reshape), 'Shape_9' (Shape)",
     )
     assert attrs(fused_nodes(result.model)[0])["flatten"] == [0]
     assert_same(model, result.model)
@@ -713,7 +714,10 @@ def test_unfused_matmul_is_noted_and_normalized_exported() -> None:
     assert result.report.summary == {PATTERN: 1}
     (record,) = result.report.fusions
     expected = "weight 'wact_out' of MatMul 'dyn' is computed at run time, not a constant"
-    assert record.notes == (f"left unfused: {expected}",)
+    assert record.notes == (
+        f"left unfused: {expected}",
+        "normalized also output, for 'dyn' (MatMul)",
+    )
     assert fused_nodes(result.model)[0].output[0] == n
     assert_same(model, result.model)
 
