@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 import pytest
 from fuser.models import get_example
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fuser.fusedop import DOMAIN
 from fuser.ort import session
@@ -121,6 +123,27 @@ def test_ties_keep_the_lower_index_first(dtype: type) -> None:
     np.testing.assert_array_equal(actual[1], [[1, 2, 4], [0, 1, 2], [1, 3, 2], [2, 4, 0]])
     np.testing.assert_array_equal(actual[1], expected[1])
     np.testing.assert_allclose(actual[0], expected[0], rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_ties_on_many_random_inputs(dtype: type) -> None:
+    """Small integer logits tie often; indices must equal the original's exactly."""
+    type_name = {np.float32: "float", np.float16: "float16"}[dtype]
+    model = parse(
+        f"({type_name}[N, 7] x) => ({type_name}[N, 3] v, int64[N, 3] i)",
+        f"p = Softmax(x)\nk = Constant<value = int64[1] {{3}}>()\nt, i = TopK(p, k){RENORM}",
+    )
+    original, fused = session(model), session(fuse_all(model, PATTERN).model)
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.lists(st.lists(st.integers(-2, 2), min_size=7, max_size=7), min_size=1, max_size=6))
+    def check(rows: list[list[int]]) -> None:
+        x = np.array(rows, dtype=dtype)
+        (v0, i0), (v1, i1) = original.run(None, {"x": x}), fused.run(None, {"x": x})
+        np.testing.assert_array_equal(i1, i0)
+        np.testing.assert_allclose(v1, v0, rtol=1e-3)
+
+    check()
 
 
 def test_unsorted_topk_gives_the_same_set() -> None:
