@@ -772,57 +772,66 @@ def _shape_items(
     rank = _rank(graph, of)
 
     def dims_of(shape_node: onnx.NodeProto) -> list[ShapeItem] | None:
-        """The items of `Shape(of)` (its start/end attributes applied), if rank allows."""
-        if shape_node.op_type != "Shape" or shape_node.input[0] != of:
+        """The items of `Shape(of)` (start/end attributes applied); None if that is not what
+        `shape_node` is, or if the rank is unknown (then see `suffix`)."""
+        if shape_node.op_type != "Shape" or shape_node.input[0] != of or rank is None:
+            return None
+        items: list[ShapeItem] = [f"shape[{i}]" for i in range(-rank, 0)]
+        return items[_attr(shape_node, "start", 0) : _attr(shape_node, "end", None)]
+
+    def suffix(shape_node: onnx.NodeProto, first: int) -> list[ShapeItem] | None:
+        """Without the rank, only trailing dims are known: Shape(of)[first:] for first < 0."""
+        if shape_node.op_type != "Shape" or shape_node.input[0] != of or first >= 0:
             return None
         start, end = _attr(shape_node, "start", 0), _attr(shape_node, "end", None)
-        items: list[ShapeItem]
-        if rank is None:
-            if start >= 0 or end is not None:
-                return None
-            items = [f"shape[{i}]" for i in range(start, 0)]
-            return items
-        items = [f"shape[{i}]" for i in range(-rank, 0)]
-        return items[start:end]
+        if end is not None or start > 0 or (start < 0 and first < start):
+            return None
+        return [f"shape[{i}]" for i in range(first, 0)]
 
     op = node.op_type
     if op in ("Cast", "Squeeze", "Unsqueeze", "Identity"):
         items = _shape_items(graph, node.input[0], of, nodes, depth + 1)
-        return (
-            items if items is not None and (op in ("Cast", "Identity") or len(items) == 1) else None
-        )
+        one = op in ("Cast", "Identity") or (items is not None and len(items) == 1)
+        return items if one else None
     if op == "Concat" and _attr(node, "axis", 0) in (0, -1):
         parts = [_shape_items(graph, i, of, nodes, depth + 1) for i in node.input]
         return None if any(p is None for p in parts) else [x for p in parts for x in p or []]
     if op == "Shape":
-        return dims_of(node)
+        return dims_of(node) or suffix(node, _attr(node, "start", 0))
     source = graph.producer.get(node.input[0])
-    dims = dims_of(graph.node(source)) if source is not None else None
-    if source is None or dims is None:
+    if source is None:
         return None
+    shape_node = graph.node(source)
     nodes.append(source)
     if op == "Gather" and _attr(node, "axis", 0) == 0:
         index = _const(graph, node.input[1])
         if index is None or index.size != 1:
             return None
         i = int(index.reshape(-1)[0])
+        dims = dims_of(shape_node)
+        if dims is None:
+            tail = suffix(shape_node, i)
+            return tail[:1] if tail else None
         return [dims[i]] if -len(dims) <= i < len(dims) else None
     if op == "Slice" and len(node.input) >= 3:
         bounds = [_const(graph, i) if i else None for i in node.input[1:5]]
-        if (
-            bounds[0] is None
-            or bounds[1] is None
-            or any(b is not None and b.size != 1 for b in bounds)
-        ):
+        if bounds[0] is None or bounds[1] is None:
+            return None
+        if any(b is not None and b.size != 1 for b in bounds):
             return None
         if bounds[2] is not None and int(bounds[2].reshape(-1)[0]) not in (0, -1):
             return None
         step = 1 if len(bounds) < 4 or bounds[3] is None else int(bounds[3].reshape(-1)[0])
         lo, hi = int(bounds[0].reshape(-1)[0]), int(bounds[1].reshape(-1)[0])
-        if rank is None and (lo >= 0 or hi < 0 or step != 1):
-            return None  # only a suffix of Shape is known without the rank
-        return dims[lo : min(hi, _INT64_MAX) : step]
+        dims = dims_of(shape_node)
+        if dims is not None:
+            return dims[lo : min(hi, _INT64_MAX) : step]
+        if step == 1 and hi >= _TO_THE_END:
+            return suffix(shape_node, lo)
     return None
+
+
+_TO_THE_END = 2**31 - 1  # a Slice end at least this large runs to the end of a shape
 
 
 def _flatten_reshape(

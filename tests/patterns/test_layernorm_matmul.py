@@ -353,6 +353,27 @@ def test_torchscript_gpt2_conv1d_with_computed_view_shape(opset: int) -> None:
     assert_same(model, result.model)
 
 
+def test_computed_view_shape_without_known_rank() -> None:
+    """Shape inference knows nothing of `x` here; the view's [-1, size(-1)] is still read, and
+    the last dim taken from gamma."""
+    g = Graph(opset=17)
+    shape = g.input("shape", ["rank"], TensorProto.INT64)
+    x = g.op("Reshape", g.input("x0", ["batch", "seq", HIDDEN]), shape)  # rank unknown
+    n = op_ln(g, x)
+    y = torchscript_conv1d(g, n, 6)
+    g.outputs.append(y)
+    g.shapes[y] = ["batch", "seq", 6]
+    model = g.model()
+    result = fuse(model)
+    assert result.report.summary == {PATTERN: 1}, reasons(result)
+    assert attrs(fused_nodes(result.model)[0])["flatten"] == [1]
+    x0 = np.random.default_rng(2).standard_normal((2, 5, HIDDEN)).astype(np.float32)
+    inputs = {"x0": x0, "shape": np.array([5, 2, HIDDEN], np.int64)}
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, inputs)[0]
+    actual = session(result.model).run(None, inputs)[0]
+    assert float(np.abs(expected - actual).max()) <= 1e-4 * max(1.0, float(np.abs(expected).max()))
+
+
 def test_view_shape_read_elsewhere_leaves_that_gemm_unfused() -> None:
     g = Graph(opset=17)
     x = g.input("x", ["batch", "seq", HIDDEN])
