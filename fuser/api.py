@@ -138,7 +138,7 @@ def validate(
     atol: float | None = None,
     inputs: Mapping[str, Any] | None = None,
     dim_size: int = 3,
-    kernel: str = "reference",
+    kernel: str = "npu",
     target: str = DEFAULT_TARGET,
 ) -> ValidationResult:
     """Run both models in onnxruntime on the same inputs and compare every output.

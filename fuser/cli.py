@@ -230,7 +230,7 @@ def validate(
         list[str] | None, typer.Option("--input", help="name=file.npy, repeatable")
     ] = None,
     dim_size: Annotated[int, typer.Option(help="size given to symbolic dims")] = 3,
-    kernel: Annotated[str, typer.Option(help="how fused ops run: reference or npu")] = "reference",
+    kernel: Annotated[str, typer.Option(help="how fused ops run: reference or npu")] = "npu",
     target: Annotated[str, typer.Option(help="NPU target for --kernel npu")] = "ascend910b",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:

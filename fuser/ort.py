@@ -89,7 +89,7 @@ def _fused_handler(
 def session(
     model: ModelSource | LoadedModel,
     *,
-    kernel: str = "reference",
+    kernel: str = "npu",
     target: str = "ascend910b",
     rank: int = 0,
     communicator: Communicator | None = None,
