@@ -16,11 +16,13 @@ the node uses.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
+from onnx import helper
 
 from . import fusedop
 from .errors import FuserError, UsageError
@@ -99,3 +101,62 @@ def run_fused_on_npu(
             f"{op_name}: kernel returned {len(run.outputs)} outputs, the op declares {fixed}"
         )
     return run.outputs
+
+
+def check_tilings(model: onnx.ModelProto, target: str) -> None:
+    """Check every fused node's stored tiling (`tile_*` attributes) before anything runs.
+
+    A tiling that is malformed, or (for static shapes) does not fit `target`'s buffers or cores,
+    raises `NpuKernelError` naming the node and the kernel's reason. Worth calling when a session
+    is made: onnxruntime-extensions aborts the process when a Python op raises, so a tiling
+    refused at run time would end the process instead of reporting one line.
+    """
+    from .engine import infer_types
+    from .kernels.api import KernelError, TensorMeta
+    from .kernels.npu.errors import NpuError
+
+    npu = machine(target)
+    types = infer_types(model)
+    outer: dict[str, Any] = {}
+    for table in types.values():
+        for name in table:
+            outer.setdefault(name, table[name])
+
+    def meta(name: str) -> TensorMeta | None:
+        vt = outer.get(name)
+        if vt is None or vt.shape is None or not vt.elem_type:
+            return None
+        if not all(isinstance(d, int) for d in vt.shape):
+            return None
+        return TensorMeta(tuple(vt.shape), helper.tensor_dtype_to_np_dtype(vt.elem_type))
+
+    for node in _fused_nodes(model.graph):
+        op = fusedop.get(node.op_type)
+        kernel = fused_kernel(node.op_type)
+        attrs = kernel_attrs(op, op.attribute_values(node))
+        where = f"node '{node.name}' ({node.op_type}) on {npu.name}"
+        try:
+            tiling = kernel.tiling_from_attrs(attrs)
+            if tiling is None:
+                continue
+            metas = [meta(n) if n else None for n in node.input]
+            if any(m is None for m, n in zip(metas, node.input, strict=True) if n):
+                continue  # symbolic shapes: the kernel checks the tiling when it runs
+            if op.collective_input is not None:
+                local = metas[op.collective_input]
+                assert local is not None
+                group = int(attrs.get("group_size", 1))
+                metas[op.collective_input] = TensorMeta((group, *local.shape), local.dtype)
+                attrs["rank"] = 0
+            kernel.check_tiling(metas, attrs, tiling, npu)
+        except (KernelError, NpuError) as exc:
+            raise NpuKernelError(f"{where}: {exc}") from exc
+
+
+def _fused_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    for node in graph.node:
+        if node.domain == fusedop.DOMAIN:
+            yield node
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                yield from _fused_nodes(sub)
