@@ -59,8 +59,9 @@ def layernorm_spec(
     for name, m in (("scale", scale), ("bias", bias)):
         if m is None:
             continue
-        if len(m.shape) > len(norm_shape) or any(
-            d not in (1, n) for d, n in zip(m.shape[::-1], norm_shape[::-1], strict=False)
+        shape = _drop_leading_ones(m.shape)
+        if len(shape) > len(norm_shape) or any(
+            d not in (1, n) for d, n in zip(shape[::-1], norm_shape[::-1], strict=False)
         ):
             raise KernelError(
                 f"{op}: {name} of shape {m.shape} does not broadcast to the normalized shape "
@@ -123,7 +124,16 @@ def flat_param(p: np.ndarray | None, s: LayerNormSpec) -> np.ndarray | None:
     """A scale or bias broadcast to the normalized shape and flattened to [D]."""
     if p is None:
         return None
+    p = p.reshape(_drop_leading_ones(p.shape))
     return np.ascontiguousarray(np.broadcast_to(p, s.shape[s.axis :])).reshape(-1)
+
+
+def _drop_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # [1, 1, D] broadcasts like [D]: leading 1s carry no layout.
+    i = 0
+    while i < len(shape) and shape[i] == 1:
+        i += 1
+    return shape[i:]
 
 
 class LayerNormalizationKernel(Kernel):

@@ -66,6 +66,14 @@ def test_matches_the_fused_ops_layer_norm_exactly(stash_type: int) -> None:
         np.testing.assert_array_equal(y, layer_norm(x, scale, None, -1, 1e-3, stash_type))
 
 
+def test_scale_with_leading_ones_broadcasts() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 9, 24)).astype(np.float32)
+    scale = rng.standard_normal((1, 1, 24)).astype(np.float32)
+    y = KERNEL.run(M, [x, scale], {}).outputs[0]
+    np.testing.assert_allclose(y, layer_norm(x, scale.reshape(24), None, -1, 1e-5, 1), atol=1e-6)
+
+
 def test_timing_only_same_cycles_and_stats_copied_only_when_asked() -> None:
     x = np.random.default_rng(4).standard_normal((300, 256)).astype(np.float16)
     scale = np.ones(256, np.float16)
