@@ -113,6 +113,10 @@ def test_link_time_is_hidden_under_the_cube_in_the_timeline() -> None:
     hidden = sum(max(0.0, min(e, be) - max(s, bs)) for s, e in link for bs, be in busy)
     share = hidden / sum(e - s for s, e in link)
     assert share > 0.8, f"only {share:.0%} of the link time overlaps compute"
+    # Every ring step overlaps Cube instructions themselves, not only the copies feeding them.
+    cube = [(i.start, i.end) for i in tl.intervals if i.pipe == "CUBE"]
+    for s, e in link:
+        assert any(cs < e and ce > s for cs, ce in cube)
     # The local shard is multiplied while the first remote shard is still on the link.
     first_mmad = min(i.start for i in tl.intervals if i.pipe == "CUBE")
     assert first_mmad < link[0][1]
