@@ -15,7 +15,8 @@ for float16 input (as onnxruntime runs it), so the softmax, the ranking (and its
 renormalization are float32, and the values are rounded to T once at the end. The optional
 `probs` output (the full softmax, softmax_topk order only; empty in topk_softmax order) costs
 its copy-out only with attribute `emit_probs=1`: the op's contract returns every output, so the
-array is filled either way in functional mode.
+array is filled either way in functional mode. Results always come sorted, also with
+`sorted=0` (ONNX leaves that order unspecified). float64 is refused: the Vector unit has none.
 """
 
 from __future__ import annotations
