@@ -12,6 +12,7 @@ import onnx
 
 from . import engine
 from .decide import AlwaysFuse, Decider
+from .errors import UsageError
 from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
 from .registry import select
 from .report import FusionRecord, FusionReport, RejectionRecord
@@ -60,6 +61,7 @@ def fuse(
     clock = engine.timed()
     next(clock)
     chosen = select(patterns, disable)
+    check_target(target)
     loaded = load_model(model)
     engine.check_structure(loaded)
     types = engine.infer_types(loaded.model)
@@ -80,6 +82,16 @@ def fuse(
         seconds=seconds,
     )
     return FusionResult(loaded.model, report, loaded)
+
+
+def check_target(target: str) -> None:
+    """Fail early, with the known names, on a target that does not exist or does not load."""
+    from .kernels.npu.machine import TargetError, load_target
+
+    try:
+        load_target(target)
+    except TargetError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _default_decider(target: str, force: bool) -> Decider:

@@ -51,6 +51,12 @@ def _split(names: str | None) -> list[str] | None:
     return [n.strip() for n in names.split(",") if n.strip()]
 
 
+def _print_json(data: Any) -> None:
+    # Plain json: reports of large models have thousands of entries, and rich's highlighter
+    # takes longer to print them than fuser takes to make them.
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
 def _fail(message: str, code: int = 2) -> typer.Exit:
     err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
@@ -112,7 +118,7 @@ def fuse(
     except FuserError as exc:
         raise _fail(str(exc)) from None
     if as_json:
-        out.print_json(json.dumps(data))
+        _print_json(data)
         return
     _print_report(result.report, label)
     if validation is not None:
@@ -182,7 +188,7 @@ def inspect(
     except FuserError as exc:
         raise _fail(str(exc)) from None
     if as_json:
-        out.print_json(json.dumps(found.to_dict()))
+        _print_json(found.to_dict())
         return
     table = Table(title=f"matches in {label}", title_justify="left")
     table.add_column("pattern")
@@ -258,7 +264,7 @@ def validate(
             f"{fused}: onnxruntime failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"
         ) from None
     if as_json:
-        out.print_json(json.dumps(result.to_dict()))
+        _print_json(result.to_dict())
     else:
         _print_validation(result)
     if not result.ok:
@@ -277,7 +283,7 @@ def list_patterns(
         for p in all_patterns()
     ]
     if as_json:
-        out.print_json(json.dumps(rows))
+        _print_json(rows)
         return
     table = Table(title="patterns", title_justify="left")
     table.add_column("pattern")

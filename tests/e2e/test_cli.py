@@ -283,3 +283,11 @@ def _traversal_model(folder: Path) -> Path:
         entry = tensor.external_data.add()
         entry.key, entry.value = key, value
     return _save(inner / "evil.onnx", model)
+
+
+def test_unknown_target_is_refused(model_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o.onnx"
+    result = fuser("fuse", str(model_file), "-o", str(out), "--target", "ascend9999")
+    assert result.returncode == 2
+    assert "ascend9999" in result.stderr and "ascend910b" in result.stderr
+    assert not out.exists()
