@@ -1,32 +1,202 @@
-"""Fusion gain on the simulated NPU: unfused op chains vs their fused kernel.
+"""Fusion gain on the simulated NPU: unfused op chains vs their fused kernels.
 
-Part Conv+BN+ReLU (ResNet-50 shapes, batch 1 by default): the unfused chain runs three kernels
-(Conv with bias, BatchNormalization, Relu), each a launch with its output written to GM and read
-back by the next; the fused ConvBnRelu runs once, BN folded into the weights (as `fuse` does
-when the BN parameters are constant) or applied in the epilogue. Every number comes from the
-simulator (timing-only runs, default tilings) on the chosen target. Then the cost of a
-functional run against the op's numpy reference, and the speed of timing-only runs.
+Every time and byte count below comes from the simulator (timing-only runs, each kernel's
+default tiling unless a sweep says otherwise) on the chosen target; nothing is a formula.
 
-    python benchmarks/fusion_gain.py [--target ascend910b] [--batch 1] [--dtype float16]
+1. models/ examples: each example whole, original vs fused, through `fuser.profile`.
+2. LayerNorm+MatMul: GM traffic of the activations (the article: 6 accesses -> 2) and time.
+3. Conv+BN+ReLU at ResNet-50 shapes: launches (the article: 4 -> 1), time, GM bytes.
+4. Softmax+TopK at B=1, S=1024, E=64, K=2 swept over tile rows 1..32, with an explanation of
+   the curve the simulator gives.
+5. AllGather+MatMul for 2/4/8 ranks: how much of the communication the fused kernel hides.
+6. Simulation speed: a functional kernel run over its op's numpy `reference` (target <= 20x).
 
-Wall times depend on the machine's load. A functional run does many small matmuls (one per
-Cube instruction); on a busy machine multi-threaded BLAS makes those erratic, so for stable
-ratios run with OPENBLAS_NUM_THREADS=1 (the reference then runs single-threaded too).
+    python benchmarks/fusion_gain.py [--target ascend910b] [--quick]
+
+Wall-time ratios depend on the machine's load. A functional run does many small matmuls; with
+multi-threaded BLAS on a busy machine those are erratic, so the script pins BLAS to one thread
+(set OPENBLAS_NUM_THREADS yourself to override); the reference then runs single-threaded too.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+import os
 
-import numpy as np
-from fuser.kernels import registry
-from fuser.kernels.api import Kernel, TensorMeta
-from fuser.kernels.npu.machine import Machine, load_target
-from fuser.kernels.npu.stats import RunStats, sequence
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402 (BLAS threads are fixed before numpy loads)
+import math  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+from fuser.kernels import registry  # noqa: E402
+from fuser.kernels._rows import RowTiling  # noqa: E402
+from fuser.kernels.api import Input, Kernel, TensorMeta  # noqa: E402
+from fuser.kernels.npu.machine import Machine, load_target  # noqa: E402
+from fuser.kernels.npu.stats import RunStats, sequence  # noqa: E402
+from fuser.models import EXAMPLES, get_example  # noqa: E402
+from rich import box  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from fuser import fusedop  # noqa: E402
+from fuser.api import fuse  # noqa: E402
+from fuser.profile import profile_model  # noqa: E402
+from fuser.registry import ensure_fused_ops_registered  # noqa: E402
+
+OUT = Console(width=200, highlight=False)
+F16, F32, I64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int64)
+
+
+def _table(title: str, head: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A rich table drawn as Markdown, so it pastes into notes as is."""
+    table = Table(title=title, title_justify="left", box=box.MARKDOWN, title_style="bold")
+    for i, h in enumerate(head):
+        table.add_column(h, justify="left" if i == 0 else "right")
+    for r in rows:
+        table.add_row(*r)
+    OUT.print()
+    OUT.print(table)
+
+
+def _kernel(domain: str, op: str) -> Kernel:
+    k = registry.get_kernel(domain, op)
+    if k is None:
+        raise SystemExit(f"no kernel for {domain or 'ai.onnx'}.{op}")
+    return k
+
+
+def _time(domain: str, op: str, machine: Machine, inputs: Sequence[Input],
+          attrs: dict[str, Any], **kw: Any) -> RunStats:  # fmt: skip
+    """A timing-only run of one kernel."""
+    run = _kernel(domain, op).run(machine, inputs, attrs, functional=False, timeline=False, **kw)
+    return run.stats
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+# -- 1. models/ examples ---------------------------------------------------------------------
+
+#: Sizes given to the examples' symbolic dims (CNN batch, tokens, 1-D length).
+# The transformer examples hold 32 positions (max_positions), so seq is 32 at most.
+EXAMPLE_DIMS = {"N": 8, "batch": 8, "seq": 32, "seq_shard": 32, "L": 256}
+
+
+def _symbolic_dims(model: Any) -> set[str]:
+    inits = {t.name for t in model.graph.initializer}
+    return {
+        d.dim_param
+        for v in model.graph.input
+        if v.name not in inits
+        for d in v.type.tensor_type.shape.dim
+        if d.dim_param
+    }
+
+
+def print_examples(machine: Machine, target: str) -> None:
+    rows = []
+    for name in EXAMPLES:
+        model = get_example(name)
+        dims = {d: EXAMPLE_DIMS[d] for d in _symbolic_dims(model) if d in EXAMPLE_DIMS}
+        result = fuse(model, target=target)
+        fused = {k: v for k, v in result.report.summary.items() if v}
+        a = profile_model(model, target, dims=dims)
+        b = profile_model(result.model, target, dims=dims)
+        est = max(a.estimated_cycles / a.total_cycles, b.estimated_cycles / b.total_cycles)
+        rows.append((
+            name, ", ".join(f"{k} {v}" for k, v in fused.items()) or "-",
+            ", ".join(f"{k}={v}" for k, v in sorted(dims.items())),
+            f"{a.total_us:.1f}", f"{b.total_us:.1f}", f"{a.total_us / b.total_us:.2f}x",
+            _mb(a.gm_bytes), _mb(b.gm_bytes), f"{a.launches} -> {b.launches}", f"{100 * est:.0f}%",
+        ))  # fmt: skip
+    _table(
+        f"1. models/ examples, original vs fused, whole model on {machine.name} (fuser.profile)",
+        ("example", "fused", "dims", "original us", "fused us", "speedup", "original GM MB",
+         "fused GM MB", "launches", "estimated"),
+        rows,
+    )  # fmt: skip
+    OUT.print(
+        "estimated = share of the time (worse of the two) spent in ops without a kernel "
+        "(roofline estimate: Gather, Reshape, Transpose, MaxPool, ...)."
+    )
+
+
+# -- 2. LayerNorm + MatMul ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unfused kernel: its op, inputs, attributes, and which inputs/outputs are activations
+    (tensors produced or consumed at run time, as opposed to weights)."""
+
+    op: str
+    inputs: tuple[Input, ...]
+    attrs: dict[str, Any]
+    activations_in: int
+
+
+def _lnmm_chains(m: int, s: int, k: int, n: int, dtype: np.dtype) -> dict[str, list[Step]]:
+    x, vec_k = TensorMeta((m, s, k), dtype), TensorMeta((k,), dtype)
+    w, b = TensorMeta((k, n), dtype), TensorMeta((n,), dtype)
+    y = TensorMeta((m, s, n), dtype)
+    stat = TensorMeta((m, s, 1), dtype)
+    axes = np.array([-1], np.int64)
+    two, eps = TensorMeta((), dtype), TensorMeta((), dtype)
+    matmul_add = [Step("MatMul", (x, w), {}, 1), Step("Add", (y, b), {}, 1)]
+    return {
+        "LayerNormalization op": [Step("LayerNormalization", (x, vec_k, vec_k), {}, 1),
+                                  *matmul_add],
+        "decomposed (opset < 17)": [
+            Step("ReduceMean", (x, axes), {}, 1), Step("Sub", (x, stat), {}, 2),
+            Step("Pow", (x, two), {}, 1), Step("ReduceMean", (x, axes), {}, 1),
+            Step("Add", (stat, eps), {}, 1), Step("Sqrt", (stat,), {}, 1),
+            Step("Div", (x, stat), {}, 2), Step("Mul", (x, vec_k), {}, 1),
+            Step("Add", (x, vec_k), {}, 1), *matmul_add,
+        ],
+    }  # fmt: skip
+
+
+def print_layernorm_matmul(machine: Machine) -> None:
+    # The article gives no shape: BERT-large's FFN up-projection, 8 x 512 tokens, in float16.
+    m, s, k, n, dtype = 8, 512, 1024, 4096, F16
+    rows = []
+    for label, chain in _lnmm_chains(m, s, k, n, dtype).items():
+        runs = [_time("", st.op, machine, st.inputs, st.attrs) for st in chain]
+        total = sequence(runs)
+        accesses = sum(st.activations_in + 1 for st in chain)
+        rows.append((f"unfused, {label}", f"{len(chain)}", f"{accesses}", _mb(total.gm_read),
+                     _mb(total.gm_write), f"{total.us:.1f}", total.bound))  # fmt: skip
+    x, vec = TensorMeta((m, s, k), dtype), TensorMeta((k,), dtype)
+    w, b = TensorMeta((k, n), dtype), TensorMeta((n,), dtype)
+    fused = _time("fuser", "LayerNormMatMul", machine, (x, vec, vec, w, b),
+                  {"has_bias": [1], "flatten": [0]})  # fmt: skip
+    rows.append(("fused LayerNormMatMul", "1", "2", _mb(fused.gm_read), _mb(fused.gm_write),
+                 f"{fused.us:.1f}", fused.bound))  # fmt: skip
+    _table(
+        f"2. LayerNorm -> MatMul -> bias Add, X [{m}, {s}, {k}], W [{k}, {n}], {dtype.name}, "
+        f"on {machine.name}",
+        ("chain", "launches", "activation GM accesses", "GM read MB", "GM write MB", "us",
+         "bound"),
+        rows,
+    )  # fmt: skip
+    unfused_ln = rows[0]
+    OUT.print(
+        "activation GM accesses: per kernel, each activation read from GM and the output written "
+        "back (weights, gamma/beta and bias not counted), as the article counts them: LayerNorm "
+        f"(read X, write N), MatMul (read N, write Y), Add (read Y, write Z) = {unfused_ln[2]}; "
+        "fused: read X, write Z = 2. The GM bytes are the simulator's and include the weight, "
+        "which the fused kernel reads once per row block (npu-model.md: |X| + |W| x row-blocks "
+        "+ |Z|)."
+    )
+
+
+# -- 3. Conv + BN + ReLU -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -66,64 +236,180 @@ RESNET50 = (
 )
 
 
-def _kernel(domain: str, op: str) -> Kernel:
-    k = registry.get_kernel(domain, op)
-    if k is None:
-        raise SystemExit(f"no kernel for {domain or 'ai.onnx'}.{op}")
-    return k
-
-
 def conv_bn_relu_runs(
     layer: ConvLayer, batch: int, dtype: np.dtype, machine: Machine
 ) -> tuple[RunStats, RunStats, RunStats]:
-    """(unfused chain, fused with BN folded, fused with BN in the epilogue), timing-only."""
+    """(unfused Conv, BN, Relu; fused with BN folded; fused with BN in the epilogue)."""
     x, w = layer.x(batch, dtype), layer.w(dtype)
     vec = TensorMeta((layer.cout,), dtype)
     attrs = layer.attrs()
-    conv = _kernel("", "Conv").run(machine, [x, w, vec], attrs, functional=False)
+    conv = _time("", "Conv", machine, [x, w, vec], attrs)
     (y,) = _kernel("", "Conv").infer([x, w, vec], attrs)
-    bn = _kernel("", "BatchNormalization").run(machine, [y, vec, vec, vec, vec], {},
-                                               functional=False)  # fmt: skip
-    relu = _kernel("", "Relu").run(machine, [y], {}, functional=False)
-    unfused = sequence([conv.stats, bn.stats, relu.stats])
-    fused_op = _kernel("fuser", "ConvBnRelu")
-    folded = fused_op.run(machine, [x, w, vec], {**attrs, "relu": 1}, functional=False)
-    epilogue = fused_op.run(machine, [x, w, vec, vec, vec, vec, vec], {**attrs, "relu": 1},
-                            functional=False)  # fmt: skip
-    return unfused, folded.stats, epilogue.stats
+    bn = _time("", "BatchNormalization", machine, [y, vec, vec, vec, vec], {})
+    relu = _time("", "Relu", machine, [y], {})
+    unfused = sequence([conv, bn, relu])
+    folded = _time("fuser", "ConvBnRelu", machine, [x, w, vec], {**attrs, "relu": 1})
+    epilogue = _time("fuser", "ConvBnRelu", machine, [x, w, None, vec, vec, vec, vec],
+                     {**attrs, "relu": 1})  # fmt: skip
+    return unfused, folded, epilogue
 
 
-def print_conv_bn_relu_table(batch: int, dtype: np.dtype, machine: Machine) -> None:
-    print(f"\n## Conv+BN+ReLU on {machine.name}, batch {batch}, {dtype.name} (simulated)\n")
-    head = ("layer", "unfused us", "fused us", "speedup", "BN-in-epilogue us",
-            "unfused GM MB", "fused GM MB", "launches")  # fmt: skip
+def print_conv_bn_relu(batch: int, dtype: np.dtype, machine: Machine) -> None:
     rows: list[tuple[str, ...]] = []
     tot_u = tot_f = tot_e = 0.0
-    gm_u = gm_f = 0
-    launches_u = launches_f = 0
+    gm_u = gm_f = launches_u = launches_f = 0
     for layer in RESNET50:
         u, f, e = conv_bn_relu_runs(layer, batch, dtype, machine)
         tot_u, tot_f, tot_e = tot_u + u.us, tot_f + f.us, tot_e + e.us
         gm_u, gm_f = gm_u + u.gm_bytes, gm_f + f.gm_bytes
         launches_u, launches_f = launches_u + u.launches, launches_f + f.launches
         rows.append((layer.name, f"{u.us:.1f}", f"{f.us:.1f}", f"{u.us / f.us:.2f}x",
-                     f"{e.us:.1f}", f"{u.gm_bytes / 1e6:.2f}", f"{f.gm_bytes / 1e6:.2f}",
+                     f"{e.us:.1f}", _mb(u.gm_bytes), _mb(f.gm_bytes),
                      f"{u.launches} -> {f.launches}"))  # fmt: skip
+    launches = f"{launches_u} -> {launches_f}"
     rows.append(("total", f"{tot_u:.1f}", f"{tot_f:.1f}", f"{tot_u / tot_f:.2f}x",
-                 f"{tot_e:.1f}", f"{gm_u / 1e6:.2f}", f"{gm_f / 1e6:.2f}",
-                 f"{launches_u} -> {launches_f}"))  # fmt: skip
-    _table(head, rows)
+                 f"{tot_e:.1f}", _mb(gm_u), _mb(gm_f), launches))  # fmt: skip
+    _table(
+        f"3. Conv+BN+ReLU at ResNet-50 shapes, batch {batch}, {dtype.name}, on {machine.name}",
+        ("layer", "unfused us", "fused us", "speedup", "BN-in-epilogue us", "unfused GM MB",
+         "fused GM MB", "launches"),
+        rows,
+    )  # fmt: skip
+    OUT.print(
+        "launches: the unfused chain is Conv (bias in its epilogue), BatchNormalization, Relu = 3 "
+        "kernels; the article's 4 -> 1 counts a separate bias Add as well. Fused: BN folded into "
+        "W and B at fuse time (the BN-in-epilogue column keeps BN as per-channel scale/shift)."
+    )
 
 
-def _random_inputs(
-    layer: ConvLayer, dtype: np.dtype, rng: np.random.Generator
-) -> list[np.ndarray | None]:
-    x = rng.standard_normal((1, layer.c, layer.hw, layer.hw)).astype(dtype)
-    w = rng.standard_normal((layer.cout, layer.c, layer.k, layer.k)).astype(dtype)
-    c = layer.cout
-    bn = [rng.uniform(0.5, 1.5, c), rng.standard_normal(c), rng.standard_normal(c),
-          rng.uniform(0.5, 2.0, c)]  # fmt: skip
-    return [x, w, None, *(p.astype(dtype) for p in bn)]
+# -- 4. Softmax + TopK sweep -------------------------------------------------------------------
+
+
+def print_softmax_topk_sweep(machine: Machine) -> None:
+    b, s, e, k = 1, 1024, 64, 2
+    x = TensorMeta((b, s, e), F32)
+    attrs = {"k": k, "renormalize": 1}
+    points = b * s
+    rows, curve = [], {}
+    for t in range(1, 33):
+        tiles = math.ceil(points / t)
+        cores = min(machine.vector_cores, tiles)
+        single = _time("fuser", "SoftmaxTopK", machine, [x], attrs, tiling=RowTiling(t, 0, cores))
+        double = _time("fuser", "SoftmaxTopK", machine, [x], attrs, tiling=RowTiling(t, 1, cores))
+        curve[t] = (single.us, double.us, cores, math.ceil(tiles / cores))
+        rows.append((str(t), str(tiles), str(cores), str(math.ceil(tiles / cores)),
+                     f"{single.us:.2f}", f"{double.us:.2f}",
+                     f"{100 * (single.us / double.us - 1):+.0f}%",
+                     f"{100 * double.pipe_utilization.get('VECTOR', 0):.0f}%",
+                     f"{100 * double.pipe_utilization.get('MTE2', 0):.0f}%"))  # fmt: skip
+    default = _kernel("fuser", "SoftmaxTopK").default_tiling([x], attrs, machine)
+    fused_default = _time("fuser", "SoftmaxTopK", machine, [x], attrs)
+    unfused = _unfused_softmax_topk(machine, x, k)
+    _table(
+        f"4. Softmax+TopK, B={b} S={s} E={e} K={k} (renormalized), float32, on {machine.name}: "
+        "tile rows swept",
+        ("tile rows", "tiles", "vector cores", "tiles per core", "single-buffer us",
+         "double-buffer us", "double-buffer gain", "VECTOR util", "MTE2 util"),
+        rows,
+    )  # fmt: skip
+    OUT.print(
+        f"default tiling {default}: {fused_default.us:.2f} us; unfused Softmax, TopK, ReduceSum, "
+        f"Div: {unfused.us:.2f} us, {unfused.launches} launches, GM {unfused.gm_bytes:,} B vs "
+        f"fused {fused_default.gm_bytes:,} B"
+    )
+    OUT.print(_explain_sweep(curve, machine, points))
+
+
+def _unfused_softmax_topk(machine: Machine, x: TensorMeta, k: int) -> RunStats:
+    probs = _time("", "Softmax", machine, [x], {"axis": -1})
+    top = _time("", "TopK", machine, [x, np.array([k], np.int64)], {"axis": -1})
+    v = TensorMeta((*x.shape[:-1], k), x.dtype)
+    total = _time("", "ReduceSum", machine, [v, np.array([-1], np.int64)], {"keepdims": 1})
+    div = _time("", "Div", machine, [v, TensorMeta((*x.shape[:-1], 1), x.dtype)], {})
+    return sequence([probs, top, total, div])
+
+
+def _explain_sweep(
+    curve: dict[int, tuple[float, float, int, int]], machine: Machine, points: int
+) -> str:
+    """A few sentences read off the simulated curve (nothing here is assumed)."""
+    best = min(curve, key=lambda t: curve[t][1])
+    t_lo, t_hi = min(curve), max(curve)
+    lo, hi, at = curve[t_lo], curve[t_hi], curve[best]
+    full = [t for t in curve if curve[t][2] == machine.vector_cores]
+    last_full = max(full) if full else t_lo
+    parts = [
+        f"Why the curve has this shape: at {t_lo} row per tile each of the {lo[2]} vector cores "
+        f"walks {lo[3]} tiles, and every tile pays fixed costs (the copy-in and copy-out heads, "
+        f"the b term of each vector instruction, the top-k selection rounds) for only "
+        f"{t_lo * 64 * 4} bytes of work: {lo[1]:.2f} us.",
+        f"Larger tiles amortize those fixed costs; the minimum is at {best} rows "
+        f"({at[1]:.2f} us, {at[2]} cores x {at[3]} tiles).",
+    ]
+    if last_full < t_hi:
+        parts.append(
+            f"Beyond {last_full} rows there are fewer tiles ({math.ceil(points / t_hi)} at "
+            f"{t_hi} rows) than the {machine.vector_cores} vector cores, so cores sit idle: "
+            f"{hi[1]:.2f} us at {t_hi} rows ({hi[2]} cores)."
+        )
+    steps = [t for t in curve if t > 1 and curve[t][3] < curve[t - 1][3]]
+    if steps:
+        parts.append(
+            "The curve is a staircase in between: the time drops where the number of tiles per "
+            f"core (the tail) drops, e.g. at {', '.join(str(t) for t in steps[:6])} rows."
+        )
+    gain = [100 * (curve[t][0] / curve[t][1] - 1) for t in curve]
+    parts.append(
+        f"Double buffering changes the time by {min(gain):+.0f}% to {max(gain):+.0f}% over the "
+        "sweep (it helps only where copy-in and vector work are comparable per tile)."
+    )
+    parts.append(
+        "The article's table (1500/450/280/310/350 us at 1/4/8/16/32) has its optimum at 8 with "
+        "1024 blocks at 1 row; here cores are 48 and a block is a tile, so compare the shape, "
+        "not the microseconds (npu-model.md, cautions)."
+    )
+    return "\n".join(parts)
+
+
+# -- 5. AllGather + MatMul ---------------------------------------------------------------------
+
+
+def print_allgather_matmul(machine: Machine) -> None:
+    # Sequence parallel -> column-parallel Linear: gather 2048 tokens of hidden 4096 along the
+    # sequence; each rank holds 4096 / p columns of W (so its matmul shrinks as p grows).
+    tokens, hidden, n_total, dtype = 2048, 4096, 4096, F16
+    rows = []
+    for p in (2, 4, 8):
+        shard = (1, tokens // p, hidden)
+        stacked = TensorMeta((p, *shard), dtype)
+        w = TensorMeta((hidden, n_total // p), dtype)
+        gather_attrs = {"group_size": p, "axis": 1}
+        ag = _time("com.microsoft", "AllGather", machine, [stacked], gather_attrs)
+        mm = _time("", "MatMul", machine, [TensorMeta((1, tokens, hidden), dtype), w], {})
+        fused = _time("fuser", "AllGatherMatMul", machine, [stacked, w, None],
+                      {**gather_attrs, "rank": 0})  # fmt: skip
+        unfused = ag.us + mm.us
+        hidden_share = (unfused - fused.us) / ag.us if ag.us else 0.0
+        bound = max(ag.us, mm.us)
+        rows.append((str(p), _mb(math.prod(shard) * dtype.itemsize), f"{ag.us:.1f}",
+                     f"{mm.us:.1f}", f"{unfused:.1f}", f"{fused.us:.1f}",
+                     f"{unfused / fused.us:.2f}x", f"{100 * ag.us / unfused:.0f}%",
+                     f"{100 * hidden_share:.0f}%", f"{bound:.1f}"))  # fmt: skip
+    _table(
+        f"5. AllGather+MatMul, {tokens} tokens x {hidden} gathered along the sequence, "
+        f"W [{hidden}, {n_total}/p] per rank, {dtype.name}, on {machine.name}",
+        ("ranks", "shard MB", "AllGather us", "MatMul us", "unfused us", "fused us", "speedup",
+         "comm share unfused", "comm hidden", "lower bound us"),
+        rows,
+    )  # fmt: skip
+    OUT.print(
+        "comm hidden = (unfused - fused) / AllGather time: the share of the link time the fused "
+        "kernel overlaps with the Cube. lower bound = max(AllGather, MatMul): fused can be at "
+        "most 2x faster (npu-model.md)."
+    )
+
+
+# -- 6. simulation speed -----------------------------------------------------------------------
 
 
 def _best_of(fn: Callable[[], object], repeat: int = 3) -> float:
@@ -135,54 +421,86 @@ def _best_of(fn: Callable[[], object], repeat: int = 3) -> float:
     return best
 
 
-def print_simulation_cost(dtype: np.dtype, machine: Machine) -> None:
-    """Wall time of a functional ConvBnRelu run over its numpy reference (same inputs)."""
-    try:
-        from fuser.patterns.conv_bn_relu import reference
-    except ImportError as e:  # the pattern lives in another part of the product
-        print(f"\n(simulation cost skipped: no ConvBnRelu reference: {e})")
-        return
-    print(f"\n## Cost of a functional ConvBnRelu run vs its numpy reference ({dtype.name})\n")
+def _cost_cases(rng: np.random.Generator) -> list[tuple[str, str, list[Any], dict[str, Any]]]:
+    def normal(*shape: int, dtype: np.dtype = F16) -> np.ndarray:
+        return rng.standard_normal(shape).astype(dtype)
+
+    def bn(c: int) -> list[np.ndarray]:
+        return [rng.uniform(0.5, 1.5, c).astype(F16), normal(c), normal(c),
+                rng.uniform(0.5, 2.0, c).astype(F16)]  # fmt: skip
+
+    cases: list[tuple[str, str, list[Any], dict[str, Any]]] = []
+    for layer in (RESNET50[0], RESNET50[5], RESNET50[8]):
+        x, w = normal(1, layer.c, layer.hw, layer.hw), normal(layer.cout, layer.c, layer.k, layer.k)
+        cases.append(("ConvBnRelu", layer.name, [x, w, None, *bn(layer.cout)],
+                      {**layer.attrs(), "relu": 1}))  # fmt: skip
+    cases += [
+        ("LayerNormMatMul", "X [1,512,768] W [768,3072]+b",
+         [normal(1, 512, 768), normal(768), normal(768), normal(768, 3072), normal(3072)],
+         {"has_bias": [1], "flatten": [0]}),
+        ("LayerNormMatMul", "X [4,128,1024] QKV 3x[1024,1024]+b",
+         [normal(4, 128, 1024), normal(1024), normal(1024),
+          *[a for _ in range(3) for a in (normal(1024, 1024), normal(1024))]],
+         {"has_bias": [1, 1, 1], "flatten": [0, 0, 0]}),
+        ("SoftmaxTopK", "[1,1024,64] k=2 renorm", [normal(1, 1024, 64, dtype=F32)],
+         {"k": 2, "renormalize": 1}),
+        ("SoftmaxTopK", "[4,2048,8] fp16 k=2", [normal(4, 2048, 8)], {"k": 2, "renormalize": 1}),
+        ("AllGatherMatMul", "4 ranks [1,256,1024] seq, W [1024,1024]",
+         [normal(4, 1, 256, 1024), normal(1024, 1024), normal(1024)],
+         {"group_size": 4, "axis": 1, "rank": 1}),
+        ("AllGatherMatMul", "8 ranks [512,128] hidden, W [1024,512]",
+         [normal(8, 512, 128), normal(1024, 512), None], {"group_size": 8, "axis": 1, "rank": 3}),
+    ]  # fmt: skip
+    return cases
+
+
+def print_simulation_cost(machine: Machine, repeat: int) -> None:
+    ensure_fused_ops_registered()
     rng = np.random.default_rng(0)
-    fused = _kernel("fuser", "ConvBnRelu")
     rows = []
-    for layer in RESNET50:
-        inputs = _random_inputs(layer, dtype, rng)
-        attrs = {**layer.attrs(), "epsilon": 1e-5, "relu": 1}
-        t_kernel = _best_of(lambda: fused.run(machine, inputs, attrs, timeline=False))  # noqa: B023
-        t_ref = _best_of(lambda: reference(inputs, attrs))  # noqa: B023
-        metas: Sequence[TensorMeta | None] = [None if a is None else TensorMeta.of(a)
-                                              for a in inputs]  # fmt: skip
+    for op_name, shape, inputs, attrs in _cost_cases(rng):
+        op = fusedop.get(op_name)
+        full = {a.name: a.default for a in op.attributes} | attrs
+        kernel = _kernel("fuser", op_name)
+        given = {k: v for k, v in full.items() if v is not None and v != []}
+        t_kernel = _best_of(lambda: kernel.run(machine, inputs, given, timeline=False), repeat)  # noqa: B023
+        t_ref = _best_of(lambda: op.reference(inputs, full), repeat)  # noqa: B023
+        metas = [None if a is None else TensorMeta.of(a) for a in inputs]
         t_timing = _best_of(
-            lambda: fused.run(machine, metas, attrs, functional=False, timeline=False)  # noqa: B023
+            lambda: kernel.run(machine, metas, given, functional=False, timeline=False),  # noqa: B023
+            repeat,
         )
-        rows.append((layer.name, f"{t_kernel * 1e3:.1f}", f"{t_ref * 1e3:.1f}",
-                     f"{t_kernel / t_ref:.2f}x", f"{t_timing * 1e3:.1f}",
-                     f"{60 / t_timing:,.0f}"))  # fmt: skip
-    _table(("layer", "functional ms", "reference ms", "ratio", "timing-only ms",
-            "timing runs/min"), rows)  # fmt: skip
-
-
-def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head))]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+        ratio = t_kernel / t_ref
+        rows.append((op_name, shape, f"{t_kernel * 1e3:.1f}", f"{t_ref * 1e3:.1f}",
+                     f"{ratio:.2f}x" + ("" if ratio <= 20 else "  OVER 20x"),
+                     f"{t_timing * 1e3:.1f}"))  # fmt: skip
+    _table(
+        "6. Cost of a functional kernel run vs the op's numpy reference (same inputs, best of "
+        f"{repeat}, BLAS threads {os.environ.get('OPENBLAS_NUM_THREADS')})",
+        ("fused op", "shape", "functional ms", "reference ms", "ratio (target <= 20x)",
+         "timing-only ms"),
+        rows,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--target", default="ascend910b", help="target name or JSON file")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1, help="batch of the ResNet-50 layers")
     ap.add_argument("--dtype", default="float16", choices=["float16", "float32"])
+    ap.add_argument("--quick", action="store_true", help="one repetition for wall times")
     ap.add_argument("--no-cost", action="store_true", help="skip the functional-run timing")
     args = ap.parse_args(argv)
     machine = load_target(args.target)
-    dtype = np.dtype(args.dtype)
-    print_conv_bn_relu_table(args.batch, dtype, machine)
+    start = time.perf_counter()
+    print_examples(machine, args.target)
+    print_layernorm_matmul(machine)
+    print_conv_bn_relu(args.batch, np.dtype(args.dtype), machine)
+    print_softmax_topk_sweep(machine)
+    print_allgather_matmul(machine)
     if not args.no_cost:
-        print_simulation_cost(dtype, machine)
+        print_simulation_cost(machine, 1 if args.quick else 3)
+    OUT.print(f"\n(benchmark wall time {time.perf_counter() - start:.0f} s)")
 
 
 if __name__ == "__main__":
