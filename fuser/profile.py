@@ -494,11 +494,15 @@ def _run_kernel(
     kernel: Kernel, node: onnx.NodeProto, inputs: list[Input], npu: Machine, timeline: bool
 ) -> tuple[RunStats, tuple[TensorMeta, ...]]:
     """The node's timing-only run and its output metas (for values shape inference missed)."""
-    from .kernels.api import meta_of
+    from .kernels.api import KernelError, meta_of
 
     call_inputs, attrs = _kernel_call(node, inputs)
     run = kernel.run(npu, call_inputs, attrs, functional=False, timeline=timeline)
-    return run.stats, kernel.infer([meta_of(x) for x in call_inputs], attrs)
+    try:
+        produced = kernel.infer([meta_of(x) for x in call_inputs], attrs)
+    except KernelError:  # e.g. TopK's k given as an input only `run` reads: shapes from onnx
+        produced = ()
+    return run.stats, produced
 
 
 # -- the model's timeline --------------------------------------------------------------------
