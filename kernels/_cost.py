@@ -1,0 +1,188 @@
+"""The tiling search: cost models by op type, the search over a kernel's tiling space, and the
+host-side tiling kernels use at run time when a node carries no tiling.
+
+    >>> from fuser.kernels.api import TensorMeta
+    >>> from fuser.kernels.npu.machine import load_target
+    >>> import numpy as np
+    >>> a, b = TensorMeta((512, 768), np.float16), TensorMeta((768, 768), np.float16)
+    >>> r = search("", "MatMul", [a, b], {}, load_target("ascend910b"))
+    >>> r.best.cycles <= r.runner_up.cycles
+    True
+
+Search: exhaustive when the space holds at most `EXHAUSTIVE_LIMIT` tilings (every space built
+by the `_cost_<family>` modules stays under it for the shapes of the models and articles; the
+spaces are already pruned at construction to aligned sizes, and deduplicated). Beyond it, a
+two-level search: first every distinct tile shape priced once (double-buffered, all cores),
+then every variant (buffering, cores) of the best `BEAM` shapes. The pricing is a few tens of
+microseconds per tiling, so a search takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from . import _cost_allgather, _cost_conv, _cost_gemm, _cost_lnmm, _cost_rows
+from ._cost_base import CostModel
+from .api import Kernel, TensorMeta, Tiling, TilingError
+from .npu.machine import Machine
+
+EXHAUSTIVE_LIMIT = 4096
+BEAM = 32
+
+
+@cache
+def models() -> Mapping[tuple[str, str], CostModel]:
+    """Every cost model keyed by (domain, op_type)."""
+    found: dict[tuple[str, str], CostModel] = {}
+    for module in (_cost_gemm, _cost_conv, _cost_rows, _cost_lnmm, _cost_allgather):
+        for m in module.MODELS:
+            found[(m.domain, m.op_type)] = m
+    return MappingProxyType(found)
+
+
+def model_for(domain: str, op_type: str) -> CostModel | None:
+    """The cost model of (domain, op_type), or None."""
+    return models().get(("" if domain == "ai.onnx" else domain, op_type))
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A tiling and its predicted cycles."""
+
+    tiling: Tiling
+    cycles: float
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best tiling, the runner-up, and every candidate priced (cheapest first)."""
+
+    best: Priced
+    runner_up: Priced | None
+    candidates: tuple[Priced, ...]
+    space_size: int
+    exhaustive: bool
+
+
+def search(
+    domain: str,
+    op_type: str,
+    metas: Sequence[TensorMeta | None],
+    attrs: Mapping[str, Any],
+    machine: Machine,
+) -> SearchResult:
+    """Price the tiling space of the op's kernel; `TilingError` if nothing fits."""
+    model = model_for(domain, op_type)
+    if model is None:
+        raise TilingError(f"{op_type}: no cost model")
+    space = model.space(metas, attrs, machine)
+    if not space:
+        raise TilingError(f"{op_type}: no tiling fits {machine.name}")
+    exhaustive = len(space) <= EXHAUSTIVE_LIMIT
+    if exhaustive:
+        priced = [Priced(t, model.cost(metas, attrs, t, machine)) for t in space]
+    else:
+        priced = _beam(model, space, metas, attrs, machine)
+    # Ties (equal predictions): the earlier candidate of the space wins (a stable sort).
+    priced.sort(key=lambda p: p.cycles)
+    return SearchResult(
+        priced[0], priced[1] if len(priced) > 1 else None, tuple(priced), len(space), exhaustive
+    )
+
+
+def _shape_key(t: Tiling) -> Hashable:
+    return tuple(
+        getattr(t, f.name)
+        for f in dataclasses.fields(t)
+        if f.name not in ("double_buffer", "cores")
+    )
+
+
+def _beam(
+    model: CostModel,
+    space: list[Tiling],
+    metas: Sequence[TensorMeta | None],
+    attrs: Mapping[str, Any],
+    machine: Machine,
+) -> list[Priced]:
+    groups: dict[Hashable, list[Tiling]] = {}
+    for t in space:
+        groups.setdefault(_shape_key(t), []).append(t)
+    heads = [Priced(g[0], model.cost(metas, attrs, g[0], machine)) for g in groups.values()]
+    heads.sort(key=lambda p: p.cycles)
+    out: list[Priced] = []
+    for h in heads[:BEAM]:
+        out.extend(
+            Priced(t, model.cost(metas, attrs, t, machine)) for t in groups[_shape_key(h.tiling)]
+        )
+    return out
+
+
+def _freeze(value: Any) -> Hashable:
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return tuple(value.tolist())
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def host_tiling(
+    kernel: Kernel,
+    metas: Sequence[TensorMeta | None],
+    attrs: Mapping[str, Any],
+    machine: Machine,
+) -> Tiling:
+    """The run-time tiling of a node without `tile_*` attributes: the search's best where the
+    op has a cost model (the same model `fuse` uses), else the kernel's `default_tiling`."""
+    if model_for(kernel.domain, kernel.op_type) is None:
+        return kernel.default_tiling(metas, attrs, machine)
+    key = (
+        kernel.domain,
+        kernel.op_type,
+        tuple(None if m is None else (m.shape, m.dtype.str) for m in metas),
+        _freeze(dict(attrs)),
+        machine,
+    )
+    try:
+        return _host_tiling_cached(key, tuple(metas), machine)
+    except TypeError:  # an unhashable attribute: search without the memo
+        return search(kernel.domain, kernel.op_type, metas, attrs, machine).best.tiling
+
+
+_MEMO: dict[Hashable, Tiling] = {}
+
+
+def _host_tiling_cached(
+    key: tuple[Any, ...], metas: tuple[TensorMeta | None, ...], machine: Machine
+) -> Tiling:
+    hash(key)
+    hit = _MEMO.get(key)
+    if hit is None:
+        domain, op_type, _, frozen, _ = key
+        attrs = dict(frozen)
+        hit = search(domain, op_type, metas, _thaw(attrs), machine).best.tiling
+        if len(_MEMO) > 4096:
+            _MEMO.clear()
+        _MEMO[key] = hit
+    return hit
+
+
+def _thaw(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
+
+
+def roofline_floor(flops: float, gm_bytes: float, machine: Machine, dtype: np.dtype) -> float:
+    """Cycles no tiling can beat: max(Cube FLOPs / peak, compulsory GM bytes / HBM bandwidth)."""
+    k0 = machine.cube_k_block(dtype)
+    peak = 2 * machine.cube_m * machine.cube_n * k0 * machine.cube_cores  # FLOPs per cycle
+    return max(flops / peak, gm_bytes / machine.hbm_bytes_per_cycle) if peak else math.inf

@@ -1,0 +1,154 @@
+"""Cost model of `AllGatherMatMul`: the matmul of each shard overlapped with the ring gather.
+
+Per core, per output tile: the K panels of A and W are copied into L1 (MTE2), loaded into
+L0A/L0B in `tile_k0` steps (MTE1) and multiplied (Cube); FixPipe writes the tile (per shard for
+a leading-axis gather, once after the last shard for a K gather). Shard j can be worked on only
+once ring step j has landed (`_link.ring_arrivals`), so a core's makespan is
+`max over j of (arrival_j + the work of shards j..p-1)` plus one step's fill/drain: that is
+npu-model.md's `T_mm(m/p) + sum over p-1 steps of max(T_mm(m/p), alpha + S/beta)` written for
+uneven steps. For a K gather with more output tiles than `acc_tiles` L0C slots, later passes
+find every shard landed and cost their work alone.
+
+Space: tile_m, tile_n on 16-multiples {16 .. 256}, tile_k in {128 .. 1024} and tile_k0 in
+{32 .. 256} on k0 multiples, acc_tiles in {1, 2, 4, 8} (K gather; 1 or 2 for M), single or
+double buffering, all / half / a quarter of the cube cores, filtered by the kernel's buffer specs
+and deduplicated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._cost_base import (
+    Stream,
+    aligned_sizes,
+    core_counts,
+    cube_blocks,
+    dma,
+    dma_out,
+    fitting,
+    kernel_cycles,
+)
+from ._link import ring_arrivals
+from .allgather_matmul import AllGatherMatMulTiling, _effective, _Problem, _problem, _specs
+from .api import TensorMeta, Tiling
+from .npu.machine import Machine
+
+OP = "AllGatherMatMul"
+
+
+def agmm_cycles(machine: Machine, p: _Problem, t: AllGatherMatMulTiling) -> float:
+    """Predicted cycles of `t` (see the module docstring)."""
+    tm, tn, tk, tk0 = _effective(p, t)
+    isz = p.dtype.itemsize
+    cores = max(1, min(t.cores, machine.cube_cores))
+    k0 = machine.cube_k_block(p.dtype)
+    tiles = math.ceil(p.m / tm) * math.ceil(p.n / tn)
+    shards = p.g.group_size
+    db = bool(t.double_buffer)
+    tile = Stream()
+    for kk, count in _chunks(p.ks, tk):
+        steps = _chunks(kk, tk0)
+        mte1 = sum(
+            c * (2 * machine.l1_to_l0_startup_cycles
+                 + tm * s * isz / machine.l1_to_l0a_bytes_per_cycle
+                 + s * tn * isz / machine.l1_to_l0b_bytes_per_cycle)
+            for s, c in steps
+        )  # fmt: skip
+        cube = sum(c * cube_blocks(tm, s, tn, k0) for s, c in steps)
+        mte2 = dma(machine, tm * kk * isz, cores) + dma(machine, kk * tn * isz, cores)
+        tile.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count)
+    fix = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
+    arrivals = [0.0] + [end for _, end in ring_arrivals(machine, shards, p.g.shard_bytes)]
+
+    def pace(s: Stream) -> float:
+        return max(s.busy.values()) if db else s.serial
+
+    fill = (tile.first.total - tile.first.slowest) if (db and tile.first) else 0.0
+    if not p.k_gather:
+        # Rotation evens the tails out over the shards.
+        per_shard = math.ceil(tiles * shards / cores) / shards
+        w = per_shard * (pace(tile) + (fix if not db else 0.0))
+        fix_total = per_shard * shards * fix if db else 0.0
+        core = max(a + (shards - j) * w for j, a in enumerate(arrivals))
+        core = max(core, fix_total) + fill + (fix if db else 0.0)
+    else:
+        mine = math.ceil(tiles / cores)
+        batch = min(mine, t.acc_tiles)
+        passes = math.ceil(mine / batch)
+        w = batch * pace(tile)
+        first = max(a + (shards - j) * w for j, a in enumerate(arrivals))
+        core = first + (passes - 1) * shards * w + mine * fix + fill
+    gm = isz * (shards * p.m * p.ks + p.ks * (shards if p.k_gather else 1) * p.n
+                + p.m * p.n * (1 if p.k_gather else shards))  # fmt: skip
+    return kernel_cycles(machine, core, gm)
+
+
+def _chunks(total: int, step: int) -> list[tuple[int, int]]:
+    full, tail = divmod(total, step)
+    out = [(step, full)] if full else []
+    if tail:
+        out.append((tail, 1))
+    return out
+
+
+def agmm_space(machine: Machine, p: _Problem) -> list[AllGatherMatMulTiling]:
+    """Fitting tilings (see the module docstring)."""
+    k0 = machine.cube_k_block(p.dtype)
+    ms = aligned_sizes(p.m, machine.cube_m, (16, 32, 64, 128, 256))
+    ns = aligned_sizes(p.n, machine.cube_n, (16, 32, 64, 128, 256))
+    ks = aligned_sizes(p.ks, k0, (128, 256, 512, 1024))
+    k0s = aligned_sizes(p.ks, k0, (32, 64, 128, 256))
+    accs = (1, 2, 4, 8) if p.k_gather else (1, 2)
+    seen: set[tuple[int, ...]] = set()
+    out: list[AllGatherMatMulTiling] = []
+    for tm, tn, tk, tk0, acc, db, cores in itertools.product(
+        ms, ns, ks, k0s, accs, (1, 0), core_counts(machine.cube_cores)
+    ):
+        if tk0 > tk:
+            continue
+        t = AllGatherMatMulTiling(tm, tn, tk, tk0, acc, db, cores)
+        eff = _effective(p, t)
+        tiles = math.ceil(p.m / eff[0]) * math.ceil(p.n / eff[1])
+        per_core = math.ceil(tiles / min(cores, machine.cube_cores))
+        key = (*eff, min(acc, per_core) if p.k_gather else min(acc, 2), db, cores)
+        if key in seen or not fitting(machine, _specs(p, t)):
+            continue
+        seen.add(key)
+        out.append(t)
+    return out
+
+
+class _AgmmModel:
+    domain = "fuser"
+    op_type = OP
+
+    def space(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> list[Tiling]:
+        return list(agmm_space(machine, _problem(OP, metas, attrs, machine)))
+
+    def cost(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        machine: Machine,
+    ) -> float:
+        assert isinstance(tiling, AllGatherMatMulTiling)
+        return agmm_cycles(machine, _problem(OP, metas, attrs, machine), tiling)
+
+    def rule_of_thumb(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> Tiling | None:
+        """The MatMul rule: 128 x 128 output tiles, tile_k 256, L0 steps of 128, two L0C
+        accumulators, double-buffered on every core."""
+        p = _problem(OP, metas, attrs, machine)
+        t = AllGatherMatMulTiling(128, 128, 256, 128, 2, 1, machine.cube_cores)
+        return t if fitting(machine, _specs(p, t)) else None
+
+
+MODELS = (_AgmmModel(),)

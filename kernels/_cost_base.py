@@ -1,0 +1,154 @@
+"""Shared pieces of the analytical cost models (`_cost_<family>` modules, indexed by `_cost`).
+
+A cost model prices one tiling of one kernel on a target without running the simulator, with
+`shared/docs/npu-model.md`'s formulas:
+
+- a stage on a pipe is `head + bytes / bandwidth` (DMA), `start-up + bytes / bandwidth` (MTE1),
+  `ceil(m/16) * ceil(k/k0) * ceil(n/16)` (Cube) or `k * N + b` per vector instruction;
+- a core walks its share of the work as a stream of steps (a K chunk, a row tile). With double
+  buffering the pipes overlap: `fill + (n - 1) x slowest stage + drain`, written here as the
+  busiest pipe's total plus one step's latency through the other pipes; single-buffered, the
+  stages of a step run one after the other, so the step costs the sum of its stages;
+- the kernel is `launch + max(slowest core, compulsory GM bytes / HBM bandwidth)`, the slowest
+  core holding `ceil(items / cores)` items (the tail effect), each core's DMA running at its
+  share of HBM (`Machine.dma_bytes_per_cycle`).
+
+These modules only read the kernels' tiling types and buffer specs: they never change what a
+kernel does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ._budget import QueueSpec, fits
+from .api import TensorMeta, Tiling
+from .npu.machine import Machine
+
+
+class CostModel(Protocol):
+    """The tiling space and analytical cost of one kernel (one op type)."""
+
+    domain: str
+    op_type: str
+
+    def space(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> list[Tiling]:
+        """Legal tilings on hardware-aligned steps, filtered by buffer capacities, deduplicated
+        (two tilings the kernel would run identically appear once)."""
+        ...
+
+    def cost(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        machine: Machine,
+    ) -> float:
+        """Predicted kernel cycles of `tiling` (launch included)."""
+        ...
+
+    def rule_of_thumb(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> Tiling | None:
+        """The articles' rule-of-thumb tiling for this kernel (a baseline), or None."""
+        ...
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Busy cycles per pipe of one step (e.g. one K chunk of one output block)."""
+
+    pipes: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        """The step's stages one after the other (single buffering)."""
+        return sum(self.pipes.values())
+
+    @property
+    def slowest(self) -> float:
+        """The step's slowest stage (the pace when double-buffered)."""
+        return max(self.pipes.values(), default=0.0)
+
+
+class Stream:
+    """One core's work as a stream of steps: per-pipe busy totals and the step latencies."""
+
+    def __init__(self) -> None:
+        self.busy: dict[str, float] = {}
+        self.serial = 0.0  # sum over steps of each step's summed stages
+        self.first: Stage | None = None
+        self.steps = 0
+
+    def add(self, pipes: Mapping[str, float], count: float = 1.0) -> None:
+        """`count` steps of the given per-pipe cycles."""
+        if count <= 0:
+            return
+        for p, c in pipes.items():
+            self.busy[p] = self.busy.get(p, 0.0) + c * count
+        self.serial += sum(pipes.values()) * count
+        if self.first is None or sum(pipes.values()) > self.first.total:
+            self.first = Stage(dict(pipes))
+        self.steps += math.ceil(count)
+
+    def time(self, double_buffer: bool) -> float:
+        """Makespan of the stream: pipelined (fill + busiest pipe + drain) or summed."""
+        if not self.busy:
+            return 0.0
+        if not double_buffer:
+            return self.serial
+        first = self.first or Stage()
+        return max(self.busy.values()) + first.total - first.slowest
+
+
+def kernel_cycles(machine: Machine, core_cycles: float, gm_bytes: float) -> float:
+    """Launch + the slowest core, never below the compulsory GM traffic over HBM bandwidth."""
+    return machine.kernel_launch_cycles + max(core_cycles, gm_bytes / machine.hbm_bytes_per_cycle)
+
+
+def dma(machine: Machine, nbytes: float, active: int) -> float:
+    """One GM -> core copy: fitted head + bytes at the core's share of HBM."""
+    if nbytes <= 0:
+        return 0.0
+    return machine.copy_in_head(int(nbytes), active) + nbytes / machine.dma_bytes_per_cycle(active)
+
+
+def dma_out(machine: Machine, nbytes: float, active: int, cap: float | None = None) -> float:
+    """One core -> GM copy (MTE3, or FixPipe with its own bandwidth `cap`)."""
+    bw = machine.dma_bytes_per_cycle(active)
+    if cap is not None:
+        bw = min(bw, cap)
+    return machine.copy_out_head_cycles + nbytes / bw
+
+
+def cube_blocks(m: int, k: int, n: int, k0: int) -> float:
+    """Cube cycles of one m x k x n multiply (blocks of 16 x k0 x 16)."""
+    return float(-(-m // 16) * -(-k // k0) * -(-n // 16))
+
+
+def round_up(x: int, m: int) -> int:
+    """x rounded up to a multiple of m."""
+    return -(-x // m) * m
+
+
+def aligned_sizes(limit: int, step: int, options: Iterable[int]) -> list[int]:
+    """Tile sizes on `step` multiples from `options`, capped at `limit` rounded up to `step`
+    (sizes past the problem collapse into that one)."""
+    top = round_up(max(1, limit), step)
+    return sorted({min(top, round_up(o, step)) for o in options if o > 0})
+
+
+def core_counts(total: int) -> list[int]:
+    """Cores a tiling may use: all, half, a quarter (fewer cores each get more HBM and pay
+    smaller DMA heads, which can win on memory-bound shapes)."""
+    return sorted({total, max(1, total // 2), max(1, total // 4)}, reverse=True)
+
+
+def fitting(machine: Machine, specs: Sequence[QueueSpec]) -> bool:
+    """True when the queues fit every buffer (counting both slots when double-buffered)."""
+    return fits(machine, specs)

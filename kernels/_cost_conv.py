@@ -1,0 +1,167 @@
+"""Cost model of the implicit-GEMM convolutions: `ConvBnRelu` (fused) and ONNX `Conv`.
+
+Refines `_conv_tiling.estimate_cycles` (the kernel's own first-order estimate) into the stream
+form of `_cost_base`, following the kernel's program step by step: per output block of
+`tile_h` x `tile_w` pixels x `tile_co` channels, per K chunk of `tile_ci` channels one input
+copy (halo rows included, clipped to the image) and one weight copy (skipped when a single
+chunk holds all of the block's weights and the previous block had the same channels), per
+kernel tap two MTE1 loads and one Cube multiply; FixPipe writes the block; per channel block
+the parameters are copied (and BN folded on the scalar unit). The slowest core holds
+`ceil(blocks / cores)` blocks.
+
+Space: tile_co on 16-multiples {16 .. 256}, tile_ci on k0 (32-byte) multiples {16 .. 256},
+tile_w in {8, 16, 32, 64, Wo}, tile_h in {1, 2, 4, 8, 16, 32, the most that fit}, single or
+double buffering, all / half / a quarter of the cube cores, filtered by the kernel's buffer
+specs and deduplicated by the effective (clipped) sizes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._conv_geometry import ConvGeometry
+from ._conv_tiling import ConvTiling, conv_specs, effective, n_items
+from ._cost_base import (
+    Stream,
+    aligned_sizes,
+    core_counts,
+    cube_blocks,
+    dma,
+    dma_out,
+    fitting,
+    kernel_cycles,
+)
+from .api import TensorMeta, Tiling
+from .conv_bn_relu import _ConvKernel
+from .npu.machine import Machine
+from .registry import get_kernel
+
+
+def conv_cycles(
+    machine: Machine, g: ConvGeometry, dtype: np.dtype, has_b: bool, has_bn: bool, t: ConvTiling
+) -> float:
+    """Predicted cycles of `t` (see the module docstring)."""
+    th, tw, co, ci = effective(g, t)
+    isz = dtype.itemsize
+    items = n_items(g, t)
+    cores = max(1, min(t.cores, items))
+    per_core = math.ceil(items / cores)
+    k0 = machine.cube_k_block(dtype)
+    lo, hi = g.channel_range(0, co)
+    width = hi - lo
+    rows, cols = g.halo(th, tw)
+    m = th * tw
+    x_rows, x_cols = min(rows, g.h), min(cols, g.w)
+    per_block = g.n * math.ceil(g.ho / th) * math.ceil(g.wo / tw)
+    # Channel blocks a core meets: its contiguous share crosses block boundaries.
+    co_changes = min(per_core, math.ceil(per_core / per_block) + (per_core % per_block != 0))
+    s = Stream()
+    single = width <= ci
+    for cc, count in ((ci, width // ci), (width % ci, 1)):
+        if cc <= 0 or count <= 0:
+            continue
+        x_bytes = cc * x_rows * x_cols * isz
+        w_bytes = co * cc * g.taps * isz
+        mte1 = g.taps * (
+            2 * machine.l1_to_l0_startup_cycles + m * cc * isz / machine.l1_to_l0a_bytes_per_cycle
+            + cc * co * isz / machine.l1_to_l0b_bytes_per_cycle
+        )  # fmt: skip
+        cube = g.taps * cube_blocks(m, cc, co, k0)
+        s.add({"MTE2": dma(machine, x_bytes, cores), "MTE1": mte1, "CUBE": cube}, count * per_core)
+        w_copies = co_changes if single else count * per_core
+        s.add({"MTE2": dma(machine, w_bytes, cores)}, w_copies)
+    s.add({"FIXP": dma_out(machine, m * co * isz, cores, machine.l0c_to_gm_bytes_per_cycle)},
+          per_core)  # fmt: skip
+    if has_b or has_bn:
+        pipes = {"MTE2": dma(machine, (5 if has_bn else 1) * co * isz, cores)}
+        if has_bn:
+            pipes["SCALAR"] = 4 * co * machine.scalar_op_cycles
+        s.add(pipes, co_changes)
+    gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
+    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
+
+
+def conv_space(
+    machine: Machine, g: ConvGeometry, dtype: np.dtype, has_params: bool
+) -> list[ConvTiling]:
+    """Fitting tilings on aligned steps (see the module docstring)."""
+    k0 = machine.cube_k_block(dtype)
+    cos = aligned_sizes(g.cout, machine.cube_n, (16, 32, 64, 128, 256))
+    tws = sorted({min(g.wo, w) for w in (8, 16, 32, 64)} | {g.wo})
+    seen: set[tuple[int, ...]] = set()
+    out: list[ConvTiling] = []
+    for co in cos:
+        lo, hi = g.channel_range(0, min(co, g.cout))
+        cis = aligned_sizes(hi - lo, k0, (16, 32, 64, 128, 256))
+        for ci, tw in itertools.product(cis, tws):
+            m_max = max(1, machine.l0a_bytes // max(1, ci * dtype.itemsize))
+            ths = {min(g.ho, h) for h in (1, 2, 4, 8, 16, 32)} | {max(1, min(g.ho, m_max // tw))}
+            for th, db, cores in itertools.product(
+                sorted(ths), (1, 0), core_counts(machine.cube_cores)
+            ):
+                t = ConvTiling(th, tw, co, ci, db, cores)
+                key = (*effective(g, t), db, min(cores, n_items(g, t)))
+                if key in seen or not fitting(machine, conv_specs(g, dtype, has_params, t)):
+                    continue
+                seen.add(key)
+                out.append(t)
+    return out
+
+
+class _ConvModel:
+    def __init__(self, domain: str, op_type: str) -> None:
+        self.domain = domain
+        self.op_type = op_type
+
+    def _setup(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> tuple[ConvGeometry, np.dtype, bool, bool]:
+        k = get_kernel(self.domain, self.op_type)
+        assert isinstance(k, _ConvKernel)
+        g, x, has_b, has_bn = k._geometry(metas, attrs)
+        return g, x.dtype, has_b, has_bn
+
+    def space(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> list[Tiling]:
+        g, dtype, has_b, has_bn = self._setup(metas, attrs)
+        return list(conv_space(machine, g, dtype, has_b or has_bn))
+
+    def cost(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        machine: Machine,
+    ) -> float:
+        assert isinstance(tiling, ConvTiling)
+        g, dtype, has_b, has_bn = self._setup(metas, attrs)
+        return conv_cycles(machine, g, dtype, has_b, has_bn, tiling)
+
+    def rule_of_thumb(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> Tiling | None:
+        """The MatMul rule carried to the implicit GEMM: a 128-pixel x 128-channel block
+        (tile_w up to 16, rows to fill 128 pixels), K chunks of 128 channels, double-buffered;
+        halved until it fits."""
+        g, dtype, has_b, has_bn = self._setup(metas, attrs)
+        tw = min(g.wo, 16)
+        t = ConvTiling(max(1, 128 // tw), tw, 128, 128, 1, machine.cube_cores)
+        while not fitting(machine, conv_specs(g, dtype, has_b or has_bn, t)):
+            if t.tile_ci > 16:
+                t = ConvTiling(t.tile_h, t.tile_w, t.tile_co, t.tile_ci // 2, 1, t.cores)
+            elif t.tile_h > 1:
+                t = ConvTiling(t.tile_h // 2, t.tile_w, t.tile_co, t.tile_ci, 1, t.cores)
+            elif t.tile_co > 16:
+                t = ConvTiling(t.tile_h, t.tile_w, t.tile_co // 2, t.tile_ci, 1, t.cores)
+            else:
+                return None
+        return t
+
+
+MODELS = (_ConvModel("", "Conv"), _ConvModel("fuser", "ConvBnRelu"))

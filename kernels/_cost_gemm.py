@@ -1,0 +1,138 @@
+"""Cost model of the Cube GEMM kernels: ONNX `MatMul` and `Gemm` (`matmul.py`).
+
+A work item is one `tile_m` x `tile_n` output block; per `tile_k` chunk of K the A and B panels
+are copied into L1 (two MTE2 copies, each with its head), per `tile_k0` step both go to
+L0A/L0B (MTE1) and the Cube accumulates; FixPipe writes the block once. The slowest core holds
+`ceil(blocks / cores)` blocks. The space: tile_m, tile_n on 16-multiples in {16 .. 256}, tile_k
+in {64 .. 1024} and tile_k0 in {32 .. 256} on k0 (32-byte) multiples, single or double
+buffering, all / half / a quarter of the cube cores; filtered by the kernel's own buffer specs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._cost_base import (
+    Stream,
+    aligned_sizes,
+    core_counts,
+    cube_blocks,
+    dma,
+    dma_out,
+    fitting,
+    kernel_cycles,
+)
+from .api import TensorMeta, Tiling
+from .matmul import GemmProblem, MatMulTiling, _CubeGemm
+from .npu.machine import Machine
+from .registry import get_kernel
+
+
+def gemm_cycles(machine: Machine, p: GemmProblem, t: MatMulTiling, gm_extra: float = 0.0) -> float:
+    """Predicted cycles of `t` on problem `p` (see the module docstring)."""
+    isz = p.dtype.itemsize
+    tm, tn = min(t.tile_m, p.m), min(t.tile_n, p.n)
+    tk = min(t.tile_k, p.k)
+    tk0 = min(t.tile_k0, tk)
+    items = p.batch_size * math.ceil(p.m / tm) * math.ceil(p.n / tn)
+    cores = max(1, min(t.cores, items))
+    per_core = math.ceil(items / cores)
+    k0 = machine.cube_k_block(p.dtype)
+    s = Stream()
+    for kk, count in _chunks(p.k, tk):
+        steps = list(_chunks(kk, tk0))
+        mte1 = sum(
+            c * (2 * machine.l1_to_l0_startup_cycles
+                 + tm * ss * isz / machine.l1_to_l0a_bytes_per_cycle
+                 + ss * tn * isz / machine.l1_to_l0b_bytes_per_cycle)
+            for ss, c in steps
+        )  # fmt: skip
+        cube = sum(c * cube_blocks(tm, ss, tn, k0) for ss, c in steps)
+        mte2 = dma(machine, tm * kk * isz, cores) + dma(machine, kk * tn * isz, cores)
+        s.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * per_core)
+    out = {"FIXP": dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)}
+    if p.has_c:
+        out["MTE2"] = dma(machine, tm * tn * isz, cores)
+    s.add(out, per_core)
+    gm = isz * p.batch_size * (p.m * p.k + p.k * p.n + p.m * p.n) + gm_extra
+    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
+
+
+def _chunks(total: int, step: int) -> list[tuple[int, int]]:
+    """(size, count) of the chunks of `total` in steps of `step`: the full ones and the tail."""
+    full, tail = divmod(total, step)
+    out = [(step, full)] if full else []
+    if tail:
+        out.append((tail, 1))
+    return out
+
+
+def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> list[MatMulTiling]:
+    """Fitting tilings on aligned steps, deduplicated by what the kernel would run."""
+    k0 = machine.cube_k_block(p.dtype)
+    ms = aligned_sizes(p.m, machine.cube_m, (16, 32, 64, 128, 256))
+    ns = aligned_sizes(p.n, machine.cube_n, (16, 32, 64, 128, 256))
+    ks = aligned_sizes(p.k, k0, (64, 128, 256, 512, 1024))
+    k0s = aligned_sizes(p.k, k0, (32, 64, 128, 256))
+    seen: set[tuple[int, ...]] = set()
+    out: list[MatMulTiling] = []
+    for tm, tn, tk, tk0, db, cores in itertools.product(
+        ms, ns, ks, k0s, (1, 0), core_counts(machine.cube_cores)
+    ):
+        if tk0 > tk:
+            continue
+        t = MatMulTiling(tm, tn, tk, tk0, db, cores)
+        items = p.batch_size * math.ceil(p.m / min(tm, p.m)) * math.ceil(p.n / min(tn, p.n))
+        key = (min(tm, p.m), min(tn, p.n), min(tk, p.k), min(tk0, tk, p.k), db,
+               min(cores, items))  # fmt: skip
+        if key in seen or not fitting(machine, kernel._specs(p, t)):
+            continue
+        seen.add(key)
+        out.append(t)
+    return out
+
+
+def gemm_rule_of_thumb(machine: Machine, p: GemmProblem) -> MatMulTiling:
+    """The articles' MatMul rule: tile_m = tile_n = 128 (within [64, 256]), tile_k = 256
+    (within [128, 512]), double-buffered on every core."""
+    return MatMulTiling(128, 128, 256, 128, 1, machine.cube_cores)
+
+
+class _GemmModel:
+    """MatMul / Gemm: the problem comes from the kernel itself."""
+
+    def __init__(self, op_type: str) -> None:
+        self.domain = ""
+        self.op_type = op_type
+
+    def _kernel(self) -> _CubeGemm:
+        k = get_kernel(self.domain, self.op_type)
+        assert isinstance(k, _CubeGemm)
+        return k
+
+    def space(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> list[Tiling]:
+        k = self._kernel()
+        return list(gemm_space(machine, k.problem(metas, attrs), k))
+
+    def cost(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        machine: Machine,
+    ) -> float:
+        assert isinstance(tiling, MatMulTiling)
+        return gemm_cycles(machine, self._kernel().problem(metas, attrs), tiling)
+
+    def rule_of_thumb(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> Tiling | None:
+        return gemm_rule_of_thumb(machine, self._kernel().problem(metas, attrs))
+
+
+MODELS = (_GemmModel("MatMul"), _GemmModel("Gemm"))

@@ -1,0 +1,215 @@
+"""Cost model of `LayerNormMatMul` (fused LayerNorm on the Vector unit, its Linears on the Cube).
+
+Follows the kernel's program (`layernorm_matmul`), per group of one cube core and its vector
+cores, per work item (a row block of `rows` matmul rows x one of `n_split` column parts):
+
+- vector cores, once per row block: per sub-block of `vec_rows` normalized rows (alternating
+  between the group's vector cores) copy X in, run the LayerNorm instructions, and hand the
+  rows to the Cube through the GM/L2 workspace (910B) at L2 rate;
+- cube core: the normalized block lands in L1 (`a_resident`), or `rows` x `tile_k` panels are
+  read from the workspace per W tile; per W tile (`tile_k` x `tile_n`) one copy, per `tile_k0`
+  step two MTE1 loads and a Cube multiply; FixPipe per output tile.
+
+The two sides overlap: the group takes the longer of (the first block's normalization + the
+cube's stream) and (all of its normalization + one block's matmuls). Each stream is pipelined
+or summed per `_cost_base.Stream`.
+
+Space: rows on lcm(16, D/K) multiples x {1, 2, 4, 8, 16}, n_split in {1, 2, 4, 8, 16, 24} (up to
+the 16-column blocks), tile_n on 16-multiples {64, 128, 256}, tile_k on k0 multiples
+{256, 512, 1024}, tile_k0 in {64, 128, 256}, vec_rows the most that fit UB (halved until they
+do), A resident or streamed, single or double buffering, all or half the cube cores. Filtered
+by the kernel's buffer specs and its own row-multiple rule, deduplicated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._cost_base import Stream, aligned_sizes, cube_blocks, dma, dma_out, fitting, kernel_cycles
+from ._groups import l2_bytes_per_cycle, vector_cores_per_group
+from ._lnmm import (
+    LayerNormMatMulTiling,
+    Problem,
+    effective,
+    n_blocks,
+    part_columns,
+    problem,
+    round_up,
+    specs,
+)
+from .api import TensorMeta, Tiling
+from .layernorm import layernorm_steps
+from .npu.machine import Machine
+
+
+def lnmm_cycles(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> float:
+    """Predicted cycles of `t` (see the module docstring)."""
+    tm, vr, tn, tk, tk0 = effective(p, t)
+    isz = p.dtype.itemsize
+    blocks = math.ceil(p.m / tm)
+    parts = min(t.n_split, n_blocks(p))
+    items = blocks * parts
+    groups = max(1, min(t.cores, machine.cube_cores, items))
+    per_group = math.ceil(items / groups)
+    # Row blocks a group meets (its share of the block-major item list).
+    row_blocks = min(per_group, math.ceil(per_group / parts) + (per_group % parts != 0))
+    vecs = vector_cores_per_group(machine)
+    separate = vecs > 0
+    vecs = max(1, vecs)
+    k0 = machine.cube_k_block(p.dtype)
+    l2 = l2_bytes_per_cycle(machine, groups)
+    d = p.ln.width
+
+    # Vector side: one row block's normalization, per vector core.
+    slices = tm // p.q
+    subs = math.ceil(slices / vr)
+    sub_bytes = vr * d * isz
+    active_vec = groups * vecs if separate else groups
+    vec_ops = 0.0
+    for step in layernorm_steps(p.ln):
+        for op in step.ops:
+            k, b = machine.vector_cost(op, step.dtype)
+            vec_ops += k * vr * step.per_row + b
+    hand = (
+        machine.copy_out_head_cycles + sub_bytes / l2_bytes_per_cycle(machine, active_vec)
+        if separate
+        else machine.l1_to_l0_startup_cycles + sub_bytes / machine.ub_to_l1_bytes_per_cycle
+    )
+    if p.emit_normalized:
+        hand += dma_out(machine, sub_bytes, active_vec)
+    vec_sub = {"MTE2": dma(machine, sub_bytes, active_vec), "VECTOR": vec_ops, "MTE3": hand}
+    subs_per_vec = math.ceil(subs / vecs)
+    v_block = Stream()
+    v_block.add(vec_sub, subs_per_vec)
+    v_all = Stream()
+    v_all.add(vec_sub, subs_per_vec * row_blocks)
+    db = bool(t.double_buffer)
+
+    # Cube side: one item's matmuls, then the whole share.
+    item = Stream()
+    if t.a_resident and separate:
+        item.add({"MTE2": dma_l2(machine, sub_bytes, groups, l2)}, subs / parts)
+    for lin in p.linears:
+        c0, c1 = part_columns(lin.n, 0, parts)
+        cols = max(1, c1 - c0)
+        n_tiles = math.ceil(cols / tn)
+        width = min(tn, cols)
+        for kk, count in _chunks(p.k, tk):
+            steps = _chunks(kk, tk0)
+            mte1 = sum(
+                c * (2 * machine.l1_to_l0_startup_cycles
+                     + tm * s * isz / machine.l1_to_l0a_bytes_per_cycle
+                     + s * width * isz / machine.l1_to_l0b_bytes_per_cycle)
+                for s, c in steps
+            )  # fmt: skip
+            cube = sum(c * cube_blocks(tm, s, width, k0) for s, c in steps)
+            mte2 = dma(machine, kk * width * isz, groups)
+            if not t.a_resident:
+                mte2 += dma_l2(machine, tm * kk * isz, groups, l2)
+            item.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * n_tiles)
+        fix = dma_out(machine, tm * width * isz, groups, machine.l0c_to_gm_bytes_per_cycle)
+        item.add({"FIXP": fix}, n_tiles)
+    share = Stream()
+    for p_, c in item.busy.items():
+        share.busy[p_] = c * per_group
+    share.serial = item.serial * per_group
+    share.first = item.first
+    one_item = item.time(db)
+    first_block = v_block.time(db)
+    group_time = max(first_block + share.time(db), v_all.time(db) + one_item)
+    if not db:
+        # Single-buffered: a row block's normalization waits for the previous block's last
+        # matmul to release the L1 block (resident) or its UB slots.
+        group_time = max(group_time, row_blocks * first_block + share.time(db))
+    n_total = sum(lin.n for lin in p.linears)
+    gm = isz * (p.ln.rows * d + p.k * n_total * blocks + p.m * n_total)
+    return kernel_cycles(machine, group_time, gm)
+
+
+def dma_l2(machine: Machine, nbytes: float, active: int, l2: float) -> float:
+    """A copy from the L2-resident workspace: the GM copy head, L2 bandwidth."""
+    return machine.copy_in_head(int(nbytes), active) + nbytes / l2
+
+
+def _chunks(total: int, step: int) -> list[tuple[int, int]]:
+    full, tail = divmod(total, step)
+    out = [(step, full)] if full else []
+    if tail:
+        out.append((tail, 1))
+    return out
+
+
+def lnmm_space(machine: Machine, p: Problem) -> list[LayerNormMatMulTiling]:
+    """Fitting tilings (see the module docstring)."""
+    unit = math.lcm(machine.cube_m, p.q)
+    top = round_up(max(1, p.m), unit)
+    rows_options = sorted({min(top, unit * f) for f in (1, 2, 4, 8, 16)})
+    most = n_blocks(p)
+    splits = sorted({min(most, s) for s in (1, 2, 4, 8, 16, 24)})
+    k0 = machine.cube_k_block(p.dtype)
+    tns = aligned_sizes(p.max_n, machine.cube_n, (64, 128, 256))
+    tks = aligned_sizes(p.k, k0, (256, 512, 1024))
+    tk0s = aligned_sizes(p.k, k0, (64, 128, 256))
+    vecs = max(1, vector_cores_per_group(machine))
+    seen: set[tuple[int, ...]] = set()
+    out: list[LayerNormMatMulTiling] = []
+    cores_options = sorted({machine.cube_cores, max(1, machine.cube_cores // 2)}, reverse=True)
+    for rows, ns, tn, tk, tk0, res, db, cores in itertools.product(
+        rows_options, splits, tns, tks, tk0s, (1, 0), (1, 0), cores_options
+    ):
+        if tk0 > tk or rows % p.q:
+            continue
+        vr = max(1, math.ceil(rows // p.q / vecs))
+        t = LayerNormMatMulTiling(rows, ns, vr, tn, tk, tk0, res, db, cores)
+        while t.vec_rows > 1 and not fitting(machine, specs(p, t)):
+            t = LayerNormMatMulTiling(rows, ns, t.vec_rows // 2, tn, tk, tk0, res, db, cores)
+        eff = effective(p, t)
+        items = math.ceil(p.m / eff[0]) * min(ns, n_blocks(p))
+        key = (*eff, min(ns, n_blocks(p)), res, db, min(cores, items))
+        if key in seen or not fitting(machine, specs(p, t)):
+            continue
+        seen.add(key)
+        out.append(t)
+    return out
+
+
+class _LnmmModel:
+    domain = "fuser"
+    op_type = "LayerNormMatMul"
+
+    def space(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> list[Tiling]:
+        return list(lnmm_space(machine, problem(metas, attrs)))
+
+    def cost(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        machine: Machine,
+    ) -> float:
+        assert isinstance(tiling, LayerNormMatMulTiling)
+        return lnmm_cycles(machine, problem(metas, attrs), tiling)
+
+    def rule_of_thumb(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> Tiling | None:
+        """The MatMul rule: 128-row blocks, 128-column W tiles, tile_k 256, L0 steps of 128,
+        the block resident in L1, no N split, double-buffered on every core; vec_rows halved
+        until UB fits."""
+        p = problem(metas, attrs)
+        unit = math.lcm(machine.cube_m, p.q)
+        rows = max(unit, round_up(128, unit))
+        vecs = max(1, vector_cores_per_group(machine))
+        vr = max(1, math.ceil(rows // p.q / vecs))
+        t = LayerNormMatMulTiling(rows, 1, vr, 128, 256, 128, 1, 1, machine.cube_cores)
+        while t.vec_rows > 1 and not fitting(machine, specs(p, t)):
+            t = LayerNormMatMulTiling(rows, 1, t.vec_rows // 2, 128, 256, 128, 1, 1, t.cores)
+        return t if fitting(machine, specs(p, t)) else None
+
+
+MODELS = (_LnmmModel(),)

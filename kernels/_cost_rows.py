@@ -1,0 +1,145 @@
+"""Cost model of the fused row kernel on the Vector unit: `SoftmaxTopK` (the model is written
+for any `_rows` plan; the unfused Softmax and TopK are priced by their simulated kernels).
+
+Per row tile of `rows` rows (npu-model.md "Softmax+TopK": in `t * E * size`, the vector work of
+max, sub, exp, sum, div and the selection, out `t * k * (value + index)`): one copy-in, the
+plan's vector instructions (`k * N + b` each, so small tiles pay `b` over and over), one copy-out
+per emitted output. Tiles are split over the vector cores; the slowest core holds
+`ceil(tiles / cores)`. UB slots are rounded to 32 bytes by the buffer (`npu.memory.align`).
+
+Space: rows per tile in powers of two up to the most that fit UB, plus the even splits of the
+rows over 1, 2, 3, 4 rounds of the cores; single or double buffering; all / half / a quarter of
+the vector cores. Deduplicated by (rows clipped, buffering, cores clipped).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._cost_base import Stream, core_counts, dma, dma_out, fitting, kernel_cycles
+from ._rows import RowPlan, RowTiling, specs
+from .api import Kernel, TensorMeta, Tiling
+from .npu.machine import Machine
+from .registry import get_kernel
+
+
+def row_cycles(machine: Machine, plan: RowPlan, t: RowTiling) -> float:
+    """Predicted cycles of `t` on `plan` (see the module docstring)."""
+    if plan.rows == 0:
+        return float(machine.kernel_launch_cycles)
+    n = min(t.rows, plan.rows)
+    tiles = math.ceil(plan.rows / n)
+    cores = max(1, min(t.cores, tiles))
+    per_core = math.ceil(tiles / cores)
+    s = Stream()
+    for i, nbytes in enumerate(plan.resident_bytes):
+        s.add({f"MTE2.res{i}": dma(machine, nbytes, cores)}, 1)
+    # The tail tile is smaller; the slowest core is one holding full tiles.
+    in_bytes = n * plan.width * plan.in_dtype.itemsize
+    vec = 0.0
+    for step in plan.steps:
+        for op in step.ops:
+            k, b = machine.vector_cost(op, step.dtype)
+            vec += k * n * step.per_row + b
+    out = sum(dma_out(machine, n * o.width * o.dtype.itemsize, cores) for o in plan.outs if o.emit)
+    s.add({"MTE2": dma(machine, in_bytes, cores), "VECTOR": vec, "MTE3": out}, per_core)
+    _merge_resident(s)
+    gm = plan.rows * (
+        plan.width * plan.in_dtype.itemsize
+        + sum(o.width * o.dtype.itemsize for o in plan.outs if o.emit)
+    )
+    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
+
+
+def _merge_resident(s: Stream) -> None:
+    """Resident copies run on MTE2 before the first tile: fold them into the MTE2 total."""
+    extra = {p: c for p, c in s.busy.items() if p.startswith("MTE2.")}
+    for p, c in extra.items():
+        del s.busy[p]
+        s.busy["MTE2"] = s.busy.get("MTE2", 0.0) + c
+
+
+def row_space(machine: Machine, plan: RowPlan) -> list[RowTiling]:
+    """Fitting row tilings (see the module docstring)."""
+    total = machine.vector_cores
+    sizes: set[int] = set()
+    r = 1
+    while r < plan.rows * 2:
+        sizes.add(min(r, max(1, plan.rows)))
+        r *= 2
+    for c in core_counts(total):
+        for rounds in (1, 2, 3, 4):
+            sizes.add(max(1, math.ceil(plan.rows / (c * rounds))))
+    seen: set[tuple[int, int, int]] = set()
+    out: list[RowTiling] = []
+    for rows, db, cores in itertools.product(sorted(sizes), (1, 0), core_counts(total)):
+        t = RowTiling(rows, db, cores)
+        n = min(rows, max(1, plan.rows))
+        key = (n, db, min(cores, math.ceil(max(1, plan.rows) / n)))
+        if key in seen or not fitting(machine, specs(plan, t)):
+            continue
+        seen.add(key)
+        out.append(t)
+    return out
+
+
+def moe_rule_of_thumb(machine: Machine, plan: RowPlan) -> RowTiling:
+    """The MoE article's rule: tileS starts at the rows per core and halves until UB fits
+    (double-buffered, every vector core)."""
+    rows = max(1, math.ceil(plan.rows / machine.vector_cores))
+    t = RowTiling(rows, 1, machine.vector_cores)
+    while t.rows > 1 and not fitting(machine, specs(plan, t)):
+        t = RowTiling(max(1, t.rows // 2), 1, t.cores)
+    return t
+
+
+class _RowModel:
+    """A row kernel: the plan comes from the kernel (`_plan` of its spec)."""
+
+    def __init__(self, domain: str, op_type: str) -> None:
+        self.domain = domain
+        self.op_type = op_type
+
+    def _plan(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> RowPlan:
+        k = get_kernel(self.domain, self.op_type)
+        assert k is not None
+        return plan_of(k, metas, attrs, machine)
+
+    def space(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> list[Tiling]:
+        return list(row_space(machine, self._plan(metas, attrs, machine)))
+
+    def cost(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tiling: Tiling,
+        machine: Machine,
+    ) -> float:
+        assert isinstance(tiling, RowTiling)
+        return row_cycles(machine, self._plan(metas, attrs, machine), tiling)
+
+    def rule_of_thumb(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> Tiling | None:
+        return moe_rule_of_thumb(machine, self._plan(metas, attrs, machine))
+
+
+def plan_of(
+    kernel: Kernel, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+) -> RowPlan:
+    """The `RowPlan` the SoftmaxTopK kernel builds for these inputs."""
+    from . import softmax_topk
+
+    if isinstance(kernel, softmax_topk.SoftmaxTopKKernel):
+        return kernel._plan(softmax_topk._spec(kernel.op_type, metas, attrs), machine)
+    raise TypeError(f"{kernel.op_type}: no row cost model")
+
+
+MODELS = (_RowModel("fuser", "SoftmaxTopK"),)
