@@ -149,3 +149,11 @@ def test_bad_input_one_line_exit_2(args: tuple[str, ...], message: str) -> None:
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert not done.stdout.strip()
+
+
+def test_ops_with_value_inputs_run_their_kernels() -> None:
+    """TopK's K and ReduceSum's axes come from constants; the unfused router runs on kernels."""
+    result = profile_model(get_example("qwen-router"), dims={"batch": 2, "seq": 8})
+    for op in ("Softmax", "TopK", "ReduceSum"):
+        nodes = [n for n in result.nodes if n.op == op]
+        assert nodes and not any(n.estimated for n in nodes), [(n.name, n.note) for n in nodes]
