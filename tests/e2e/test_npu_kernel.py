@@ -117,6 +117,9 @@ def _badly_tiled(tmp_path: Path) -> tuple[Path, Path, str]:
     model = cnn_edge(batch=1)
     fused = fuse(model).model
     node = next(n for n in fused.graph.node if n.domain == "fuser")
+    kept = [a for a in node.attribute if not a.name.startswith("tile_")]
+    del node.attribute[:]
+    node.attribute.extend(kept)
     for name, value in _tile_attrs("ConvBnRelu", cores=1000, tile_h=2, tile_w=2).items():
         node.attribute.append(helper.make_attribute(name, value))
     original, bad = tmp_path / "cnn.onnx", tmp_path / "cnn.badtile.onnx"
