@@ -20,6 +20,7 @@ program, so rank 0 stands for the group. `Constant` nodes are data, not kernels:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -175,7 +176,7 @@ def profile_model(
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     npu = machine(target)
     sized, used = _with_concrete_inputs(loaded.model, dict(dims or {}), dim_size)
-    index = _index(LoadedModel(sized, loaded.base_dir, loaded.label))
+    index = _index(dataclasses.replace(loaded, model=sized))
     values = _Values(index)
     nodes: list[NodeProfile] = []
     timelines: list[tuple[Timeline, float, str]] = []
