@@ -128,7 +128,7 @@ class Kernel(ABC):
     ) -> KernelRun:
         """Run the op on `machine`; see the module docstring for the calling convention.
 
-        The tiling is, in order: `tiling`, the `tile_*` attributes, `default_tiling`. It is
+        The tiling is, in order: `tiling`, the `tile_*` attributes, `host_tiling`. It is
         checked first, so a tiling that does not fit raises `TilingError` before any work.
         """
         metas = tuple(meta_of(x) for x in inputs)
@@ -141,7 +141,7 @@ class Kernel(ABC):
         if tiling is None:
             tiling = self.tiling_from_attrs(attrs)
         if tiling is None:
-            tiling = self.default_tiling(metas, attrs, machine)
+            tiling = self.host_tiling(metas, attrs, machine)
         if not isinstance(tiling, self.tiling_type):
             raise TilingError(
                 f"{self.op_type}: expects a {self.tiling_type.__name__}, "
@@ -152,6 +152,18 @@ class Kernel(ABC):
             None if (x is None or isinstance(x, TensorMeta)) else np.asarray(x) for x in inputs
         )
         return self.simulate(machine, arrays, metas, attrs, tiling, functional, timeline)
+
+    def host_tiling(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> Tiling:
+        """The run-time tiling of a fused op without `tile_*` attributes (symbolic shapes at
+        fuse time): the tiling search's pick by the cost model `fuse` uses (`_cost`); other ops
+        keep their `default_tiling`."""
+        if self.domain == "fuser":
+            from ._cost import host_tiling
+
+            return host_tiling(self, inputs_meta, attrs, machine)
+        return self.default_tiling(inputs_meta, attrs, machine)
 
     @abstractmethod
     def infer(

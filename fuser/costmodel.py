@@ -1,0 +1,401 @@
+"""The cost-model decider: fuse a match only where the target's cost model says it pays.
+
+For a match, `CostModelDecider` prices
+
+- the fused op: the tiling search of its kernel (`fuser.kernels._cost.search`: every legal
+  tiling of the kernel's space priced analytically) gives the best tiling and its cycles;
+- the unfused chain: each matched node on the same target. Ops with a cost model (MatMul, Gemm,
+  Conv) at their best tiling, so both sides are tuned alike; other ops with a kernel by that
+  kernel's timing-only simulation at its default tiling (what would run); ops without a kernel
+  by the roofline estimate (`registry.estimate`); views (Reshape, Squeeze, ...) cost nothing.
+
+A fusion predicted no faster is refused with the reason "cost model predicts fused X cycles >=
+unfused Y cycles on T" unless `force`. For static shapes the chosen tiling goes onto the fused
+node as `tile_<field>` attributes. With symbolic dims no tiling is stored: the kernel computes
+it at run time from the actual shapes through the same search (`Kernel.run` -> `host_tiling`);
+the prices then use `symbolic_size` for every symbolic dim, and the reason says so.
+
+Chosen tilings are kept in the tuning cache (`fuser.tuning_cache`) keyed by op, shapes, dtype,
+target and fuser version, so a second run reuses them without searching.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .decide import Decision
+from .graph import GraphIndex
+from .pattern import Match
+from .report import Prediction
+from .tuning_cache import CacheKey, TuningCache
+
+#: Size given to a symbolic (or unknown) dim when pricing a match with symbolic shapes.
+SYMBOLIC_SIZE = 256
+
+#: Ops that only reinterpret a tensor (no data movement on the NPU): priced at zero.
+_FREE_OPS = frozenset(
+    {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Constant", "Size"}
+)
+
+CacheOption = bool | str | os.PathLike[str] | TuningCache | None
+
+
+class UnpriceableError(Exception):
+    """A node or op the cost model cannot price (unknown shape or type); the message says why."""
+
+
+@dataclass(frozen=True)
+class Priced:
+    """The price of one side of a decision."""
+
+    cycles: float
+    tiling: Mapping[str, int] = field(default_factory=dict)
+    symbolic: bool = False
+
+
+@dataclass
+class CostModelDecider:
+    """The `Decider` backed by the target's cost model (see the module docstring)."""
+
+    target: str
+    machine: Any  # fuser.kernels.npu.machine.Machine
+    force: bool = False
+    cache: TuningCache | None = None
+    symbolic_size: int = SYMBOLIC_SIZE
+    _memo: dict[Hashable, float] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def for_target(
+        cls,
+        target: str,
+        *,
+        force: bool = False,
+        cache: CacheOption = None,
+        symbolic_size: int = SYMBOLIC_SIZE,
+    ) -> CostModelDecider:
+        """The decider for `target` (a shipped name or a target JSON path).
+
+        `cache`: None or True = the user's tuning cache, False = none, a path = that file, or
+        a `TuningCache`.
+        """
+        from .kernels.npu.machine import load_target
+
+        return cls(target, load_target(target), force, _open_cache(cache), symbolic_size)
+
+    # -- the decision -------------------------------------------------------------------------
+    def decide(self, graph: GraphIndex, match: Match) -> Decision:
+        try:
+            fused = self.price_fused(graph, match)
+            unfused = self.price_unfused(graph, match)
+        except UnpriceableError as e:
+            # Nothing to compare: the pattern's own checks already accepted the match.
+            return Decision(fuse=True, reason=f"not priced by the cost model: {e}")
+        note = (
+            f" (symbolic dims priced at {self.symbolic_size}; tiling chosen at run time)"
+            if fused.symbolic
+            else ""
+        )
+        prediction = Prediction(fused.cycles, unfused.cycles, dict(fused.tiling))
+        if fused.cycles >= unfused.cycles and not self.force:
+            return Decision(
+                fuse=False,
+                reason=(
+                    f"cost model predicts fused {fused.cycles:.0f} cycles >= unfused "
+                    f"{unfused.cycles:.0f} cycles on {self.target}{note}"
+                ),
+                prediction=prediction,
+            )
+        attrs = {} if fused.symbolic else {f"tile_{k}": v for k, v in fused.tiling.items()}
+        reason = f"predicted {unfused.cycles / max(fused.cycles, 1.0):.2f}x faster{note}"
+        if fused.cycles >= unfused.cycles:
+            reason = f"forced: predicted slower{note}"
+        return Decision(fuse=True, reason=reason, prediction=prediction, attributes=attrs)
+
+    # -- the fused side -----------------------------------------------------------------------
+    def price_fused(self, graph: GraphIndex, match: Match) -> Priced:
+        """The fused op at its best tiling (cached).
+
+        An input whose rank shape inference lost (symbolic Reshapes upstream) is taken as
+        [symbolic_size, D], D read from the op's weights (`_guess_input`)."""
+        from .kernels import _cost
+        from .kernels.api import KernelError
+        from .kernels.registry import get_kernel
+
+        op = match.op
+        kernel = get_kernel("fuser", op.name)
+        if kernel is None or _cost.model_for("fuser", op.name) is None:
+            raise UnpriceableError(f"no kernel or cost model for {op.name}")
+        attrs = {k: _plain(v) for k, v in match.attributes.items() if v is not None}
+        sizes: dict[str, int] = {}
+        known = _initializer_metas(match)
+        metas, symbolic = self._metas(graph, match.inputs, sizes, known, guess=True)
+        if op.collective_input is not None:
+            metas = _stacked(metas, op.collective_input, int(attrs.get("group_size", 1)))
+        key = self._key(op.name, metas, attrs)
+        if self.cache is not None:
+            hit = self.cache.get(key)
+            if hit is not None:
+                return Priced(hit.predicted_cycles, dict(hit.tiling), symbolic)
+        try:
+            result = _cost.search("fuser", op.name, metas, attrs, self.machine)
+        except KernelError as e:
+            raise UnpriceableError(f"{op.name}: {e}") from None
+        tiling = {
+            k[len("tile_") :]: v for k, v in kernel.tiling_to_attrs(result.best.tiling).items()
+        }
+        if self.cache is not None:
+            self.cache.put(key, tiling, result.best.cycles)
+        return Priced(result.best.cycles, tiling, symbolic)
+
+    def _key(self, op: str, metas: Sequence[Any], attrs: Mapping[str, Any]) -> CacheKey:
+        shapes = tuple(None if m is None else tuple(m.shape) for m in metas)
+        dtypes = ",".join(sorted({m.dtype.name for m in metas if m is not None}))
+        return CacheKey.make(op, shapes, dtypes, self.machine.name, attrs)
+
+    # -- the unfused side ---------------------------------------------------------------------
+    def price_unfused(self, graph: GraphIndex, match: Match) -> Priced:
+        """The matched nodes one after the other, each its own kernel launch."""
+        sizes: dict[str, int] = {}
+        known = _initializer_metas(match)
+        fused_inputs, _ = self._metas(graph, match.inputs, sizes, known, guess=True)
+        for name, meta in zip(match.inputs, fused_inputs, strict=True):
+            if name and meta is not None:
+                known.setdefault(name, meta)
+        total = 0.0
+        symbolic = False
+        for node_id in match.nodes:
+            cycles, sym = self.price_node(graph, graph.node(node_id), sizes, known)
+            total += cycles
+            symbolic = symbolic or sym
+        return Priced(total, {}, symbolic)
+
+    def price_node(
+        self,
+        graph: GraphIndex,
+        node: onnx.NodeProto,
+        sizes: dict[str, int] | None = None,
+        known: dict[str, Any] | None = None,
+    ) -> tuple[float, bool]:
+        """Cycles of one ONNX node on the target, and whether symbolic dims were priced.
+
+        `known` holds metas of values the graph has no type for (filled in here with this
+        node's inferred outputs, so the next node of a chain can be priced)."""
+        from .kernels import _cost
+        from .kernels.api import KernelError
+        from .kernels.registry import estimate, get_kernel
+
+        if node.op_type in _FREE_OPS and node.domain in ("", "ai.onnx"):
+            return 0.0, False
+        if known is not None:
+            self._propagate(graph, node, sizes or {}, known)
+        sizes = {} if sizes is None else sizes
+        known = {} if known is None else known
+        attrs = {a.name: _plain(helper.get_attribute_value(a)) for a in node.attribute}
+        metas, symbolic = self._metas(graph, node.input, sizes, known)
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if domain == "com.microsoft" and node.op_type == "AllGather":
+            metas = _stacked(metas, 0, int(attrs.get("group_size", 1)))
+            shard = metas[0]
+            if shard is not None and int(attrs.get("axis", 0)) < 0:
+                # The kernel takes the axis normalized, as the fused op's is at fuse time.
+                attrs["axis"] = int(attrs["axis"]) + len(shard.shape) - 1
+        key = (domain, node.op_type, _freeze(metas), _freeze(attrs))
+        if key in self._memo:
+            return self._memo[key], symbolic
+        kernel = get_kernel(domain, node.op_type)
+        cycles: float | None = None
+        if kernel is not None:
+            inputs = self._with_constants(graph, node, metas)
+            try:
+                if _cost.model_for(domain, node.op_type) is not None:
+                    cycles = _cost.search(
+                        domain, node.op_type, metas, attrs, self.machine
+                    ).best.cycles
+                else:
+                    run = kernel.run(self.machine, inputs, attrs, functional=False, timeline=False)
+                    cycles = run.stats.cycles
+            except (KernelError, ValueError, TypeError, IndexError):
+                cycles = None
+        if cycles is None:
+            outs, sym_out = self._metas(graph, node.output, sizes, known)
+            symbolic = symbolic or sym_out
+            ins = [m for m in metas if m is not None]
+            if not ins and not any(o is not None for o in outs):
+                raise UnpriceableError(f"{node.op_type} {node.name!r}: no shapes known")
+            cycles = estimate(node.op_type, metas, outs, self.machine).cycles
+        assert isinstance(cycles, float | int)
+        self._memo[key] = float(cycles)
+        return float(cycles), symbolic
+
+    def _with_constants(
+        self, graph: GraphIndex, node: onnx.NodeProto, metas: Sequence[Any]
+    ) -> list[Any]:
+        """Inputs for a timing-only run: metas, but small constants as arrays (TopK's k, axes
+        given as inputs: kernels read their values)."""
+        out: list[Any] = []
+        for name, meta in zip(node.input, metas, strict=False):
+            value = graph.constant(name) if name and meta is not None and meta.size <= 64 else None
+            out.append(value if value is not None else meta)
+        return out
+
+    def _metas(
+        self,
+        graph: GraphIndex,
+        names: Sequence[str],
+        sizes: dict[str, int],
+        known: Mapping[str, Any] | None = None,
+        guess: bool = False,
+    ) -> tuple[list[Any], bool]:
+        """`TensorMeta`s of values (None for "" = absent); symbolic dims take `symbolic_size`
+        (the same size for the same dim name). `known` metas come first. With `guess`, an
+        input of unknown rank is left None for `_guess_input`; otherwise `UnpriceableError`."""
+        from .kernels.api import TensorMeta
+
+        metas: list[Any] = []
+        symbolic = False
+        unknown: list[int] = []
+        for name in names:
+            if not name:
+                metas.append(None)
+                continue
+            if known is not None and name in known:
+                metas.append(known[name])
+                continue
+            shape = graph.shape(name)
+            elem = graph.elem_type(name)
+            if shape is None or elem is None or elem == 0:
+                if guess and elem:
+                    unknown.append(len(metas))
+                    metas.append(TensorMeta((), helper.tensor_dtype_to_np_dtype(elem)))
+                    continue
+                raise UnpriceableError(f"value {name!r} has no known type or rank")
+            dims = []
+            for d in shape:
+                if isinstance(d, int) and d >= 0:
+                    dims.append(d)
+                else:
+                    symbolic = True
+                    dims.append(sizes.setdefault(str(d), self.symbolic_size))
+            try:
+                dtype = helper.tensor_dtype_to_np_dtype(elem)
+            except (KeyError, ValueError) as e:
+                raise UnpriceableError(f"value {name!r}: element type {elem}: {e}") from None
+            metas.append(TensorMeta(tuple(dims), dtype))
+        for i in unknown:
+            metas[i] = _guess_input(metas, i, self.symbolic_size)
+            if metas[i] is None:
+                raise UnpriceableError(f"value {names[i]!r} has no known rank")
+            symbolic = True
+        return metas, symbolic
+
+    def _propagate(
+        self, graph: GraphIndex, node: onnx.NodeProto, sizes: dict[str, int], known: dict[str, Any]
+    ) -> None:
+        """Metas of this node's outputs the graph has no shape for, from its kernel's `infer`
+        (or, without a kernel, its largest input's: elementwise ops keep the shape)."""
+        from .kernels.api import KernelError
+        from .kernels.registry import get_kernel
+
+        missing = [o for o in node.output if o and o not in known and graph.shape(o) is None]
+        if not missing:
+            return
+        try:
+            ins, _ = self._metas(graph, node.input, sizes, known)
+        except UnpriceableError:
+            return
+        attrs = {a.name: _plain(helper.get_attribute_value(a)) for a in node.attribute}
+        kernel = get_kernel("" if node.domain == "ai.onnx" else node.domain, node.op_type)
+        outs: list[Any] = []
+        if kernel is not None:
+            try:
+                outs = list(kernel.infer(self._with_constants(graph, node, ins), attrs))
+            except (KernelError, ValueError, TypeError, IndexError):
+                outs = []
+        if not outs:
+            present = [m for m in ins if m is not None]
+            if not present:
+                return
+            outs = [max(present, key=lambda m: m.size)] * len(node.output)
+        for name, meta in zip(node.output, outs, strict=False):
+            if name in missing:
+                known[name] = meta
+
+
+def _initializer_metas(match: Match) -> dict[str, Any]:
+    """Metas of the initializers a match creates (folded weights): not in the graph yet."""
+    from .kernels.api import TensorMeta
+
+    return {
+        t.name: TensorMeta(tuple(t.dims), helper.tensor_dtype_to_np_dtype(t.data_type))
+        for t in match.new_initializers
+    }
+
+
+def _guess_input(metas: list[Any], i: int, size: int) -> Any:
+    """An input of unknown rank as [size, D]: D from the first 2-D weight [D, N] after it
+    (LayerNormMatMul's W, AllGatherMatMul's W) or a 1-D parameter [D] (LayerNorm's scale)."""
+    from .kernels.api import TensorMeta
+
+    m = metas[i]
+    for other in metas[i + 1 :]:
+        if other is not None and len(other.shape) == 2:
+            return TensorMeta((size, other.shape[0]), m.dtype)
+    for other in metas[i + 1 :]:
+        if other is not None and len(other.shape) == 1:
+            return TensorMeta((size, other.shape[0]), m.dtype)
+    return None
+
+
+def _stacked(metas: list[Any], index: int, group_size: int) -> list[Any]:
+    """Kernels of gathering ops take every rank's shard stacked on a new leading axis."""
+    from .kernels.api import TensorMeta
+
+    out = list(metas)
+    m = out[index]
+    if m is not None:
+        out[index] = TensorMeta((max(1, group_size), *m.shape), m.dtype)
+    return out
+
+
+def _open_cache(cache: CacheOption) -> TuningCache | None:
+    if cache is False:
+        return None
+    if isinstance(cache, TuningCache):
+        return cache
+    if cache is None or cache is True:
+        return TuningCache()
+    return TuningCache(cache)
+
+
+def _plain(value: Any) -> Any:
+    """Attribute values as kernels take them: str for bytes, lists of Python numbers."""
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _freeze(value: Any) -> Hashable:
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return (tuple(value.shape), str(value.dtype))
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
