@@ -30,6 +30,10 @@ class Communicator:
         self._slots: list[np.ndarray | None] = [None] * group_size
         self._barrier = threading.Barrier(group_size, timeout=BARRIER_TIMEOUT_S)
 
+    def abort(self) -> None:
+        """Release every rank waiting in a collective: one of them has failed."""
+        self._barrier.abort()
+
     def all_gather(self, rank: int, array: np.ndarray) -> list[np.ndarray]:
         """Every rank's `array`, in rank order (blocks until all ranks have called)."""
         if not 0 <= rank < self.group_size:

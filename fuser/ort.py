@@ -118,6 +118,7 @@ def session(
         kept = [o for o in copy.opset_import if o.domain not in (fusedop.DOMAIN, CONTRIB)]
         del copy.opset_import[:]
         copy.opset_import.extend([*kept, helper.make_opsetid(CONTRIB, 1)])
+    session_class = _session_class()
     opts = options or onnxruntime.SessionOptions()
     opts.register_custom_ops_library(get_library_path())
     providers = ["CPUExecutionProvider"]
@@ -126,8 +127,31 @@ def session(
         with tempfile.TemporaryDirectory(prefix="fuser-ort-") as folder:
             path = Path(folder) / "model.onnx"
             save_model(copy, path, source=loaded, external=True)
-            return onnxruntime.InferenceSession(str(path), opts, providers=providers)
-    return onnxruntime.InferenceSession(copy.SerializeToString(), opts, providers=providers)
+            sess = session_class(str(path), opts, providers=providers)
+    else:
+        sess = session_class(copy.SerializeToString(), opts, providers=providers)
+    sess.fuser_context = context_id
+    return sess
+
+
+def _session_class() -> type[onnxruntime.InferenceSession]:
+    """An InferenceSession whose `run` raises what failed inside fused ops (see `_dispatch`)."""
+    import onnxruntime
+
+    class FuserSession(onnxruntime.InferenceSession):
+        fuser_context = ""
+
+        def run(self, output_names: Any, input_feed: Any, run_options: Any = None) -> Any:
+            _ERRORS.pop(self.fuser_context, None)
+            try:
+                result = super().run(output_names, input_feed, run_options)
+            except Exception as exc:
+                _raise_recorded(self.fuser_context, exc)
+                raise
+            _raise_recorded(self.fuser_context)
+            return result
+
+    return FuserSession
 
 
 def _remap_graph(
@@ -263,7 +287,26 @@ def _register_contrib_op(name: str, in_types: list[int], out_types: list[int]) -
 
 
 def _dispatch(*arrays: np.ndarray, **kwargs: Any) -> Any:
+    """The body of every contrib op. It must never raise: onnxruntime-extensions 0.15 turns a
+    Python exception inside an op into std::terminate, killing the user's process. A failure is
+    recorded against the session and placeholder outputs are returned; `FuserSession.run`
+    raises the recorded error once onnxruntime gives control back."""
     packed = json.loads(kwargs[_PACKED])
+    try:
+        return _compute(arrays, packed)
+    except BaseException as exc:
+        name, op_type = packed.get("__name__", ""), packed.get("__op__", "")
+        error = NodeFailedError(f"node '{name}' ({op_type}) failed: {exc}")
+        error.__cause__ = exc
+        _ERRORS.setdefault(packed["__context__"], []).append(error)
+        ctx = _CONTEXTS.get(packed["__context__"])
+        if ctx is not None and ctx.communicator is not None:
+            ctx.communicator.abort()  # the other ranks must not wait for this one forever
+        empty = [np.zeros((0,), dtype=_wire_dtype(d)) for d in packed["__out_dtypes__"]]
+        return empty[0] if len(empty) == 1 else tuple(empty)
+
+
+def _compute(arrays: Sequence[np.ndarray], packed: dict[str, Any]) -> Any:
     inputs: list[np.ndarray | None] = [None] * packed["__n_inputs__"]
     for position, array, dtype in zip(
         packed["__inputs__"], arrays, packed["__in_dtypes__"], strict=True
@@ -272,13 +315,7 @@ def _dispatch(*arrays: np.ndarray, **kwargs: Any) -> Any:
     ctx = _CONTEXTS[packed["__context__"]]
     domain, op_type = packed["__domain__"], packed["__op__"]
     handler = _fused_handler if domain == fusedop.DOMAIN else _HANDLERS[(domain, op_type)]
-    try:
-        results = handler(inputs, packed, ctx)
-    except Exception as exc:
-        # onnxruntime reports a Python failure without its type; keep the node and the cause.
-        raise RuntimeError(
-            f"fuser: node '{packed['__name__']}' ({op_type}) failed: {exc!r}"
-        ) from exc
+    results = handler(inputs, packed, ctx)
     selected = [
         np.ascontiguousarray(
             np.asarray(results[i], dtype=dtype).astype(_wire_dtype(dtype), copy=False)
@@ -286,6 +323,19 @@ def _dispatch(*arrays: np.ndarray, **kwargs: Any) -> Any:
         for i, dtype in zip(packed["__outputs__"], packed["__out_dtypes__"], strict=True)
     ]
     return selected[0] if len(selected) == 1 else tuple(selected)
+
+
+class NodeFailedError(RuntimeError):
+    """A fused op or collective failed inside an onnxruntime session run by fuser."""
+
+
+_ERRORS: dict[str, list[NodeFailedError]] = {}
+
+
+def _raise_recorded(context_id: str, during: BaseException | None = None) -> None:
+    errors = _ERRORS.pop(context_id, [])
+    if errors:
+        raise errors[0] from (errors[0].__cause__ or during)
 
 
 def _wire_dtype(dtype: str) -> str:
