@@ -300,6 +300,7 @@ def list_patterns(
 
 
 importlib.import_module(".cli_profile", __package__).register(app)  # fuser profile
+importlib.import_module(".cli_tune", __package__).register(app)  # fuser tune
 
 
 def main() -> None:
