@@ -80,7 +80,7 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
                 value,
             )
 
-    _, back_edge = graph.descendants_in_window(members)
+    _, back_edge = graph.descendants_in_window(members, {i for i in match.inputs if i})
     if back_edge is not None:
         return rejection(
             match.pattern,
