@@ -119,7 +119,7 @@ class FusedOp:
             inputs=[_formal(p, min_arity=1) for p in self.inputs],
             outputs=[_formal(p, min_arity=1) for p in self.outputs],
             type_constraints=[(n, list(t), d) for n, t, d in self.type_constraints],
-            attributes=[_attribute(a) for a in self.attributes],
+            attributes=[_attribute(a) for a in self.attributes] + _tiling_attributes(self),
         )
         schema.set_type_and_shape_inference_function(self._onnx_inference)
         return schema
@@ -150,6 +150,26 @@ def _formal(param: Param, *, min_arity: int) -> defs.OpSchema.FormalParameter:
         is_homogeneous=param.option != "variadic",
         min_arity=min_arity,
     )
+
+
+def _tiling_attributes(op: FusedOp) -> list[defs.OpSchema.Attribute]:
+    """Optional int attributes `tile_<field>` for the fields of the op's kernel's tiling (the
+    cost model stores its choice there), so the checker accepts a tiled node."""
+    import dataclasses
+
+    from .kernels.registry import get_kernel
+
+    kernel = get_kernel(DOMAIN, op.name)
+    if kernel is None:
+        return []
+    declared = {a.name for a in op.attributes}
+    return [
+        defs.OpSchema.Attribute(
+            f"{op.tiling_prefix}{f.name}", _ATTR_TYPES["int"], "tiling (cost model)", required=False
+        )
+        for f in dataclasses.fields(kernel.tiling_type)
+        if f"{op.tiling_prefix}{f.name}" not in declared
+    ]
 
 
 def _attribute(attr: Attr) -> defs.OpSchema.Attribute:
