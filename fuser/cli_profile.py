@@ -44,6 +44,12 @@ def profile(
         list[str] | None, typer.Option("--dim", help="NAME=SIZE for a symbolic dim, repeatable")
     ] = None,
     dim_size: Annotated[int, typer.Option(help="size of symbolic dims not given by --dim")] = 1,
+    tuned: Annotated[
+        bool,
+        typer.Option(
+            "--tuned", help="unfused ops with a cost model get the tiling search's pick too"
+        ),
+    ] = False,
 ) -> None:
     """Run MODEL on the simulated NPU (timing only): cycles, GM bytes and bound per node."""
     from .cli import _fail, _resolve_input, out
@@ -52,7 +58,12 @@ def profile(
     try:
         source, label = _resolve_input(model)
         result = profile_model(
-            source, target, dims=_parse_dims(dim or []), dim_size=dim_size, timeline=bool(trace)
+            source,
+            target,
+            dims=_parse_dims(dim or []),
+            dim_size=dim_size,
+            timeline=bool(trace),
+            tuned=tuned,
         )
         if trace is not None:
             from .modelio import _atomic_write
@@ -94,6 +105,8 @@ def profile(
         f"GM read {result.gm_read_bytes:,} B, write {result.gm_write_bytes:,} B; "
         f"{result.launches} launches; {estimated:.1f}% of the time estimated (no kernel)"
     )
+    if tuned:
+        out.print("tilings: the search's pick for every op with a cost model (--tuned)")
     if result.dims:
         out.print("dims: " + ", ".join(f"{k}={v}" for k, v in result.dims.items()))
     if trace is not None:

@@ -37,7 +37,7 @@ from .modelio import LoadedModel, ModelSource, load_model
 from .npu_run import kernel_attrs, machine
 
 if TYPE_CHECKING:
-    from .kernels.api import Input, Kernel, TensorMeta
+    from .kernels.api import Input, Kernel, TensorMeta, Tiling
     from .kernels.npu.machine import Machine
     from .kernels.npu.stats import RunStats
     from .kernels.npu.timeline import Timeline
@@ -99,6 +99,7 @@ class ModelProfile:
     clock_hz: float
     dims: Mapping[str, int]
     nodes: tuple[NodeProfile, ...]
+    tuned: bool = False
     timeline: Timeline | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -141,6 +142,7 @@ class ModelProfile:
         return {
             "target": self.target,
             "dims": dict(self.dims),
+            "tuned": self.tuned,
             "total_cycles": self.total_cycles,
             "total_us": self.total_us,
             "gm_read_bytes": self.gm_read_bytes,
@@ -166,12 +168,16 @@ def profile_model(
     dims: Mapping[str, int] | None = None,
     dim_size: int = 1,
     timeline: bool = False,
+    tuned: bool = False,
 ) -> ModelProfile:
     """Run every node of `model`'s main graph on `target`'s simulator, timing only.
 
     `dims` sizes symbolic input dims by name; the others take `dim_size`. With `timeline`, the
-    result can export a Chrome trace of the whole model. Raises `UsageError` for a bad target,
-    an unknown dim name or a non-positive size.
+    result can export a Chrome trace of the whole model. Fused ops without stored tiling get
+    the tiling search's pick at run time; with `tuned`, so do the other ops that have a cost
+    model (MatMul, Conv, Softmax...), instead of their kernel's rule-of-thumb default, so that
+    an original and its fused model are compared at their best tilings. Raises `UsageError`
+    for a bad target, an unknown dim name or a non-positive size.
     """
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     npu = machine(target)
@@ -189,7 +195,7 @@ def profile_model(
             stats, note = _folded(npu), "folded: constant once the input shapes are fixed"
         else:
             values.infer(node)
-            stats, note = _run_node(node, values, npu, timeline)
+            stats, note = _run_node(node, values, npu, timeline, tuned)
         name = node.name or f"{node.op_type}_{node_id}"
         nodes.append(NodeProfile(name, node.op_type, node.domain, clock, stats, note))
         if timeline:
@@ -197,7 +203,7 @@ def profile_model(
             timelines.append((_node_timeline(stats, npu, label), clock, name))
         clock += stats.cycles
     trace = _model_timeline(timelines, npu) if timeline else None
-    return ModelProfile(npu.name, npu.clock_hz, used, tuple(nodes), trace)
+    return ModelProfile(npu.name, npu.clock_hz, used, tuple(nodes), tuned, trace)
 
 
 # -- inputs and types ------------------------------------------------------------------------
@@ -402,6 +408,7 @@ def _run_node(
     values: _Values,
     npu: Machine,
     timeline: bool,
+    tuned: bool,
 ) -> tuple[RunStats, str]:
     from .kernels import registry
     from .kernels.api import KernelError, TensorMeta
@@ -420,7 +427,7 @@ def _run_node(
             note = f"no static shape for '{missing[0]}'"
         else:
             try:
-                stats, produced = _run_kernel(kernel, node, inputs, npu, timeline)
+                stats, produced = _run_kernel(kernel, node, inputs, npu, timeline, tuned)
             except (KernelError, NpuError) as exc:
                 note = f"kernel refused: {exc}"
             else:
@@ -492,18 +499,43 @@ def _kernel_call(node: onnx.NodeProto, inputs: list[Input]) -> tuple[list[Input]
 
 
 def _run_kernel(
-    kernel: Kernel, node: onnx.NodeProto, inputs: list[Input], npu: Machine, timeline: bool
+    kernel: Kernel,
+    node: onnx.NodeProto,
+    inputs: list[Input],
+    npu: Machine,
+    timeline: bool,
+    tuned: bool,
 ) -> tuple[RunStats, tuple[TensorMeta, ...]]:
     """The node's timing-only run and its output metas (for values shape inference missed)."""
     from .kernels.api import KernelError, meta_of
 
     call_inputs, attrs = _kernel_call(node, inputs)
-    run = kernel.run(npu, call_inputs, attrs, functional=False, timeline=timeline)
+    metas = [meta_of(x) for x in call_inputs]
+    tiling = None
+    if tuned and kernel.domain != fusedop.DOMAIN and kernel.tiling_from_attrs(attrs) is None:
+        tiling = _searched_tiling(kernel, metas, attrs, npu)
+    run = kernel.run(npu, call_inputs, attrs, tiling=tiling, functional=False, timeline=timeline)
     try:
-        produced = kernel.infer([meta_of(x) for x in call_inputs], attrs)
+        produced = kernel.infer(metas, attrs)
     except KernelError:  # e.g. TopK's k given as an input only `run` reads: shapes from onnx
         produced = ()
     return run.stats, produced
+
+
+def _searched_tiling(
+    kernel: Kernel, metas: list[TensorMeta | None], attrs: Mapping[str, Any], npu: Machine
+) -> Tiling | None:
+    """The tiling search's pick for an op with a cost model, or None (kernel default)."""
+    from .kernels._cost import host_tiling, model_for
+    from .kernels.api import KernelError
+    from .kernels.npu.errors import NpuError
+
+    if model_for(kernel.domain, kernel.op_type) is None:
+        return None
+    try:
+        return host_tiling(kernel, metas, attrs, npu)
+    except (KernelError, NpuError):  # the model cannot price these inputs: kernel default
+        return None
 
 
 # -- the model's timeline --------------------------------------------------------------------
