@@ -26,6 +26,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402 (BLAS threads are fixed before numpy loads)
+import contextlib  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
@@ -34,8 +35,9 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 from fuser.kernels import registry  # noqa: E402
+from fuser.kernels._cost import host_tiling, model_for  # noqa: E402
 from fuser.kernels._rows import RowTiling  # noqa: E402
-from fuser.kernels.api import Input, Kernel, TensorMeta  # noqa: E402
+from fuser.kernels.api import Input, Kernel, KernelError, TensorMeta, meta_of  # noqa: E402
 from fuser.kernels.npu.machine import Machine, load_target  # noqa: E402
 from fuser.kernels.npu.stats import RunStats, sequence  # noqa: E402
 from fuser.models import EXAMPLES, get_example  # noqa: E402
@@ -71,9 +73,17 @@ def _kernel(domain: str, op: str) -> Kernel:
 
 
 def _time(domain: str, op: str, machine: Machine, inputs: Sequence[Input],
-          attrs: dict[str, Any], **kw: Any) -> RunStats:  # fmt: skip
-    """A timing-only run of one kernel."""
-    run = _kernel(domain, op).run(machine, inputs, attrs, functional=False, timeline=False, **kw)
+          attrs: dict[str, Any], *, tuned: bool = True, **kw: Any) -> RunStats:  # fmt: skip
+    """A timing-only run of one kernel. Fused ops always run the tiling search's pick; with
+    `tuned` (the default) so does an unfused op that has a cost model, so that both sides of
+    a comparison have their best tiling; `tuned=False` keeps the kernel's rule-of-thumb default.
+    """
+    kernel = _kernel(domain, op)
+    if tuned and "tiling" not in kw and domain != "fuser" and model_for(domain, op) is not None:
+        metas = [meta_of(x) for x in inputs]
+        with contextlib.suppress(KernelError):  # the model cannot price it: kernel default
+            kw["tiling"] = host_tiling(kernel, metas, attrs, machine)
+    run = kernel.run(machine, inputs, attrs, functional=False, timeline=False, **kw)
     return run.stats
 
 
@@ -108,19 +118,28 @@ def print_examples(machine: Machine, target: str) -> None:
         fused = {k: v for k, v in result.report.summary.items() if v}
         a = profile_model(model, target, dims=dims)
         b = profile_model(result.model, target, dims=dims)
+        at = profile_model(model, target, dims=dims, tuned=True)
+        bt = profile_model(result.model, target, dims=dims, tuned=True)
         est = max(a.estimated_cycles / a.total_cycles, b.estimated_cycles / b.total_cycles)
         rows.append((
             name, ", ".join(f"{k} {v}" for k, v in fused.items()) or "-",
-            ", ".join(f"{k}={v}" for k, v in sorted(dims.items())),
             f"{a.total_us:.1f}", f"{b.total_us:.1f}", f"{a.total_us / b.total_us:.2f}x",
-            _mb(a.gm_bytes), _mb(b.gm_bytes), f"{a.launches} -> {b.launches}", f"{100 * est:.0f}%",
+            f"{at.total_us / bt.total_us:.2f}x", _mb(a.gm_bytes), _mb(b.gm_bytes),
+            f"{a.launches} -> {b.launches}", f"{100 * est:.0f}%",
         ))  # fmt: skip
+    sizes = ", ".join(f"{k}={v}" for k, v in EXAMPLE_DIMS.items())
     _table(
-        f"1. models/ examples, original vs fused, whole model on {machine.name} (fuser.profile)",
-        ("example", "fused", "dims", "original us", "fused us", "speedup", "original GM MB",
-         "fused GM MB", "launches", "estimated"),
+        f"1. models/ examples, original vs fused, whole model on {machine.name} (fuser.profile; "
+        f"symbolic dims {sizes})",
+        ("example", "fused", "original us", "fused us", "speedup", "speedup tuned",
+         "original GM MB", "fused GM MB", "launches", "estimated"),
         rows,
     )  # fmt: skip
+    OUT.print(
+        "fused ops always run the tiling search's pick; 'tuned' gives the unfused ops that have "
+        "a cost model (MatMul, Gemm, Conv, Softmax, ...) the search's pick too (profile --tuned), "
+        "the other columns keep their kernels' default tilings."
+    )
     OUT.print(
         "estimated = share of the time (worse of the two) spent in ops without a kernel "
         "(roofline estimate: Gather, Reshape, Transpose, MaxPool, ...)."
@@ -167,22 +186,24 @@ def print_layernorm_matmul(machine: Machine) -> None:
     m, s, k, n, dtype = 8, 512, 1024, 4096, F16
     rows = []
     for label, chain in _lnmm_chains(m, s, k, n, dtype).items():
-        runs = [_time("", st.op, machine, st.inputs, st.attrs) for st in chain]
-        total = sequence(runs)
+        total = sequence([_time("", st.op, machine, st.inputs, st.attrs) for st in chain])
+        plain = sequence([_time("", st.op, machine, st.inputs, st.attrs, tuned=False)
+                          for st in chain])  # fmt: skip
         accesses = sum(st.activations_in + 1 for st in chain)
         rows.append((f"unfused, {label}", f"{len(chain)}", f"{accesses}", _mb(total.gm_read),
-                     _mb(total.gm_write), f"{total.us:.1f}", total.bound))  # fmt: skip
+                     _mb(total.gm_write), f"{total.us:.1f}", f"{plain.us:.1f}",
+                     total.bound))  # fmt: skip
     x, vec = TensorMeta((m, s, k), dtype), TensorMeta((k,), dtype)
     w, b = TensorMeta((k, n), dtype), TensorMeta((n,), dtype)
     fused = _time("fuser", "LayerNormMatMul", machine, (x, vec, vec, w, b),
                   {"has_bias": [1], "flatten": [0]})  # fmt: skip
     rows.append(("fused LayerNormMatMul", "1", "2", _mb(fused.gm_read), _mb(fused.gm_write),
-                 f"{fused.us:.1f}", fused.bound))  # fmt: skip
+                 f"{fused.us:.1f}", "-", fused.bound))  # fmt: skip
     _table(
         f"2. LayerNorm -> MatMul -> bias Add, X [{m}, {s}, {k}], W [{k}, {n}], {dtype.name}, "
         f"on {machine.name}",
         ("chain", "launches", "activation GM accesses", "GM read MB", "GM write MB", "us",
-         "bound"),
+         "us (default tilings)", "bound"),
         rows,
     )  # fmt: skip
     unfused_ln = rows[0]
@@ -238,47 +259,52 @@ RESNET50 = (
 
 def conv_bn_relu_runs(
     layer: ConvLayer, batch: int, dtype: np.dtype, machine: Machine
-) -> tuple[RunStats, RunStats, RunStats]:
-    """(unfused Conv, BN, Relu; fused with BN folded; fused with BN in the epilogue)."""
+) -> tuple[RunStats, RunStats, RunStats, RunStats]:
+    """(unfused Conv, BN, Relu tuned; the same at default tilings; fused with BN folded; fused
+    with BN in the epilogue)."""
     x, w = layer.x(batch, dtype), layer.w(dtype)
     vec = TensorMeta((layer.cout,), dtype)
     attrs = layer.attrs()
-    conv = _time("", "Conv", machine, [x, w, vec], attrs)
     (y,) = _kernel("", "Conv").infer([x, w, vec], attrs)
-    bn = _time("", "BatchNormalization", machine, [y, vec, vec, vec, vec], {})
-    relu = _time("", "Relu", machine, [y], {})
-    unfused = sequence([conv, bn, relu])
+    chains = []
+    for tuned in (True, False):
+        conv = _time("", "Conv", machine, [x, w, vec], attrs, tuned=tuned)
+        bn = _time("", "BatchNormalization", machine, [y, vec, vec, vec, vec], {}, tuned=tuned)
+        relu = _time("", "Relu", machine, [y], {}, tuned=tuned)
+        chains.append(sequence([conv, bn, relu]))
     folded = _time("fuser", "ConvBnRelu", machine, [x, w, vec], {**attrs, "relu": 1})
     epilogue = _time("fuser", "ConvBnRelu", machine, [x, w, None, vec, vec, vec, vec],
                      {**attrs, "relu": 1})  # fmt: skip
-    return unfused, folded, epilogue
+    return chains[0], chains[1], folded, epilogue
 
 
 def print_conv_bn_relu(batch: int, dtype: np.dtype, machine: Machine) -> None:
     rows: list[tuple[str, ...]] = []
-    tot_u = tot_f = tot_e = 0.0
+    tot_u = tot_d = tot_f = tot_e = 0.0
     gm_u = gm_f = launches_u = launches_f = 0
     for layer in RESNET50:
-        u, f, e = conv_bn_relu_runs(layer, batch, dtype, machine)
-        tot_u, tot_f, tot_e = tot_u + u.us, tot_f + f.us, tot_e + e.us
+        u, d, f, e = conv_bn_relu_runs(layer, batch, dtype, machine)
+        tot_u, tot_d, tot_f, tot_e = tot_u + u.us, tot_d + d.us, tot_f + f.us, tot_e + e.us
         gm_u, gm_f = gm_u + u.gm_bytes, gm_f + f.gm_bytes
         launches_u, launches_f = launches_u + u.launches, launches_f + f.launches
-        rows.append((layer.name, f"{u.us:.1f}", f"{f.us:.1f}", f"{u.us / f.us:.2f}x",
-                     f"{e.us:.1f}", _mb(u.gm_bytes), _mb(f.gm_bytes),
+        rows.append((layer.name, f"{u.us:.1f}", f"{d.us:.1f}", f"{f.us:.1f}",
+                     f"{u.us / f.us:.2f}x", f"{e.us:.1f}", _mb(u.gm_bytes), _mb(f.gm_bytes),
                      f"{u.launches} -> {f.launches}"))  # fmt: skip
     launches = f"{launches_u} -> {launches_f}"
-    rows.append(("total", f"{tot_u:.1f}", f"{tot_f:.1f}", f"{tot_u / tot_f:.2f}x",
-                 f"{tot_e:.1f}", _mb(gm_u), _mb(gm_f), launches))  # fmt: skip
+    rows.append(("total", f"{tot_u:.1f}", f"{tot_d:.1f}", f"{tot_f:.1f}",
+                 f"{tot_u / tot_f:.2f}x", f"{tot_e:.1f}", _mb(gm_u), _mb(gm_f),
+                 launches))  # fmt: skip
     _table(
         f"3. Conv+BN+ReLU at ResNet-50 shapes, batch {batch}, {dtype.name}, on {machine.name}",
-        ("layer", "unfused us", "fused us", "speedup", "BN-in-epilogue us", "unfused GM MB",
-         "fused GM MB", "launches"),
+        ("layer", "unfused us", "unfused us (default tilings)", "fused us", "speedup",
+         "BN-in-epilogue us", "unfused GM MB", "fused GM MB", "launches"),
         rows,
     )  # fmt: skip
     OUT.print(
         "launches: the unfused chain is Conv (bias in its epilogue), BatchNormalization, Relu = 3 "
         "kernels; the article's 4 -> 1 counts a separate bias Add as well. Fused: BN folded into "
-        "W and B at fuse time (the BN-in-epilogue column keeps BN as per-channel scale/shift)."
+        "W and B at fuse time (the BN-in-epilogue column keeps BN as per-channel scale/shift). "
+        "speedup: unfused at the searched tilings over fused."
     )
 
 
@@ -385,27 +411,31 @@ def print_allgather_matmul(machine: Machine) -> None:
         w = TensorMeta((hidden, n_total // p), dtype)
         gather_attrs = {"group_size": p, "axis": 1}
         ag = _time("com.microsoft", "AllGather", machine, [stacked], gather_attrs)
-        mm = _time("", "MatMul", machine, [TensorMeta((1, tokens, hidden), dtype), w], {})
+        x = TensorMeta((1, tokens, hidden), dtype)
+        mm = _time("", "MatMul", machine, [x, w], {})
+        mm_default = _time("", "MatMul", machine, [x, w], {}, tuned=False)
         fused = _time("fuser", "AllGatherMatMul", machine, [stacked, w, None],
                       {**gather_attrs, "rank": 0})  # fmt: skip
         unfused = ag.us + mm.us
         hidden_share = (unfused - fused.us) / ag.us if ag.us else 0.0
         bound = max(ag.us, mm.us)
         rows.append((str(p), _mb(math.prod(shard) * dtype.itemsize), f"{ag.us:.1f}",
-                     f"{mm.us:.1f}", f"{unfused:.1f}", f"{fused.us:.1f}",
+                     f"{mm.us:.1f}", f"{mm_default.us:.1f}", f"{unfused:.1f}", f"{fused.us:.1f}",
                      f"{unfused / fused.us:.2f}x", f"{100 * ag.us / unfused:.0f}%",
                      f"{100 * hidden_share:.0f}%", f"{bound:.1f}"))  # fmt: skip
     _table(
         f"5. AllGather+MatMul, {tokens} tokens x {hidden} gathered along the sequence, "
         f"W [{hidden}, {n_total}/p] per rank, {dtype.name}, on {machine.name}",
-        ("ranks", "shard MB", "AllGather us", "MatMul us", "unfused us", "fused us", "speedup",
+        ("ranks", "shard MB", "AllGather us", "MatMul us", "MatMul us (default tiling)",
+         "unfused us", "fused us", "speedup",
          "comm share unfused", "comm hidden", "lower bound us"),
         rows,
     )  # fmt: skip
     OUT.print(
         "comm hidden = (unfused - fused) / AllGather time: the share of the link time the fused "
         "kernel overlaps with the Cube. lower bound = max(AllGather, MatMul): fused can be at "
-        "most 2x faster (npu-model.md)."
+        "most 2x faster (npu-model.md). MatMul and the fused op both at the tiling search's "
+        "pick; the default-tiling column is the MatMul kernel's rule of thumb (128/128/256)."
     )
 
 
