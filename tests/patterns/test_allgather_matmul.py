@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -16,12 +17,20 @@ import pytest
 from fuser.models import get_example
 from onnx import helper, numpy_helper
 
+from fuser import ort
 from fuser.collective import Communicator
 from fuser.fusedop import DOMAIN
-from fuser.ort import session
 from fuser.testing import assert_equivalent, count_ops, fuse_all, reasons
 
 PATTERN = ["allgather_matmul"]
+
+
+def plugin_session(model: onnx.ModelProto, **kwargs: Any) -> Any:
+    """An onnxruntime session whose fused ops run their numpy `reference` (these tests check
+    the rewrite and its reference; the NPU kernels have their own tests)."""
+    return ort.session(model, kernel="reference", **kwargs)
+
+
 Dim = int | str
 
 
@@ -82,7 +91,7 @@ def register_plugin_ops(*models: onnx.ModelProto) -> None:
     must be known first. A throw-away session per model does that.
     """
     for model in models:
-        session(model)
+        plugin_session(model)
 
 
 def equivalent(original: onnx.ModelProto, fused: onnx.ModelProto) -> int:
@@ -97,7 +106,7 @@ def run_ranks(
     """Run `model` as len(feeds) ranks at once, each in its own thread and session."""
     register_plugin_ops(model)
     communicator = Communicator(len(feeds))
-    sessions = [session(model, rank=r, communicator=communicator) for r in range(len(feeds))]
+    sessions = [plugin_session(model, rank=r, communicator=communicator) for r in range(len(feeds))]
     results: list[list[np.ndarray]] = [[] for _ in feeds]
     errors: list[BaseException] = []
 
