@@ -87,7 +87,7 @@ def register_plugin_ops(*models: onnx.ModelProto) -> None:
     Work-around: onnxruntime-extensions (0.15) leaves a session created before a new Python op
     is registered with dangling op pointers (running it segfaults), and the plugin registers
     one op per signature the first time it meets it. `validate` creates the original model's
-    sessions (which use the AllGather op) before the fused model's, so the fused model's op
+    sessions (which run the AllGather op) before the fused model's, so the fused model's op
     must be known first. A throw-away session per model does that.
     """
     for model in models:

@@ -143,10 +143,10 @@ def test_ties_on_many_random_inputs(dtype: type) -> None:
         f"({type_name}[N, 7] x) => ({type_name}[N, 3] v, int64[N, 3] i)",
         f"p = Softmax(x)\nk = Constant<value = int64[1] {{3}}>()\nt, i = TopK(p, k){RENORM}",
     )
-    # Sessions that ran a plugin op must be gone before the plugin registers another op
-    # (onnxruntime-extensions 0.15 leaves them with dangling op pointers, and freeing them
-    # later crashes). hypothesis keeps `check` alive, so it reaches them through a list that is
-    # emptied at the end rather than through a closure.
+    # A session that ran a plugin op must be freed when the test ends: one freed late (at
+    # interpreter exit, or by the cyclic GC in another test's rank thread) segfaults in
+    # onnxruntime-extensions 0.15. hypothesis keeps `check` alive, so `check` reaches the
+    # sessions through a list emptied at the end rather than through a closure.
     sessions = [plugin_session(model), plugin_session(fuse_all(model, PATTERN).model)]
 
     @settings(max_examples=25, deadline=None)
