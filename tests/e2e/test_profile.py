@@ -157,3 +157,18 @@ def test_ops_with_value_inputs_run_their_kernels() -> None:
     for op in ("Softmax", "TopK", "ReduceSum"):
         nodes = [n for n in result.nodes if n.op == op]
         assert nodes and not any(n.estimated for n in nodes), [(n.name, n.note) for n in nodes]
+
+
+def test_tuned_profile_gives_unfused_ops_the_searched_tiling() -> None:
+    """`tuned` changes the time of unfused ops that have a cost model only; the nodes and the
+    launches stay."""
+    model = get_example("moe")
+    plain = profile_model(model, dims={"batch": 8, "seq": 32})
+    tuned = profile_model(model, dims={"batch": 8, "seq": 32}, tuned=True)
+    assert tuned.tuned and not plain.tuned and tuned.to_dict()["tuned"] is True
+    assert [n.name for n in tuned.nodes] == [n.name for n in plain.nodes]
+    assert tuned.launches == plain.launches
+    changed = [a.op for a, b in zip(plain.nodes, tuned.nodes, strict=True) if a.cycles != b.cycles]
+    assert changed and all(
+        op in ("MatMul", "Gemm", "Softmax", "TopK", "ReduceSum") for op in changed
+    )
