@@ -107,9 +107,9 @@ def check_tilings(model: onnx.ModelProto, target: str) -> None:
     """Check every fused node's stored tiling (`tile_*` attributes) before anything runs.
 
     A tiling that is malformed, or (for static shapes) does not fit `target`'s buffers or cores,
-    raises `NpuKernelError` naming the node and the kernel's reason. Worth calling when a session
-    is made: onnxruntime-extensions aborts the process when a Python op raises, so a tiling
-    refused at run time would end the process instead of reporting one line.
+    raises `NpuKernelError` naming the node and the kernel's reason, without running anything:
+    a session would refuse the same tiling only when the node runs. Symbolic shapes are left to
+    the kernel at run time.
     """
     from .engine import infer_types
     from .kernels.api import KernelError, TensorMeta
