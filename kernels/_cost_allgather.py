@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._cost_base import (
+    LastProblem,
     Stream,
     aligned_sizes,
     core_counts,
@@ -126,6 +127,9 @@ class _AgmmModel:
     domain = "fuser"
     op_type = OP
 
+    def __init__(self) -> None:
+        self._last = LastProblem()
+
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
@@ -139,7 +143,8 @@ class _AgmmModel:
         machine: Machine,
     ) -> float:
         assert isinstance(tiling, AllGatherMatMulTiling)
-        return agmm_cycles(machine, _problem(OP, metas, attrs, machine), tiling)
+        p = self._last.get(metas, attrs, lambda: _problem(OP, metas, attrs, machine))
+        return agmm_cycles(machine, p, tiling)
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine

@@ -84,6 +84,8 @@ class Stream:
         self.serial = 0.0  # sum over steps of each step's summed stages
         self.first: Stage | None = None
         self.steps = 0
+        # Latency after the last step that no overlap hides (e.g. the last block's FixPipe).
+        self.drain = 0.0
 
     def add(self, pipes: Mapping[str, float], count: float = 1.0) -> None:
         """`count` steps of the given per-pipe cycles."""
@@ -103,7 +105,24 @@ class Stream:
         if not double_buffer:
             return self.serial
         first = self.first or Stage()
-        return max(self.busy.values()) + first.total - first.slowest
+        return max(self.busy.values()) + first.total - first.slowest + self.drain
+
+
+class LastProblem:
+    """A one-entry memo of a model's parsed problem: the search prices many tilings of the
+    same inputs, and parsing them (the kernel's own checks) costs more than the formula."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._value: Any = None
+
+    def get(self, metas: Sequence[Any], attrs: Mapping[str, Any], make: Any) -> Any:
+        """`make()` for these inputs, reused while they stay the same."""
+        key = (tuple(metas), repr(sorted(attrs.items())))
+        if key != self._key:
+            self._value = make()
+            self._key = key
+        return self._value
 
 
 def kernel_cycles(machine: Machine, core_cycles: float, gm_bytes: float) -> float:

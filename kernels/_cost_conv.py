@@ -27,6 +27,8 @@ import numpy as np
 from ._conv_geometry import ConvGeometry
 from ._conv_tiling import ConvTiling, conv_specs, effective, n_items
 from ._cost_base import (
+    LastProblem,
+    Stage,
     Stream,
     aligned_sizes,
     core_counts,
@@ -62,6 +64,13 @@ def conv_cycles(
     co_changes = min(per_core, math.ceil(per_core / per_block) + (per_core % per_block != 0))
     s = Stream()
     single = width <= ci
+    # Parameter copies (and BN folding) once per channel block the core meets.
+    params = {"MTE2": 0.0, "SCALAR": 0.0}
+    if has_b or has_bn:
+        params["MTE2"] = dma(machine, (5 if has_bn else 1) * co * isz, cores)
+        if has_bn:
+            params["SCALAR"] = 4 * co * machine.scalar_op_cycles
+    chunk_steps = per_core * math.ceil(width / ci)
     for cc, count in ((ci, width // ci), (width % ci, 1)):
         if cc <= 0 or count <= 0:
             continue
@@ -72,16 +81,27 @@ def conv_cycles(
             + cc * co * isz / machine.l1_to_l0b_bytes_per_cycle
         )  # fmt: skip
         cube = g.taps * cube_blocks(m, cc, co, k0)
-        s.add({"MTE2": dma(machine, x_bytes, cores), "MTE1": mte1, "CUBE": cube}, count * per_core)
-        w_copies = co_changes if single else count * per_core
-        s.add({"MTE2": dma(machine, w_bytes, cores)}, w_copies)
-    s.add({"FIXP": dma_out(machine, m * co * isz, cores, machine.l0c_to_gm_bytes_per_cycle)},
-          per_core)  # fmt: skip
-    if has_b or has_bn:
-        pipes = {"MTE2": dma(machine, (5 if has_bn else 1) * co * isz, cores)}
-        if has_bn:
-            pipes["SCALAR"] = 4 * co * machine.scalar_op_cycles
-        s.add(pipes, co_changes)
+        # Weights: every chunk, or (one chunk holding all) only when the channels change;
+        # parameters when the channels change. Spread over the chunk steps so one step stands
+        # for the stream's mix (its fill and drain).
+        w_share = co_changes / chunk_steps if single else 1.0
+        mte2 = (
+            dma(machine, x_bytes, cores)
+            + w_share * dma(machine, w_bytes, cores)
+            + params["MTE2"] * co_changes / chunk_steps
+        )
+        pipes = {"MTE2": mte2, "MTE1": mte1, "CUBE": cube}
+        if params["SCALAR"]:
+            pipes["SCALAR"] = params["SCALAR"] * co_changes / chunk_steps
+        s.add(pipes, count * per_core)
+        # Within a chunk the taps pipeline (MTE1 of tap j+1 under the Cube of tap j): the
+        # fill and drain see one tap of MTE1 and Cube, and the chunk's copy.
+        if s.first is not None and s.first.pipes.get("MTE2") == mte2:
+            s.first = Stage({"MTE2": mte2, "MTE1": mte1 / g.taps, "CUBE": cube / g.taps})
+    fix = dma_out(machine, m * co * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
+    s.busy["FIXP"] = fix * per_core
+    s.serial += fix * per_core
+    s.drain = fix
     gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
     return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
 
@@ -117,6 +137,7 @@ class _ConvModel:
     def __init__(self, domain: str, op_type: str) -> None:
         self.domain = domain
         self.op_type = op_type
+        self._last = LastProblem()
 
     def _setup(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
@@ -140,7 +161,7 @@ class _ConvModel:
         machine: Machine,
     ) -> float:
         assert isinstance(tiling, ConvTiling)
-        g, dtype, has_b, has_bn = self._setup(metas, attrs)
+        g, dtype, has_b, has_bn = self._last.get(metas, attrs, lambda: self._setup(metas, attrs))
         return conv_cycles(machine, g, dtype, has_b, has_bn, tiling)
 
     def rule_of_thumb(

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._cost_base import (
+    LastProblem,
     Stream,
     aligned_sizes,
     core_counts,
@@ -53,10 +54,14 @@ def gemm_cycles(machine: Machine, p: GemmProblem, t: MatMulTiling, gm_extra: flo
         cube = sum(c * cube_blocks(tm, ss, tn, k0) for ss, c in steps)
         mte2 = dma(machine, tm * kk * isz, cores) + dma(machine, kk * tn * isz, cores)
         s.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * per_core)
-    out = {"FIXP": dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)}
+    fix = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
+    s.busy["FIXP"] = fix * per_core
+    s.serial += fix * per_core
+    s.drain = fix  # the last block's FixPipe follows its last multiply
     if p.has_c:
-        out["MTE2"] = dma(machine, tm * tn * isz, cores)
-    s.add(out, per_core)
+        c_in = dma(machine, tm * tn * isz, cores)
+        s.busy["MTE2"] += c_in * per_core
+        s.serial += c_in * per_core
     gm = isz * p.batch_size * (p.m * p.k + p.k * p.n + p.m * p.n) + gm_extra
     return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
 
@@ -107,6 +112,7 @@ class _GemmModel:
     def __init__(self, op_type: str) -> None:
         self.domain = ""
         self.op_type = op_type
+        self._last = LastProblem()
 
     def _kernel(self) -> _CubeGemm:
         k = get_kernel(self.domain, self.op_type)
@@ -127,7 +133,8 @@ class _GemmModel:
         machine: Machine,
     ) -> float:
         assert isinstance(tiling, MatMulTiling)
-        return gemm_cycles(machine, self._kernel().problem(metas, attrs), tiling)
+        p = self._last.get(metas, attrs, lambda: self._kernel().problem(metas, attrs))
+        return gemm_cycles(machine, p, tiling)
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine

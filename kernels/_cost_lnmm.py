@@ -14,21 +14,33 @@ The two sides overlap: the group takes the longer of (the first block's normaliz
 cube's stream) and (all of its normalization + one block's matmuls). Each stream is pipelined
 or summed per `_cost_base.Stream`.
 
-Space: rows on lcm(16, D/K) multiples x {1, 2, 4, 8, 16}, n_split in {1, 2, 4, 8, 16, 24} (up to
-the 16-column blocks), tile_n on 16-multiples {64, 128, 256}, tile_k on k0 multiples
+Space: rows on lcm(16, D/K) multiples x {1, 2, 4, 8, 16}, n_split in {1, 2, 3, 4, 6, 8, 12, 16,
+24} (up to the 16-column blocks), tile_n on 16-multiples {64, 128, 256} and each split's part
+width (up to 512), tile_k on k0 multiples
 {256, 512, 1024}, tile_k0 in {64, 128, 256}, vec_rows the most that fit UB (halved until they
-do), A resident or streamed, single or double buffering, all or half the cube cores. Filtered
-by the kernel's buffer specs and its own row-multiple rule, deduplicated.
+do), A resident or streamed, single or double buffering, on all cube cores (fewer groups lose
+both their Cube and their vector cores; kept out to keep the space small). Filtered by the
+kernel's buffer specs and its own row-multiple rule, deduplicated by what the kernel runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._cost_base import Stream, aligned_sizes, cube_blocks, dma, dma_out, fitting, kernel_cycles
+from ._cost_base import (
+    LastProblem,
+    Stream,
+    aligned_sizes,
+    cube_blocks,
+    dma,
+    dma_out,
+    fitting,
+    kernel_cycles,
+)
 from ._groups import l2_bytes_per_cycle, vector_cores_per_group
 from ._lnmm import (
     LayerNormMatMulTiling,
@@ -43,6 +55,7 @@ from ._lnmm import (
 from .api import TensorMeta, Tiling
 from .layernorm import layernorm_steps
 from .npu.machine import Machine
+from .npu.pipes import Level
 
 
 def lnmm_cycles(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> float:
@@ -119,7 +132,23 @@ def lnmm_cycles(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> float
     share.first = item.first
     one_item = item.time(db)
     first_block = v_block.time(db)
-    group_time = max(first_block + share.time(db), v_all.time(db) + one_item)
+    # Parameters first: LayerNorm's scale and bias into each vector core's UB, the Linears'
+    # biases into the cube core's L1 (one copy each, on the copy-in pipes).
+    v_params = sum(
+        dma(machine, d * isz, active_vec) for present in (p.ln.has_scale, p.ln.has_bias) if present
+    )
+    c_params = sum(dma(machine, lin.n * isz, groups) for lin in p.linears if lin.has_bias)
+    first_block += v_params
+    # The cube's copy-in pipe is in order: with the block resident, its workspace copies come
+    # first, so the W copies wait for the normalization; streamed, the first W copy (issued
+    # before the first A panel) overlaps it.
+    if t.a_resident:
+        start, ahead = max(first_block, c_params), 0.0
+    else:
+        first_w = min(tk, p.k) * min(tn, part_columns(p.max_n, 0, parts)[1]) * isz
+        ahead = dma(machine, first_w, groups)
+        start = max(first_block, c_params + ahead)
+    group_time = max(start + share.time(db) - ahead, v_params + v_all.time(db) + one_item - ahead)
     if not db:
         # Single-buffered: a row block's normalization waits for the previous block's last
         # matmul to release the L1 block (resident) or its UB slots.
@@ -148,37 +177,60 @@ def lnmm_space(machine: Machine, p: Problem) -> list[LayerNormMatMulTiling]:
     top = round_up(max(1, p.m), unit)
     rows_options = sorted({min(top, unit * f) for f in (1, 2, 4, 8, 16)})
     most = n_blocks(p)
-    splits = sorted({min(most, s) for s in (1, 2, 4, 8, 16, 24)})
+    splits = sorted({min(most, s) for s in (1, 2, 3, 4, 6, 8, 12, 16, 24)})
     k0 = machine.cube_k_block(p.dtype)
-    tns = aligned_sizes(p.max_n, machine.cube_n, (64, 128, 256))
     tks = aligned_sizes(p.k, k0, (256, 512, 1024))
     tk0s = aligned_sizes(p.k, k0, (64, 128, 256))
     vecs = max(1, vector_cores_per_group(machine))
     seen: set[tuple[int, ...]] = set()
     out: list[LayerNormMatMulTiling] = []
-    cores_options = sorted({machine.cube_cores, max(1, machine.cube_cores // 2)}, reverse=True)
-    for rows, ns, tn, tk, tk0, res, db, cores in itertools.product(
-        rows_options, splits, tns, tks, tk0s, (1, 0), (1, 0), cores_options
-    ):
-        if tk0 > tk or rows % p.q:
+    cores = machine.cube_cores
+    for rows, db in itertools.product(rows_options, (1, 0)):
+        if rows % p.q:
             continue
+        # The UB queues depend on vec_rows only: the most rows per vector step that fit.
         vr = max(1, math.ceil(rows // p.q / vecs))
-        t = LayerNormMatMulTiling(rows, ns, vr, tn, tk, tk0, res, db, cores)
-        while t.vec_rows > 1 and not fitting(machine, specs(p, t)):
-            t = LayerNormMatMulTiling(rows, ns, t.vec_rows // 2, tn, tk, tk0, res, db, cores)
-        eff = effective(p, t)
-        items = math.ceil(p.m / eff[0]) * min(ns, n_blocks(p))
-        key = (*eff, min(ns, n_blocks(p)), res, db, min(cores, items))
-        if key in seen or not fitting(machine, specs(p, t)):
+        probe = LayerNormMatMulTiling(rows, 1, vr, 16, k0, k0, 0, db, cores)
+        while vr > 1 and not _ub_fits(machine, p, probe):
+            vr //= 2
+            probe = dataclasses.replace(probe, vec_rows=vr)
+        if not _ub_fits(machine, p, probe):
             continue
-        seen.add(key)
-        out.append(t)
+        for ns in splits:
+            # Each split's exact part width (one W tile per part, as the kernel's default
+            # does) and the narrower fixed widths.
+            part = min(round_up(math.ceil(p.max_n / ns), machine.cube_n), round_up(p.max_n, 16))
+            tns = sorted(
+                {w for w in (64, 128, 256) if w < part} | ({part} if part <= 512 else set())
+            )
+            for tn, tk, tk0, res in itertools.product(tns, tks, tk0s, (1, 0)):
+                if tk0 > tk:
+                    continue
+                t = LayerNormMatMulTiling(rows, ns, vr, tn, tk, tk0, res, db, cores)
+                eff = effective(p, t)
+                key = (eff[0], eff[1], min(tn, part), eff[3], eff[4], ns, res, db)
+                if key in seen:
+                    continue
+                seen.add(key)
+                if fitting(machine, specs(p, t)):
+                    out.append(t)
     return out
+
+
+def _ub_fits(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> bool:
+    used = sum(s.reserved for s in specs(p, t) if s.level is Level.UB)
+    return used <= machine.ub_bytes
 
 
 class _LnmmModel:
     domain = "fuser"
     op_type = "LayerNormMatMul"
+
+    def __init__(self) -> None:
+        self._last = LastProblem()
+
+    def _problem(self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) -> Problem:
+        return self._last.get(metas, attrs, lambda: problem(metas, attrs))
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -193,7 +245,7 @@ class _LnmmModel:
         machine: Machine,
     ) -> float:
         assert isinstance(tiling, LayerNormMatMulTiling)
-        return lnmm_cycles(machine, problem(metas, attrs), tiling)
+        return lnmm_cycles(machine, self._problem(metas, attrs), tiling)
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine

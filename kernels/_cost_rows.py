@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._cost_base import Stream, core_counts, dma, dma_out, fitting, kernel_cycles
+from ._cost_base import LastProblem, Stream, core_counts, dma, dma_out, fitting, kernel_cycles
 from ._rows import RowPlan, RowTiling, specs
 from .api import Kernel, TensorMeta, Tiling
 from .npu.machine import Machine
@@ -102,6 +102,7 @@ class _RowModel:
     def __init__(self, domain: str, op_type: str) -> None:
         self.domain = domain
         self.op_type = op_type
+        self._last = LastProblem()
 
     def _plan(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -123,7 +124,8 @@ class _RowModel:
         machine: Machine,
     ) -> float:
         assert isinstance(tiling, RowTiling)
-        return row_cycles(machine, self._plan(metas, attrs, machine), tiling)
+        plan = self._last.get(metas, attrs, lambda: self._plan(metas, attrs, machine))
+        return row_cycles(machine, plan, tiling)
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
