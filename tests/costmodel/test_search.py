@@ -98,8 +98,9 @@ def test_model_ranks_tilings_as_the_simulator_does(
     # Every 8th candidate of the ranking: the whole range, a fast test.
     sample = list(result.candidates[:: max(1, len(result.candidates) // 24)])
     sims = [
-        kernel.run(machine, metas, attrs, tiling=p.tiling, functional=False, timeline=False)
-        .stats.cycles
+        kernel.run(
+            machine, metas, attrs, tiling=p.tiling, functional=False, timeline=False
+        ).stats.cycles
         for p in sample
     ]
     rho = spearman([p.cycles for p in sample], sims)
@@ -112,7 +113,8 @@ def test_roofline_floor_is_below_every_simulated_run(machine: Machine) -> None:
     metas = [m(512, 1024), m(1024, 1024)]
     kernel = get_kernel("", "MatMul")
     assert kernel is not None
-    floor = _cost.roofline_floor(2 * 512 * 1024 * 1024, 2 * (2 * 512 * 1024 + 1024**2), machine, F16)
+    flops, nbytes = 2 * 512 * 1024 * 1024, 2 * (2 * 512 * 1024 + 1024**2)
+    floor = _cost.roofline_floor(flops, nbytes, machine, F16)
     best = _cost.search("", "MatMul", metas, {}, machine).best.tiling
     run = kernel.run(machine, metas, {}, tiling=best, functional=False, timeline=False)
     assert 0 < floor < run.stats.cycles
