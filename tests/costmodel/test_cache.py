@@ -1,0 +1,89 @@
+"""The tuning cache: same key, same tiling; concurrent writers from two processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+from pathlib import Path
+
+from fuser.models import get_example
+
+from fuser.api import fuse
+from fuser.costmodel import CostModelDecider
+from fuser.tuning_cache import CacheKey, TuningCache, default_path
+
+
+def key(i: int) -> CacheKey:
+    return CacheKey.make("MatMul", [(i, 64), (64, 32)], "float16", "ascend910b", {"k": i})
+
+
+def test_default_path_follows_xdg(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_path() == tmp_path / "fuser" / "tuning.sqlite"
+
+
+def test_put_get_round_trip_and_replace(tmp_path: Path) -> None:
+    cache = TuningCache(tmp_path / "t.sqlite")
+    assert cache.get(key(1)) is None
+    assert cache.put(key(1), {"tile_m": 64, "cores": 24}, 1234.5)
+    hit = cache.get(key(1))
+    assert hit is not None and dict(hit.tiling) == {"tile_m": 64, "cores": 24}
+    assert hit.predicted_cycles == 1234.5 and hit.source == "model"
+    cache.put(key(1), {"tile_m": 128, "cores": 24}, 99.0, "simulated")
+    again = TuningCache(tmp_path / "t.sqlite").get(key(1))  # another connection sees it
+    assert again is not None and again.tiling["tile_m"] == 128 and again.source == "simulated"
+    # Another fuser version is another key.
+    other = CacheKey.make("MatMul", [(1, 64), (64, 32)], "float16", "ascend910b", {"k": 1}, "9.9")
+    assert cache.get(other) is None
+
+
+def test_an_unusable_cache_degrades_to_none(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cache = TuningCache(blocker / "sub" / "t.sqlite")
+    assert cache.get(key(1)) is None
+    assert not cache.put(key(1), {"tile_m": 1}, 1.0)
+    assert cache.disabled_reason
+
+
+def _writer(path: str, start: int, n: int) -> None:
+    cache = TuningCache(path)
+    for i in range(start, start + n):
+        assert cache.put(key(i), {"tile_m": i, "cores": 24}, float(i))
+        cache.get(key(i - 1))
+
+
+def test_two_processes_writing_at_once_do_not_corrupt_it(tmp_path: Path) -> None:
+    path = str(tmp_path / "shared.sqlite")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(path, s, 150)) for s in (0, 100)]  # overlap
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    cache = TuningCache(path)
+    assert len(cache) == 250
+    for i in range(250):
+        hit = cache.get(key(i))
+        assert hit is not None and hit.tiling["tile_m"] == i
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_fuse_twice_gets_the_same_tiling_from_the_cache(tmp_path: Path) -> None:
+    model = get_example("cnn-edge")
+    cache_path = tmp_path / "c.sqlite"
+
+    def tilings(cache: object) -> list[dict[str, int]]:
+        decider = CostModelDecider.for_target("ascend910b", cache=cache)  # type: ignore[arg-type]
+        report = fuse(model, decider=decider).report
+        assert report.fusions
+        return [dict(f.prediction.tiling) for f in report.fusions if f.prediction]
+
+    first = tilings(cache_path)
+    assert len(TuningCache(cache_path)) >= 1
+    second = tilings(cache_path)
+    assert first == second
+    assert tilings(False) == first  # no cache: the same search, the same answer
