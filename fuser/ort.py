@@ -14,7 +14,6 @@ com.microsoft AllGather runs on an in-process communicator (one session per rank
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -107,6 +106,7 @@ def session(
         raise UsageError(f"unknown kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
     ensure_fused_ops_registered()
     _ensure_builtin_handlers()
+    _register_catalogue()
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     copy = onnx.ModelProto()
     copy.CopyFrom(loaded.model)
@@ -194,12 +194,30 @@ def _elem_type(
     return found.elem_type
 
 
-# onnxruntime-extensions' Python ops abort the process on float16 ("Type float16 not supported
-# by python customops api"); such values cross the boundary as float32 (lossless both ways) and
-# the dispatcher restores the real dtype, so handlers see exactly what the graph holds.
-_TRANSPORT: dict[int, int] = {
-    onnx.TensorProto.FLOAT16: onnx.TensorProto.FLOAT,
-    onnx.TensorProto.BFLOAT16: onnx.TensorProto.FLOAT,
+# Every tensor crosses the plugin boundary as float64, through Cast nodes on either side, and
+# the dispatcher restores the real dtype, so handlers see exactly what the graph holds. Why:
+# - onnxruntime-extensions 0.15 aborts the process on float16 tensors ("Type float16 not
+#   supported by python customops api");
+# - it keeps raw pointers into its list of Python ops, so registering an op after a session
+#   exists leaves that session dangling (a segfault on its next run). With one wire type, an
+#   op's signature is just its input and output counts, and the whole catalogue is registered
+#   once, before the first session.
+# float64 holds float16/float32/int32/bool exactly, and int64 up to 2**53 (indices, shapes).
+_WIRE = onnx.TensorProto.DOUBLE
+MAX_WIRE_INPUTS, MAX_WIRE_OUTPUTS = 24, 12
+_EXACT_ON_WIRE = {
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.BFLOAT16,
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.INT64,
+    onnx.TensorProto.INT32,
+    onnx.TensorProto.INT16,
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.UINT16,
+    onnx.TensorProto.UINT32,
+    onnx.TensorProto.BOOL,
 }
 
 
@@ -231,11 +249,15 @@ def _remap_node(
         "__out_dtypes__": [helper.tensor_dtype_to_np_dtype(t).name for t in out_types],
         **attrs,
     }
-    wire_in = [_TRANSPORT.get(t, t) for t in in_types]
-    wire_out = [_TRANSPORT.get(t, t) for t in out_types]
-    signature = json.dumps([node.domain, node.op_type, wire_in, wire_out])
-    contrib_name = f"{node.op_type}_{hashlib.sha1(signature.encode()).hexdigest()[:12]}"
-    _register_contrib_op(contrib_name, wire_in, wire_out)
+    for t in [*in_types, *out_types]:
+        if t not in _EXACT_ON_WIRE:
+            raise UsageError(
+                f"node '{node.name}' ({node.op_type}): tensors of type "
+                f"{helper.tensor_dtype_to_np_dtype(t).name} cannot pass through the plugin"
+            )
+    wire_in = [_WIRE] * len(in_types)
+    wire_out = [_WIRE] * len(out_types)
+    contrib_name = _contrib_op_name(len(in_types), len(out_types))
     before: list[onnx.NodeProto] = []
     after: list[onnx.NodeProto] = []
     inputs, outputs = [], []
@@ -264,23 +286,30 @@ def _remap_node(
 _REGISTERED_CONTRIB: set[str] = set()
 
 
-def _register_contrib_op(name: str, in_types: list[int], out_types: list[int]) -> None:
+def _contrib_op_name(n_inputs: int, n_outputs: int) -> str:
+    name = f"FuserOp_{n_inputs}_{n_outputs}"
+    if name not in _REGISTERED_CONTRIB:
+        # Only beyond the catalogue; a session created earlier in this process may not survive.
+        _register_contrib_op(name, n_inputs, n_outputs)
+    return name
+
+
+def _register_catalogue() -> None:
+    """Register every op signature the plugin can need, before any session exists."""
+    for n_in in range(1, MAX_WIRE_INPUTS + 1):
+        for n_out in range(1, MAX_WIRE_OUTPUTS + 1):
+            _register_contrib_op(f"FuserOp_{n_in}_{n_out}", n_in, n_out)
+
+
+def _register_contrib_op(name: str, n_inputs: int, n_outputs: int) -> None:
     if name in _REGISTERED_CONTRIB:
         return
     from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
-    def dt(elem: int) -> int:
-        np_name = helper.tensor_dtype_to_np_dtype(elem).name
-        mapping = {"float32": "float", "float64": "double", "bool": "bool"}
-        attr = f"dt_{mapping.get(np_name, np_name)}"
-        if not hasattr(PyCustomOpDef, attr):
-            raise UsageError(f"onnxruntime-extensions cannot pass tensors of type {np_name}")
-        return int(getattr(PyCustomOpDef, attr))
-
     onnx_op(
         op_type=name,
-        inputs=[dt(t) for t in in_types],
-        outputs=[dt(t) for t in out_types],
+        inputs=[PyCustomOpDef.dt_double] * n_inputs,
+        outputs=[PyCustomOpDef.dt_double] * n_outputs,
         attrs={_PACKED: PyCustomOpDef.dt_string},
     )(_dispatch)
     _REGISTERED_CONTRIB.add(name)
@@ -339,7 +368,7 @@ def _raise_recorded(context_id: str, during: BaseException | None = None) -> Non
 
 
 def _wire_dtype(dtype: str) -> str:
-    return "float32" if dtype in ("float16", "bfloat16") else dtype
+    return "float64"
 
 
 _BUILTINS_LOADED = False

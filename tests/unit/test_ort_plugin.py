@@ -76,3 +76,21 @@ def test_a_rank_that_fails_releases_the_others() -> None:
     assert not any(t.is_alive() for t in threads), "a rank hung after another failed"
     assert len(errors) == 2  # rank 1's op failed; rank 0's gather was released with an error
     assert any("refusing a positive sum" in str(e) for e in errors)
+
+
+def test_a_session_survives_later_sessions_of_other_models() -> None:
+    """onnxruntime-extensions keeps pointers into its op list: an op registered after a session
+    exists used to leave that session dangling (segfault on its next run)."""
+    first = session(MODEL)
+    wide = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+    g (int64[2] a) => (int64[2] y) {
+        y = com.microsoft.AllGather <group_size = 1, axis = 0> (a)
+    }
+    """)
+    second = session(wide)
+    for _ in range(3):
+        (y,) = first.run(None, {"x": -np.ones(3, np.float32)})
+        np.testing.assert_array_equal(y, np.full(3, 2, np.float32))
+        (z,) = second.run(None, {"a": np.array([2**40, -3], np.int64)})
+        np.testing.assert_array_equal(z, np.array([2**40, -3], np.int64))  # int64 exact on the wire
