@@ -66,7 +66,7 @@ def agmm_cycles(machine: Machine, p: _Problem, t: AllGatherMatMulTiling) -> floa
     arrivals = [0.0] + [end for _, end in ring_arrivals(machine, shards, p.g.shard_bytes)]
 
     def pace(s: Stream) -> float:
-        return max(s.busy.values()) if db else s.serial
+        return max(s.busy.values()) if db else s.single()
 
     fill = (tile.first.total - tile.first.slowest) if (db and tile.first) else 0.0
     if not p.k_gather:

@@ -76,16 +76,21 @@ class Stage:
         return max(self.pipes.values(), default=0.0)
 
 
+#: Pipes in the order a step's data flows through them (copy in, move, compute, copy out).
+FLOW: tuple[str, ...] = ("MTE2", "MTE1", "VECTOR", "CUBE", "MTE3", "FIXP")
+
+
 class Stream:
     """One core's work as a stream of steps: per-pipe busy totals and the step latencies."""
 
     def __init__(self) -> None:
         self.busy: dict[str, float] = {}
-        self.serial = 0.0  # sum over steps of each step's summed stages
         self.first: Stage | None = None
         self.steps = 0
         # Latency after the last step that no overlap hides (e.g. the last block's FixPipe).
         self.drain = 0.0
+        # The last step as the drain sees it, when it differs from the first (None: the same).
+        self.last: Stage | None = None
 
     def add(self, pipes: Mapping[str, float], count: float = 1.0) -> None:
         """`count` steps of the given per-pipe cycles."""
@@ -93,19 +98,35 @@ class Stream:
             return
         for p, c in pipes.items():
             self.busy[p] = self.busy.get(p, 0.0) + c * count
-        self.serial += sum(pipes.values()) * count
         if self.first is None or sum(pipes.values()) > self.first.total:
             self.first = Stage(dict(pipes))
         self.steps += math.ceil(count)
 
+    def single(self) -> float:
+        """Single-buffered makespan: one slot per queue, so a step's copy, moves and compute
+        follow one another, and the next step's copy waits for the slot. Only the FixPipe
+        (its own L0C slot) and the scalar unit overlap: they count once, as the drain."""
+        chain = sum(c for p, c in self.busy.items() if p in FLOW and p != "FIXP")
+        return chain + self.drain
+
     def time(self, double_buffer: bool) -> float:
-        """Makespan of the stream: pipelined (fill + busiest pipe + drain) or summed."""
+        """Makespan of the stream: pipelined (fill + busiest pipe + drain) or summed.
+
+        Pipelined, the busiest pipe sets the pace; before its first instruction the step's
+        earlier stages run once (fill), after its last the later ones (drain), in the order
+        data flows through the pipes (`FLOW`).
+        """
         if not self.busy:
             return 0.0
         if not double_buffer:
-            return self.serial
+            return self.single()
         first = self.first or Stage()
-        return max(self.busy.values()) + first.total - first.slowest + self.drain
+        last = self.last or first
+        neck = max(self.busy, key=lambda p: self.busy[p])
+        at = FLOW.index(neck) if neck in FLOW else 0
+        fill = sum(first.pipes.get(p, 0.0) for p in FLOW[:at])
+        drain = sum(last.pipes.get(p, 0.0) for p in FLOW[at + 1 :])
+        return self.busy[neck] + fill + drain + (self.drain if neck != "FIXP" else 0.0)
 
 
 class LastProblem:

@@ -60,8 +60,9 @@ def conv_cycles(
     m = th * tw
     x_rows, x_cols = min(rows, g.h), min(cols, g.w)
     per_block = g.n * math.ceil(g.ho / th) * math.ceil(g.wo / tw)
-    # Channel blocks a core meets: its contiguous share crosses block boundaries.
-    co_changes = min(per_core, math.ceil(per_core / per_block) + (per_core % per_block != 0))
+    # Channel blocks a core meets: a contiguous share of L blocks crosses (L - 1) / B block
+    # boundaries on average.
+    co_changes = min(float(per_core), 1 + (per_core - 1) / per_block)
     s = Stream()
     single = width <= ci
     # Parameter copies (and BN folding) once per channel block the core meets.
@@ -96,11 +97,17 @@ def conv_cycles(
         s.add(pipes, count * per_core)
         # Within a chunk the taps pipeline (MTE1 of tap j+1 under the Cube of tap j): the
         # fill and drain see one tap of MTE1 and Cube, and the chunk's copy.
+        # The first chunk also waits for the block's parameters and its whole weight copy.
         if s.first is not None and s.first.pipes.get("MTE2") == mte2:
-            s.first = Stage({"MTE2": mte2, "MTE1": mte1 / g.taps, "CUBE": cube / g.taps})
+            prologue = dma(machine, x_bytes, cores) + dma(machine, w_bytes, cores) + params["MTE2"]
+            s.first = Stage({"MTE2": prologue, "MTE1": mte1 / g.taps, "CUBE": cube / g.taps})
+            # After a copy-bound stream, the last chunk's taps (MTE1 and Cube overlapping)
+            # still run: as MTE1 the longer of the two, as Cube one tap.
+            s.last = Stage(
+                {"MTE2": mte2, "MTE1": max(mte1, cube) - cube / g.taps, "CUBE": cube / g.taps}
+            )
     fix = dma_out(machine, m * co * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
     s.busy["FIXP"] = fix * per_core
-    s.serial += fix * per_core
     s.drain = fix
     gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
     return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)

@@ -56,12 +56,10 @@ def gemm_cycles(machine: Machine, p: GemmProblem, t: MatMulTiling, gm_extra: flo
         s.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * per_core)
     fix = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
     s.busy["FIXP"] = fix * per_core
-    s.serial += fix * per_core
     s.drain = fix  # the last block's FixPipe follows its last multiply
     if p.has_c:
         c_in = dma(machine, tm * tn * isz, cores)
         s.busy["MTE2"] += c_in * per_core
-        s.serial += c_in * per_core
     gm = isz * p.batch_size * (p.m * p.k + p.k * p.n + p.m * p.n) + gm_extra
     return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
 

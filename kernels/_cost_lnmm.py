@@ -124,12 +124,13 @@ def lnmm_cycles(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> float
                 mte2 += dma_l2(machine, tm * kk * isz, groups, l2)
             item.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * n_tiles)
         fix = dma_out(machine, tm * width * isz, groups, machine.l0c_to_gm_bytes_per_cycle)
-        item.add({"FIXP": fix}, n_tiles)
+        item.busy["FIXP"] = item.busy.get("FIXP", 0.0) + fix * n_tiles
+        item.drain = fix  # the last tile's FixPipe after its last multiply
     share = Stream()
     for p_, c in item.busy.items():
         share.busy[p_] = c * per_group
-    share.serial = item.serial * per_group
     share.first = item.first
+    share.drain = item.drain
     one_item = item.time(db)
     first_block = v_block.time(db)
     # Parameters first: LayerNorm's scale and bias into each vector core's UB, the Linears'
