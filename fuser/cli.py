@@ -27,8 +27,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
-err = Console(stderr=True)
+# Piped or redirected output is read in files and CI logs, not an 80-column terminal: give rich
+# room so tables of long node names do not wrap into unreadable columns.
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 EXAMPLE_PREFIX = "example:"
 

@@ -52,7 +52,7 @@ def profile(
     ] = False,
 ) -> None:
     """Run MODEL on the simulated NPU (timing only): cycles, GM bytes and bound per node."""
-    from .cli import _fail, _resolve_input, out
+    from .cli import _fail, _print_json, _resolve_input, out
     from .profile import profile_model
 
     try:
@@ -75,7 +75,7 @@ def profile(
     except OSError as exc:
         raise _fail(f"{trace}: cannot write the trace ({exc.strerror or exc})") from None
     if as_json:
-        out.print_json(json.dumps(result.to_dict()))
+        _print_json(result.to_dict())
         return
     total = result.total_cycles or 1.0
     table = Table(
