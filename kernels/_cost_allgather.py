@@ -70,11 +70,11 @@ def agmm_cycles(machine: Machine, p: _Problem, t: AllGatherMatMulTiling) -> floa
 
     fill = (tile.first.total - tile.first.slowest) if (db and tile.first) else 0.0
     if not p.k_gather:
-        # Rotation evens the tails out over the shards.
-        per_shard = math.ceil(tiles * shards / cores) / shards
-        w = per_shard * (pace(tile) + (fix if not db else 0.0))
-        fix_total = per_shard * shards * fix if db else 0.0
-        core = max(a + (shards - j) * w for j, a in enumerate(arrivals))
+        # Rotation evens the tails out over the shards, but a core still owns whole tiles:
+        # from shard j on, the busiest core holds ceil((p - j) * tiles / cores) of them.
+        w = pace(tile) + (fix if not db else 0.0)
+        core = max(a + math.ceil((shards - j) * tiles / cores) * w for j, a in enumerate(arrivals))
+        fix_total = math.ceil(tiles * shards / cores) * fix if db else 0.0
         core = max(core, fix_total) + fill + (fix if db else 0.0)
     else:
         mine = math.ceil(tiles / cores)
