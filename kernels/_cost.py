@@ -9,7 +9,9 @@ host-side tiling kernels use at run time when a node carries no tiling.
     >>> r.best.cycles <= r.runner_up.cycles
     True
 
-The best is the cheapest by the model, except that candidates within `TIE` (1%) of it count
+The space is the model's, plus the kernel's own default tiling and the articles' rule of thumb
+when they fit (so the search never prefers a tiling the model rates below either). The best is
+the cheapest by the model, except that candidates within `TIE` (1%) of it count
 as tied and the one with the biggest tiles wins.
 
 Search: exhaustive when the space holds at most `EXHAUSTIVE_LIMIT` tilings (the spaces are
@@ -22,6 +24,7 @@ a second.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Hashable, Mapping, Sequence
@@ -36,6 +39,7 @@ from . import _cost_allgather, _cost_conv, _cost_gemm, _cost_lnmm, _cost_rows
 from ._cost_base import CostModel
 from .api import Kernel, TensorMeta, Tiling, TilingError
 from .npu.machine import Machine
+from .registry import get_kernel
 
 EXHAUSTIVE_LIMIT = 4096
 BEAM = 32
@@ -97,6 +101,21 @@ def search(
     if model is None:
         raise TilingError(f"{op_type}: no cost model")
     space = model.space(metas, attrs, machine)
+    # The kernel's own default and the articles' rule of thumb are candidates too (when they
+    # fit): the search then never prefers a tiling the model rates below either.
+    kernel = get_kernel(model.domain, model.op_type)
+    extra: list[Tiling | None] = [model.rule_of_thumb(metas, attrs, machine)]
+    if kernel is not None:
+        with contextlib.suppress(TilingError):
+            extra.append(kernel.default_tiling(metas, attrs, machine))
+    for t in extra:
+        if t is None or t in space or kernel is None:
+            continue
+        try:
+            kernel.check_tiling(metas, attrs, t, machine)
+        except TilingError:
+            continue
+        space.append(t)
     if not space:
         raise TilingError(f"{op_type}: no tiling fits {machine.name}")
     exhaustive = len(space) <= EXHAUSTIVE_LIMIT

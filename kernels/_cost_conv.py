@@ -10,9 +10,9 @@ the parameters are copied (and BN folded on the scalar unit). The slowest core h
 `ceil(blocks / cores)` blocks.
 
 Space: tile_co on 16-multiples {16 .. 256}, tile_ci on k0 (32-byte) multiples {16 .. 256},
-tile_w in {8, 16, 32, 64, Wo}, tile_h in {1, 2, 4, 8, 16, 32, the most that fit}, single or
-double buffering, all / half / a quarter of the cube cores, filtered by the kernel's buffer
-specs and deduplicated by the effective (clipped) sizes.
+tile_w in {8, 16, 32, 64, 128, 256, Wo}, tile_h in {1, 2, 4, 8, 16, 32, the most that fit},
+single or double buffering, all / half / a quarter of the cube cores, filtered by the kernel's
+buffer specs and deduplicated by the effective (clipped) sizes.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def conv_space(
     """Fitting tilings on aligned steps (see the module docstring)."""
     k0 = machine.cube_k_block(dtype)
     cos = aligned_sizes(g.cout, machine.cube_n, (16, 32, 64, 128, 256))
-    tws = sorted({min(g.wo, w) for w in (8, 16, 32, 64)} | {g.wo})
+    tws = sorted({min(g.wo, w) for w in (8, 16, 32, 64, 128, 256)} | {g.wo})
     seen: set[tuple[int, ...]] = set()
     out: list[ConvTiling] = []
     for co in cos:
