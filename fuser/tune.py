@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .costmodel import SYMBOLIC_SIZE, _plain
+from .costmodel import SYMBOLIC_SIZE, _guess_input, _plain
 from .tuning_cache import CacheKey, TuningCache
 
 #: Called as progress(done, total, label) while simulating.
@@ -196,15 +196,26 @@ def node_metas(
     types = _types(model, engine)
     attrs = {a.name: _plain(helper.get_attribute_value(a)) for a in node.attribute}
     metas: list[Any] = []
+    unknown: list[int] = []
     for name in node.input:
         if not name:
             metas.append(None)
             continue
         vt = types.get(name)
-        if vt is None or vt.shape is None:
-            raise ValueError(f"{node.name}: input {name!r} has no known shape")
+        if vt is None or not vt.elem_type:
+            raise ValueError(f"{node.name}: input {name!r} has no known type")
+        dtype = helper.tensor_dtype_to_np_dtype(vt.elem_type)
+        if vt.shape is None:
+            # Rank lost upstream (symbolic Reshapes): [symbolic_size, D] as `fuse` prices it.
+            unknown.append(len(metas))
+            metas.append(TensorMeta((), dtype))
+            continue
         dims = tuple(d if isinstance(d, int) and d >= 0 else symbolic_size for d in vt.shape)
-        metas.append(TensorMeta(dims, helper.tensor_dtype_to_np_dtype(vt.elem_type)))
+        metas.append(TensorMeta(dims, dtype))
+    for i in unknown:
+        metas[i] = _guess_input(metas, i, symbolic_size)
+        if metas[i] is None:
+            raise ValueError(f"{node.name}: input {node.input[i]!r} has no known shape")
     op = fusedop.get(node.op_type)
     if op.collective_input is not None and metas[op.collective_input] is not None:
         m = metas[op.collective_input]
