@@ -198,6 +198,8 @@ def _apply(
     attributes = {k: v for k, v in match.attributes.items() if v is not None}
     attributes.update(extra_attrs)
     _check_inferred_types(index, match, attributes)
+    for reader, old, new in match.rewires:
+        index.rewire_input(reader, old, new)
     fused = onnx.NodeProto(
         op_type=match.op.name,
         domain=DOMAIN,

@@ -469,6 +469,17 @@ class GraphIndex:
                         queue.append(reader)
         return sorted(found, key=self.pos.__getitem__), None
 
+    def rewire_input(self, node_id: int, old: str, new: str) -> None:
+        """Make node `node_id` read `new` where it read `old` (`new` is produced earlier)."""
+        node = self.nodes[node_id]
+        for i, name in enumerate(node.input):
+            if name == old:
+                node.input[i] = new
+        self.consumers.get(old, {}).pop(node_id, None)
+        self.consumers.setdefault(new, {})[node_id] = None
+        self._reads[node_id] = self.read_names(node)
+        self.modified = True
+
     def replace(
         self,
         members: Iterable[int],

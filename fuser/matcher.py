@@ -55,11 +55,23 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
             )
 
     outputs = list(match.outputs)
+    rewires: list[tuple[int, str, str]] = []
+    notes = list(match.notes)
     for node_id in match.nodes:
         for value in graph.node(node_id).output:
             if not value or value in outputs:
                 continue
             outside = [r for r in graph.readers(value) if r not in members]
+            source = match.shape_sources.get(value)
+            if source:
+                shape_readers = [r for r in outside if _reads_only_shape(graph, r, value)]
+                for reader in shape_readers:
+                    rewires.append((reader, value, source))
+                    notes.append(
+                        f"Shape '{graph.describe(reader)}' reads '{source}' (same shape) "
+                        f"instead of '{value}'"
+                    )
+                outside = [r for r in outside if r not in shape_readers]
             if not outside and not graph.is_graph_output(value):
                 continue
             slot = match.exportable.get(value)
@@ -94,7 +106,14 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
     bad_type = _unsupported_type(graph, match)
     if bad_type is not None:
         return rejection(match.pattern, graph, list(match.nodes), *bad_type)
-    return replace(match, outputs=tuple(outputs))
+    return replace(match, outputs=tuple(outputs), rewires=tuple(rewires), notes=tuple(notes))
+
+
+def _reads_only_shape(graph: GraphIndex, node_id: int, value: str) -> bool:
+    node = graph.node(node_id)
+    return (
+        node.op_type == "Shape" and node.domain in ("", "ai.onnx") and list(node.input) == [value]
+    )
 
 
 def _unsupported_type(graph: GraphIndex, match: Match) -> tuple[str, str] | None:

@@ -36,6 +36,7 @@ class Match:
     `outputs[i]` is the original value the fused op's output i stands for ("" = not produced).
     `exportable` maps an internal value to the output position that can carry it if something
     outside the match reads it; the matcher fills that position in only when needed.
+    `shape_sources` lets `Shape` readers of an internal value read a same-shaped input instead.
     """
 
     pattern: str
@@ -47,6 +48,11 @@ class Match:
     exportable: Mapping[str, int] = field(default_factory=dict)
     new_initializers: tuple[onnx.TensorProto, ...] = ()
     notes: tuple[str, ...] = ()
+    # internal value -> an input of the match with the same shape: a `Shape` node outside the
+    # match that reads the internal value is re-pointed there, so the value need not be output
+    # just for its dims. The matcher fills `rewires` with the (Shape node, old, new) it applies.
+    shape_sources: Mapping[str, str] = field(default_factory=dict)
+    rewires: tuple[tuple[int, str, str], ...] = ()
 
 
 class Pattern(Protocol):

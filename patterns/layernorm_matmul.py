@@ -984,8 +984,10 @@ class LayerNormMatMulPattern:
             "flatten": [lin.flatten for lin in readers.linears],
         }
         notes = (*norm.notes, *(f"left unfused: {m.reason}" for m in readers.misses))
-        if readers.outside:
-            notes += (f"normalized also output, for {', '.join(readers.outside)}",)
+        # Shape readers are re-pointed to X by the matcher (shape_sources), not served by output.
+        others = [r for r in readers.outside if not r.endswith("(Shape)")]
+        if others:
+            notes += (f"normalized also output, for {', '.join(others)}",)
         return Match(
             self.name,
             LAYERNORM_MATMUL,
@@ -994,6 +996,7 @@ class LayerNormMatMulPattern:
             ("", *(lin.output for lin in readers.linears)),
             attributes,
             exportable={norm.out: 0},
+            shape_sources={norm.out: norm.x},
             new_initializers=tuple(t for lin in readers.linears for t in lin.new_initializers),
             notes=notes,
         )

@@ -287,7 +287,10 @@ def test_layernormalization_op_with_shape_reader(opset: int) -> None:
     result = fuse(model)
     assert result.report.summary == {PATTERN: 1}
     (node,) = fused_nodes(result.model)
-    assert node.output[0] == n  # the Shape keeps reading the normalized value
+    # the Shape reads X (same shape) instead, so the normalized value is not written out for it
+    assert node.output[0] == ""
+    shape = next(n for n in result.model.graph.node if n.op_type == "Shape")
+    assert list(shape.input) == [x]
     assert attrs(node)["stash_type"] == 1
     assert [n.op_type for n in result.model.graph.node] == ["LayerNormMatMul", "Shape"]
     assert_same(model, result.model)
@@ -352,7 +355,12 @@ def test_torchscript_gpt2_conv1d_with_computed_view_shape(opset: int) -> None:
     assert attrs(node)["flatten"] == [1]
     names = {n.name for n in result.model.graph.node}
     assert not names & {"view_shape", "view_target", "view"}  # the view's shape went with it
-    assert node.output[0] == n  # the Shape giving the view back its leading dims reads it
+    # the Shape giving the view back its leading dims now reads X (same shape), so the
+    # normalized value is not written out just for its dims
+    assert node.output[0] == ""
+    shapes = [s for s in result.model.graph.node if s.op_type == "Shape"]
+    assert shapes
+    assert all(list(s.input) == [x] for s in shapes)
     assert_same(model, result.model)
 
 
@@ -392,7 +400,9 @@ def test_view_shape_read_elsewhere_leaves_that_gemm_unfused() -> None:
     assert record.notes == (
         "left unfused: the target shape of Reshape 'view' is computed by 'view_target', which is "
         "also read elsewhere, so the Reshape cannot be fused away",
-        "normalized also output, for 'view_shape' (Shape), 'view' (Reshape), 'Shape_9' (Shape)",
+        "normalized also output, for 'view' (Reshape)",
+        "Shape 'view_shape' reads 'x' (same shape) instead of 'LayerNormalization_0_out'",
+        "Shape 'Shape_9' reads 'x' (same shape) instead of 'LayerNormalization_0_out'",
     )
     assert attrs(fused_nodes(result.model)[0])["flatten"] == [0]
     assert_same(model, result.model)
@@ -508,7 +518,8 @@ def test_any_exporter_variant_fuses_into_one_node(
     result = fuse(model)
     assert result.report.summary == {PATTERN: 1}, reasons(result)
     (node,) = fused_nodes(result.model)
-    assert node.output[0] == (n if shape_reader or residual else "")
+    # a Shape reader is re-pointed to X; only a residual reader needs the normalized output
+    assert node.output[0] == (n if residual else "")
     assert attrs(node)["has_bias"] == [1 if b else 0 for b in biases]
     assert len(result.model.graph.node) == 1 + shape_reader + residual
     assert_same(model, result.model)

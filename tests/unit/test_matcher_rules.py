@@ -57,6 +57,7 @@ MUL_ADD = register(
 @dataclass(frozen=True)
 class MulAdd:
     exportable: bool = True
+    shape_source: bool = False
     name: str = "mul_add"
     description: str = "test"
     anchors: tuple[tuple[str, str], ...] = (("", "Mul"),)
@@ -80,6 +81,7 @@ class MulAdd:
             (add.output[0], ""),
             {},
             exportable={mul.output[0]: 1} if self.exportable else {},
+            shape_sources={mul.output[0]: mul.input[0]} if self.shape_source else {},
         )
 
 
@@ -315,3 +317,39 @@ def test_long_chain_fuses_every_pair() -> None:
     out, log = run(model, MulAdd())
     assert len(log.fusions) == 2000 and len(out.graph.node) == 2000
     onnx.checker.check_model(out)
+
+
+def test_shape_readers_are_repointed_instead_of_exporting_the_value() -> None:
+    model = model_of(
+        HEADER
+        + """g (float[N] a, float[N] b, float[N] c) => (float[N] y, int64[1] s) {
+        p = Mul(a, b)
+        s = Shape(p)
+        y = Add(p, c)
+    }"""
+    )
+    out, log = run(model, MulAdd(shape_source=True))
+    # the Shape no longer depends on the match, so it may come first
+    fused = next(n for n in out.graph.node if n.op_type == "TestMulAdd")
+    shape = next(n for n in out.graph.node if n.op_type == "Shape")
+    assert list(fused.output) == ["y"]  # p is not output just for its dims
+    assert list(shape.input) == ["a"]
+    assert log.fusions[0].notes == ("Shape 'Shape#1' reads 'a' (same shape) instead of 'p'",)
+    onnx.checker.check_model(out)
+
+
+def test_other_readers_still_need_the_export() -> None:
+    model = model_of(
+        HEADER
+        + """g (float[N] a, float[N] b, float[N] c)
+        => (float[N] y, int64[1] s, float[N] z) {
+        p = Mul(a, b)
+        s = Shape(p)
+        z = Neg(p)
+        y = Add(p, c)
+    }"""
+    )
+    out, _ = run(model, MulAdd(shape_source=True))
+    fused = next(n for n in out.graph.node if n.op_type == "TestMulAdd")
+    assert list(fused.output) == ["y", "p"]
+    assert list(next(n for n in out.graph.node if n.op_type == "Shape").input) == ["a"]
