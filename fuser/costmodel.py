@@ -60,9 +60,10 @@ class Priced:
     symbolic: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class CostModelDecider:
-    """The `Decider` backed by the target's cost model (see the module docstring)."""
+    """The `Decider` backed by the target's cost model (see the module docstring). The memo
+    of unfused node prices is the only state: repeated layers are priced once."""
 
     target: str
     machine: Any  # fuser.kernels.npu.machine.Machine
