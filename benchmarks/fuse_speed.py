@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--onnxscript-max", type=int, default=10000)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    console = Console()
+    console = Console(width=160)
     fuser_cmd = [sys.executable, "-m", "fuser.cli", "fuse"]
     table = Table(title="time to fuse a model file (whole process, median)", title_justify="left")
     for column in (

@@ -89,6 +89,14 @@ def test_conv_bn_relu_fuses_to_one_node_and_matches_onnxruntime() -> None:
     assert node.domain == "fuser"
     assert len(node.input) == 3  # BN folded into W and B
     assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["relu"] == 1
+    # the registered schema makes onnx's strictest check and shape inference accept the result
+    onnx.checker.check_model(result.model, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(result.model, strict_mode=True)
+    (y,) = inferred.graph.output
+    dims = [d.dim_value or d.dim_param for d in y.type.tensor_type.shape.dim]
+    # H - 2 has no symbol of its own (as for onnx's Conv); the known dims must be exact
+    assert dims[0] == "N" and dims[1] == 5 and dims[3] == 7
+    assert not isinstance(dims[2], int)
     assert_equivalent(model, result.model)
 
 
