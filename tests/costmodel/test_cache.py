@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 from fuser.models import get_example
@@ -46,22 +47,29 @@ def test_an_unusable_cache_degrades_to_none(tmp_path: Path) -> None:
     assert cache.disabled_reason
 
 
-def _writer(path: str, start: int, n: int) -> None:
-    cache = TuningCache(path)
-    for i in range(start, start + n):
-        assert cache.put(key(i), {"tile_m": i, "cores": 24}, float(i))
-        cache.get(key(i - 1))
+# Writer processes run this script: the test module itself is not importable from a child
+# (pytest's importlib mode), and a separate interpreter is what concurrent users are anyway.
+WRITER = """
+import sys
+from fuser.tuning_cache import CacheKey, TuningCache
+path, start, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cache = TuningCache(path)
+for i in range(start, start + n):
+    key = CacheKey.make("MatMul", [(i, 64), (64, 32)], "float16", "ascend910b", {"k": i})
+    assert cache.put(key, {"tile_m": i, "cores": 24}, float(i))
+    prev = CacheKey.make("MatMul", [(i - 1, 64), (64, 32)], "float16", "ascend910b", {"k": i - 1})
+    cache.get(prev)
+"""
 
 
 def test_two_processes_writing_at_once_do_not_corrupt_it(tmp_path: Path) -> None:
     path = str(tmp_path / "shared.sqlite")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(path, s, 150)) for s in (0, 100)]  # overlap
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, path, str(s), "150"], cwd=tmp_path)
+        for s in (0, 100)  # overlapping keys
+    ]
     for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+        assert p.wait(timeout=120) == 0
     cache = TuningCache(path)
     assert len(cache) == 250
     for i in range(250):
