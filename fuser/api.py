@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 
 from . import engine
-from .decide import AlwaysFuse, Decider
+from .decide import Decider
 from .errors import UsageError
 from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
 from .registry import select
@@ -49,6 +49,7 @@ def fuse(
     target: str = DEFAULT_TARGET,
     *,
     force: bool = False,
+    cache: bool | str | os.PathLike[str] | None = None,
     decider: Decider | None = None,
 ) -> FusionResult:
     """Fuse the operator chains of `model` (a path, bytes or ModelProto; never modified).
@@ -67,7 +68,9 @@ def fuse(
     types = engine.infer_types(loaded.model)
     seconds = {"load": next(clock)}
     before = engine.count_nodes(loaded.model.graph)
-    log = engine.run_passes(loaded, chosen, decider or _default_decider(target, force), types)
+    log = engine.run_passes(
+        loaded, chosen, decider or _default_decider(target, force, cache), types
+    )
     seconds["match_rewrite"] = next(clock)
     if log.fusions:
         engine.verify(loaded.model, loaded.label, external=loaded.external)
@@ -94,13 +97,16 @@ def check_target(target: str) -> None:
         raise UsageError(str(exc)) from exc
 
 
-def _default_decider(target: str, force: bool) -> Decider:
-    """The target's cost model when it is available, else fuse every valid match."""
-    try:
-        from .costmodel import CostModelDecider
-    except ImportError:
-        return AlwaysFuse()
-    decider: Decider = CostModelDecider.for_target(target, force=force)
+def _default_decider(
+    target: str, force: bool, cache: bool | str | os.PathLike[str] | None
+) -> Decider:
+    """The target's cost model: prices each match and supplies its tiling.
+
+    `cache`: None or True = the user's tuning cache, False = none, a path = that file.
+    """
+    from .costmodel import CostModelDecider
+
+    decider: Decider = CostModelDecider.for_target(target, force=force, cache=cache)
     return decider
 
 

@@ -88,6 +88,12 @@ def fuse(
         bool, typer.Option("--force", help="fuse even where the cost model predicts a slowdown")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+    cache: Annotated[
+        Path | None, typer.Option(help="tuning cache file (default: the user's cache)")
+    ] = None,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="neither read nor write the tuning cache")
+    ] = False,
 ) -> None:
     """Fuse a model: prints what was fused, what was not and why, and writes OUTPUT."""
     from .api import fuse as run_fuse
@@ -102,7 +108,14 @@ def fuse(
             if err.is_terminal
             else contextlib.nullcontext()
         ):
-            result = run_fuse(source, _split(patterns), _split(disable) or (), target, force=force)
+            result = run_fuse(
+                source,
+                _split(patterns),
+                _split(disable) or (),
+                target,
+                force=force,
+                cache=False if no_cache else cache,
+            )
         data: dict[str, Any] = result.report.to_dict()
         validation = None
         if validate:

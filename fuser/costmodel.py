@@ -70,7 +70,7 @@ class CostModelDecider:
     force: bool = False
     cache: TuningCache | None = None
     symbolic_size: int = SYMBOLIC_SIZE
-    _memo: dict[Hashable, float] = field(default_factory=dict, repr=False)
+    _memo: dict[Hashable, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def for_target(
@@ -139,10 +139,22 @@ class CostModelDecider:
         metas, symbolic = self._metas(graph, match.inputs, sizes, known, guess=True)
         if op.collective_input is not None:
             metas = _stacked(metas, op.collective_input, int(attrs.get("group_size", 1)))
+        # Large models repeat the same layer thousands of times: price each shape once per run
+        # before paying for the cache key's digest and a SQLite lookup.
+        memo_key = (
+            "fused",
+            op.name,
+            tuple(None if m is None else (tuple(m.shape), m.dtype.name) for m in metas),
+            repr(sorted(attrs.items())),
+        )
+        memoized = self._memo.get(memo_key)
+        if isinstance(memoized, Priced):
+            return Priced(memoized.cycles, dict(memoized.tiling), symbolic)
         key = self._key(op.name, metas, attrs)
         if self.cache is not None:
             hit = self.cache.get(key)
             if hit is not None:
+                self._memo[memo_key] = Priced(hit.predicted_cycles, dict(hit.tiling), symbolic)
                 return Priced(hit.predicted_cycles, dict(hit.tiling), symbolic)
         try:
             result = _cost.search("fuser", op.name, metas, attrs, self.machine)
@@ -153,6 +165,7 @@ class CostModelDecider:
         }
         if self.cache is not None:
             self.cache.put(key, tiling, result.best.cycles)
+        self._memo[memo_key] = Priced(result.best.cycles, dict(tiling), symbolic)
         return Priced(result.best.cycles, tiling, symbolic)
 
     def _key(self, op: str, metas: Sequence[Any], attrs: Mapping[str, Any]) -> CacheKey:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -181,6 +181,8 @@ def _run_pattern(index: GraphIndex, pattern: Pattern, decider: Decider, log: Pas
                 )
             )
             continue
+        if decision.reason:  # e.g. "predicted 2.3x faster (symbolic dims priced at 256 ...)"
+            found = replace(found, notes=(*found.notes, f"cost model: {decision.reason}"))
         _apply(index, found, decision.attributes, decision.prediction, log)
 
 

@@ -302,3 +302,25 @@ def test_exported_models_fuse_idempotently(fixture: str, tmp_path: Path) -> None
     assert fuser("fuse", str(src), "-o", str(once)).returncode == 0
     assert fuser("fuse", str(once), "-o", str(twice)).returncode == 0
     assert twice.read_bytes() == once.read_bytes()
+
+
+def test_tuning_cache_options(tmp_path: Path) -> None:
+    static = small_cnn()
+    for value in (*static.graph.input, *static.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_value = 2  # static shapes get a stored tiling
+    model_file = tmp_path / "static.onnx"
+    onnx.save(static, model_file)
+    cache = tmp_path / "tuning.sqlite"
+    out = tmp_path / "o.onnx"
+    first = fuser("fuse", str(model_file), "-o", str(out), "--cache", str(cache), "--json")
+    assert first.returncode == 0, first.stderr
+    assert cache.exists() and cache.stat().st_size > 0
+    tiling = json.loads(first.stdout)["fusions"][0]["attributes"]
+    assert any(k.startswith("tile_") for k in tiling)  # static shapes: the pick is on the node
+    again = fuser("fuse", str(model_file), "-o", str(tmp_path / "o2.onnx"), "--cache", str(cache))
+    assert again.returncode == 0
+    assert (tmp_path / "o2.onnx").read_bytes() == out.read_bytes()
+    off = tmp_path / "off.sqlite"
+    none = fuser("fuse", str(model_file), "-o", str(tmp_path / "o3.onnx"), "--no-cache")
+    assert none.returncode == 0 and not off.exists()
+    assert (tmp_path / "o3.onnx").read_bytes() == out.read_bytes()
