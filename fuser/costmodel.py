@@ -92,6 +92,17 @@ class CostModelDecider:
 
     # -- the decision -------------------------------------------------------------------------
     def decide(self, graph: GraphIndex, match: Match) -> Decision:
+        # Same pattern, same nodes (op types and attributes), same input types and shapes:
+        # same verdict. Large models repeat a layer thousands of times; decide it once.
+        signature = ("decision", _signature(graph, match))
+        known = self._memo.get(signature)
+        if isinstance(known, Decision):
+            return known
+        decision = self._decide(graph, match)
+        self._memo[signature] = decision
+        return decision
+
+    def _decide(self, graph: GraphIndex, match: Match) -> Decision:
         try:
             fused = self.price_fused(graph, match)
             unfused = self.price_unfused(graph, match)
@@ -413,3 +424,26 @@ def _freeze(value: Any) -> Hashable:
     except TypeError:
         return repr(value)
     return value
+
+
+def _signature(graph: GraphIndex, match: Match) -> Hashable:
+    """What a decision depends on, cheaply: pattern, matched nodes and their attributes, the
+    fused node's attributes, and each input's element type and shape."""
+    new: dict[str, tuple[int, tuple[Any, ...] | None]] = {
+        t.name: (t.data_type, tuple(t.dims)) for t in match.new_initializers
+    }
+    inputs: list[tuple[int, tuple[Any, ...] | None] | None] = []
+    for name in match.inputs:
+        if not name:
+            inputs.append(None)
+            continue
+        found = new.get(name)
+        if found is None:
+            vt = graph.value_type(name)
+            found = (vt.elem_type, vt.shape) if vt is not None else (0, None)
+        inputs.append(found)
+    nodes = tuple(
+        (n.op_type, n.domain, tuple(a.SerializeToString() for a in n.attribute))
+        for n in (graph.node(i) for i in match.nodes)
+    )
+    return (match.pattern, nodes, repr(sorted(match.attributes.items())), tuple(inputs))
