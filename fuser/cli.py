@@ -116,15 +116,18 @@ def fuse(
                 force=force,
                 cache=False if no_cache else cache,
             )
-        data: dict[str, Any] = result.report.to_dict()
         validation = None
         if validate:
             validation = run_validate(source, result, target=target)
-            data["validation"] = validation.to_dict()
         if validation is not None and not validation.ok:
             _print_validation(validation)
             raise _fail(f"{label}: the fused model does not match the original; nothing written", 1)
         written = result.save(output)
+        data: dict[str, Any] = {}
+        if report is not None or as_json:  # only then: thousands of fusions take a while
+            data = result.report.to_dict()
+            if validation is not None:
+                data["validation"] = validation.to_dict()
         if report is not None:
             from .modelio import _atomic_write
 

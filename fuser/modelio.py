@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -166,9 +167,25 @@ def read_external_bytes(loaded: LoadedModel, tensor: onnx.TensorProto) -> bytes:
         return handle.read()
 
 
+# Element types whose raw bytes numpy reads as they are (little-endian hosts, as onnx stores).
+_RAW_DTYPES: dict[int, type[np.generic]] = {
+    onnx.TensorProto.FLOAT: np.float32,
+    onnx.TensorProto.DOUBLE: np.float64,
+    onnx.TensorProto.FLOAT16: np.float16,
+    onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.INT32: np.int32,
+    onnx.TensorProto.INT8: np.int8,
+    onnx.TensorProto.UINT8: np.uint8,
+}
+
+
 def read_tensor(loaded: LoadedModel, tensor: onnx.TensorProto) -> np.ndarray:
     """A tensor's value as numpy, reading external data on demand."""
     if not _is_external(tensor):
+        dtype = _RAW_DTYPES.get(tensor.data_type)
+        if dtype is not None and tensor.raw_data and sys.byteorder == "little":
+            # numpy_helper.to_array's generality costs more than the fold it feeds.
+            return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(tuple(tensor.dims)).copy()
         return numpy_helper.to_array(tensor)
     inline = onnx.TensorProto()
     inline.CopyFrom(tensor)

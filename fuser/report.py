@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -67,20 +67,42 @@ class FusionReport:
         return counts
 
     def to_dict(self) -> dict[str, Any]:
+        # Written out rather than dataclasses.asdict, whose recursive deep copy took longer
+        # than the fusion itself on models with thousands of fusions.
         def fusion(f: FusionRecord) -> dict[str, Any]:
-            data = asdict(f)
-            data["replaced"] = list(f.replaced)
-            data["notes"] = list(f.notes)
-            data["attributes"] = {k: _jsonable(v) for k, v in f.attributes.items()}
+            prediction = None
             if f.prediction is not None:
-                data["prediction"]["speedup"] = f.prediction.speedup
-            return data
+                prediction = {
+                    "fused_cycles": f.prediction.fused_cycles,
+                    "unfused_cycles": f.prediction.unfused_cycles,
+                    "tiling": dict(f.prediction.tiling),
+                    "speedup": f.prediction.speedup,
+                }
+            return {
+                "pattern": f.pattern,
+                "node": f.node,
+                "op": f.op,
+                "replaced": list(f.replaced),
+                "attributes": {k: _jsonable(v) for k, v in f.attributes.items()},
+                "graph": f.graph,
+                "notes": list(f.notes),
+                "prediction": prediction,
+            }
+
+        def rejection(r: RejectionRecord) -> dict[str, Any]:
+            return {
+                "pattern": r.pattern,
+                "nodes": list(r.nodes),
+                "reason": r.reason,
+                "value": r.value,
+                "graph": r.graph,
+            }
 
         return {
             "target": self.target,
             "summary": self.summary,
             "fusions": [fusion(f) for f in self.fusions],
-            "rejected": [asdict(r) | {"nodes": list(r.nodes)} for r in self.rejected],
+            "rejected": [rejection(r) for r in self.rejected],
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
             "seconds": dict(self.seconds),

@@ -16,6 +16,7 @@ size. If the BN output is read elsewhere, Relu is left out of the fusion rather 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -275,13 +276,21 @@ def _fold(
     if not (np.all(np.isfinite(w_new.astype(dtype))) and np.all(np.isfinite(b_new.astype(dtype)))):
         return f"folded weights overflow {dtype}"
     base = conv_node.name or conv_node.output[0]
-    w_tensor = numpy_helper.from_array(
-        w_new.astype(dtype), graph.unique_value_name(f"{base}.W_bn_folded")
-    )
-    b_tensor = numpy_helper.from_array(
-        b_new.astype(dtype), graph.unique_value_name(f"{base}.B_bn_folded")
-    )
+    w_tensor = _tensor(w_new.astype(dtype), graph.unique_value_name(f"{base}.W_bn_folded"))
+    b_tensor = _tensor(b_new.astype(dtype), graph.unique_value_name(f"{base}.B_bn_folded"))
     return w_tensor, b_tensor
+
+
+def _tensor(array: np.ndarray, name: str) -> onnx.TensorProto:
+    """numpy_helper.from_array for the float dtypes folding produces, without its generality."""
+    if array.dtype not in (np.float16, np.float32, np.float64) or sys.byteorder != "little":
+        return numpy_helper.from_array(array, name)
+    return onnx.TensorProto(
+        name=name,
+        data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype),
+        dims=array.shape,
+        raw_data=np.ascontiguousarray(array).tobytes(),
+    )
 
 
 PATTERN = ConvBnReluPattern()
