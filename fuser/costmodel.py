@@ -217,6 +217,9 @@ class CostModelDecider:
         from .kernels.registry import estimate, get_kernel
 
         if node.op_type in _FREE_OPS and node.domain in ("", "ai.onnx"):
+            # Free on the NPU, but the next node of the chain needs its output's shape.
+            if known is not None:
+                self._propagate(graph, node, sizes or {}, known)
             return 0.0, False
         if known is not None:
             self._propagate(graph, node, sizes or {}, known)
@@ -328,13 +331,20 @@ class CostModelDecider:
         from .kernels.api import KernelError
         from .kernels.registry import get_kernel
 
-        missing = [o for o in node.output if o and o not in known and graph.shape(o) is None]
+        missing = [o for o in node.output if o and o not in known and not _static(graph.shape(o))]
         if not missing:
             return
         try:
             ins, _ = self._metas(graph, node.input, sizes, known)
         except UnpriceableError:
             return
+        if node.op_type in ("Reshape", "Flatten") and ins and ins[0] is not None:
+            # The graph often lost the leading dims here (Reshape to [-1, D]); pricing them as
+            # a symbolic size would disagree with the chain's other nodes. Compute them.
+            view = _view_meta(graph, node, ins[0])
+            if view is not None:
+                known[node.output[0]] = view
+                return
         attrs = {a.name: _plain(helper.get_attribute_value(a)) for a in node.attribute}
         kernel = get_kernel("" if node.domain == "ai.onnx" else node.domain, node.op_type)
         outs: list[Any] = []
@@ -447,3 +457,34 @@ def _signature(graph: GraphIndex, match: Match) -> Hashable:
         for n in (graph.node(i) for i in match.nodes)
     )
     return (match.pattern, nodes, repr(sorted(match.attributes.items())), tuple(inputs))
+
+
+def _static(shape: Any) -> bool:
+    return shape is not None and all(isinstance(d, int) for d in shape)
+
+
+def _view_meta(graph: GraphIndex, node: onnx.NodeProto, source: Any) -> Any:
+    """The output meta of a Reshape (constant target shape) or Flatten of a known input."""
+    from .kernels.api import TensorMeta
+
+    dims = list(source.shape)
+    total = int(np.prod(dims)) if dims else 1
+    if node.op_type == "Flatten":
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        axis = axis + len(dims) if axis < 0 else axis
+        lead = int(np.prod(dims[:axis])) if axis else 1
+        return TensorMeta((lead, total // max(lead, 1)), source.dtype)
+    target = graph.constant(node.input[1]) if len(node.input) > 1 else None
+    if target is None:
+        return None
+    allowzero = next((a.i for a in node.attribute if a.name == "allowzero"), 0)
+    out = [
+        dims[i] if (d == 0 and not allowzero and i < len(dims)) else int(d)
+        for i, d in enumerate(target.tolist())
+    ]
+    if out.count(-1) == 1:
+        rest = int(np.prod([d for d in out if d != -1])) or 1
+        out[out.index(-1)] = total // rest
+    if -1 in out or int(np.prod(out)) != total:
+        return None
+    return TensorMeta(tuple(out), source.dtype)
