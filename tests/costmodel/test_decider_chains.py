@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from fuser.api import fuse
 from fuser.models import get_example
+
+from fuser.api import fuse
 
 
 def test_layernorm_reshape_gemm_is_priced_at_the_layernorm_rows() -> None:
