@@ -41,17 +41,38 @@ onnx.save(rewriter.rewrite(model), sys.argv[2])
 """
 
 
-def timed(cmd: list[str], cwd: Path) -> float:
+def timed(cmd: list[str], cwd: Path, limit: float | None = None) -> float | None:
+    """Wall seconds of a whole process; None if it ran past `limit` (then it is stopped)."""
     start = time.perf_counter()
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    try:
+        result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return None
     elapsed = time.perf_counter() - start
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} failed: {result.stderr.strip().splitlines()[-1:]}")
     return elapsed
 
 
-def median_of(cmd: list[str], cwd: Path, repeat: int) -> float:
-    return statistics.median(timed(cmd, cwd) for _ in range(repeat))
+def median_of(cmd: list[str], cwd: Path, repeat: int, limit: float | None = None) -> float | None:
+    """Median of `repeat` runs; None (not waited for) as soon as one runs past `limit`."""
+    times = []
+    for _ in range(repeat):
+        t = timed(cmd, cwd, limit)
+        if t is None:
+            return None
+        times.append(t)
+    return statistics.median(times)
+
+
+def show(seconds: float | None, limit: float) -> str:
+    return f"> {limit:.0f}" if seconds is None else f"{seconds:.2f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None:
+        return "-"
+    return f"{a / b:.2f}"
 
 
 def main() -> None:
@@ -59,6 +80,12 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000,10000,100000")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--onnxscript-max", type=int, default=10000)
+    parser.add_argument(
+        "--limit",
+        type=float,
+        default=300.0,
+        help="seconds an anchor may take before it is reported as '> limit'",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     console = Console(width=160)
@@ -87,35 +114,42 @@ def main() -> None:
                 t_fuser = median_of(
                     [*fuser_cmd, str(path), "-o", str(work / "out.onnx")], work, args.repeat
                 )
+                assert t_fuser is not None
                 fused_nodes = len(onnx.load(work / "out.onnx").graph.node)
-                t_ort = median_of(
-                    [sys.executable, "-c", ORT_SCRIPT, str(path), str(work / "ort.onnx")],
-                    work,
-                    args.repeat,
-                )
+                ort_cmd = [sys.executable, "-c", ORT_SCRIPT, str(path), str(work / "ort.onnx")]
+                t_ort = median_of(ort_cmd, work, args.repeat, args.limit)
                 t_os = None
-                if size <= args.onnxscript_max:
-                    t_os = timed(
-                        [sys.executable, "-c", ONNXSCRIPT_SCRIPT, str(path), str(work / "os.onnx")],
-                        work,
-                    )
+                ran_os = size <= args.onnxscript_max
+                if ran_os:
+                    os_cmd = [
+                        sys.executable,
+                        "-c",
+                        ONNXSCRIPT_SCRIPT,
+                        str(path),
+                        str(work / "os.onnx"),
+                    ]
+                    t_os = timed(os_cmd, work, args.limit)
                 fuser_times[(family, size)] = t_fuser
                 table.add_row(
                     family,
                     str(nodes),
                     f"{nodes} -> {fused_nodes}",
                     f"{t_fuser:.2f}",
-                    f"{t_ort:.2f}",
-                    "not run" if t_os is None else f"{t_os:.2f}",
-                    f"{t_fuser / t_ort:.2f}",
-                    "-" if t_os is None else f"{t_os / t_fuser:.1f}",
+                    show(t_ort, args.limit),
+                    show(t_os, args.limit) if ran_os else "not run",
+                    ratio(t_fuser, t_ort),
+                    ratio(t_os, t_fuser)
+                    if t_os is not None
+                    else (f"> {args.limit / t_fuser:.0f}" if ran_os else "-"),
                 )
-                console.print(f"[dim]{family} {size}: fuser {t_fuser:.2f}s ort {t_ort:.2f}s[/]")
+                console.print(
+                    f"[dim]{family} {size}: fuser {t_fuser:.2f}s ort {show(t_ort, args.limit)}s[/]"
+                )
     console.print(table)
     for family in ("cnn", "transformer"):
         if (family, 10000) in fuser_times and (family, 100000) in fuser_times:
-            ratio = fuser_times[(family, 100000)] / fuser_times[(family, 10000)]
-            console.print(f"{family}: 100k/10k fuser time ratio {ratio:.1f} (target < 12: linear)")
+            growth = fuser_times[(family, 100000)] / fuser_times[(family, 10000)]
+            console.print(f"{family}: 100k/10k fuser time ratio {growth:.1f} (target < 12: linear)")
     console.print("targets at 10k nodes: fuser/ort <= 1.0; onnxscript/fuser >= 10")
 
 
