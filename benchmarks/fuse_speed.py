@@ -79,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,10000,100000")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--families", default="cnn,transformer")
     parser.add_argument("--onnxscript-max", type=int, default=10000)
     parser.add_argument(
         "--limit",
@@ -105,7 +106,9 @@ def main() -> None:
     fuser_times: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory(prefix="fuse-speed-") as folder:
         work = Path(folder)
-        for family, build in (("cnn", cnn_graph), ("transformer", transformer_graph)):
+        builders = {"cnn": cnn_graph, "transformer": transformer_graph}
+        for family in args.families.split(","):
+            build = builders[family]
             for size in sizes:
                 model = build(size)
                 path = work / f"{family}_{size}.onnx"

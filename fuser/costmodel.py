@@ -450,7 +450,14 @@ def _signature(graph: GraphIndex, match: Match) -> Hashable:
         found = new.get(name)
         if found is None:
             vt = graph.value_type(name)
-            found = (vt.elem_type, vt.shape) if vt is not None else (0, None)
+            # Symbolic dims are all priced at one representative size, whatever their names
+            # (shape inference invents a fresh `unk__N` per value), so they sign alike.
+            shape = (
+                None
+                if vt is None or vt.shape is None
+                else tuple(d if isinstance(d, int) else "?" for d in vt.shape)
+            )
+            found = (vt.elem_type if vt is not None else 0, shape)
         inputs.append(found)
     nodes = tuple(
         (n.op_type, n.domain, tuple(a.SerializeToString() for a in n.attribute))
