@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import onnx
 import pytest
@@ -24,10 +22,10 @@ def _layers(model: onnx.ModelProto, scope: str) -> list[str]:
 
 @pytest.mark.parametrize("builder", BUILDERS)
 @pytest.mark.parametrize("n_nodes", [1000, 10_000, 100_000])
-def test_node_count_within_10_percent_and_fast(builder, n_nodes: int) -> None:  # type: ignore[no-untyped-def]
-    start = time.perf_counter()
+def test_node_count_within_10_percent(builder, n_nodes: int) -> None:  # type: ignore[no-untyped-def]
+    # Build speed is measured by benchmarks/fuse_speed.py, not asserted on wall time here
+    # (a loaded machine made this flaky).
     model = builder(n_nodes)
-    assert time.perf_counter() - start < 5.0
     assert abs(len(model.graph.node) - n_nodes) <= 0.1 * n_nodes
     assert model.ByteSize() < 400 * n_nodes  # tiny tensors: the file stays small
 
