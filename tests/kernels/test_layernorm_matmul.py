@@ -4,8 +4,6 @@ workspace hop, GM traffic formula, capacity errors, timing-only mode, fused vs u
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from fuser.kernels import registry
@@ -177,23 +175,3 @@ def test_bad_inputs() -> None:
         KERNEL.infer([*metas[:3], TensorMeta((31, 16), np.float32), metas[4]], attrs)
     with pytest.raises(KernelError, match="b_0"):
         KERNEL.infer([*metas[:4], TensorMeta((15,), np.float32)], attrs)
-
-
-def test_functional_run_within_20x_of_numpy_reference() -> None:
-    # float32: float16 tiles are widened to contiguous float32 copies per mmad, which the
-    # multi-threaded BLAS of a loaded machine multiplies slowly; single-threaded, both dtypes
-    # stay under 10x.
-    ins, attrs = make((1, 128, 768), -1, (768,), (1,), (0,), np.float32, seed=11)
-    KERNEL.run(B910, ins, attrs)  # warm up
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    t_sim = best(lambda: KERNEL.run(B910, ins, attrs))
-    t_ref = best(lambda: reference(ins, attrs))
-    assert t_sim < 20 * t_ref, f"simulation {t_sim * 1e3:.1f} ms vs reference {t_ref * 1e3:.1f} ms"

@@ -3,8 +3,6 @@ Softmax), ties, tails, dtypes, the tile-rows sweep shape, capacity, timing-only 
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from fuser.kernels import registry
@@ -110,24 +108,3 @@ def test_errors() -> None:
     with pytest.raises(TilingError, match="UB"):
         KERNEL.check_tiling([TensorMeta((1, 4096, 4096), np.float16)], {"k": 2},
                             RowTiling(64, 1, 4), M)  # fmt: skip
-
-
-def test_functional_run_within_20x_of_numpy() -> None:
-    x = np.random.default_rng(7).standard_normal((1, 1024, 64)).astype(np.float32)
-
-    def numpy_chain() -> None:
-        e = np.exp(x - x.max(-1, keepdims=True))
-        p = e / e.sum(-1, keepdims=True)
-        i = np.argsort(-p, axis=-1, kind="stable")[..., :2]
-        np.take_along_axis(p, i, -1)
-
-    KERNEL.run(M, [x], {"k": 2})  # warm up
-    t0 = time.perf_counter()
-    for _ in range(5):
-        numpy_chain()
-    t_ref = (time.perf_counter() - t0) / 5
-    t0 = time.perf_counter()
-    for _ in range(5):
-        KERNEL.run(M, [x], {"k": 2})
-    t_sim = (time.perf_counter() - t0) / 5
-    assert t_sim < 20 * t_ref, f"simulation {t_sim * 1e3:.2f} ms vs numpy {t_ref * 1e3:.2f} ms"
