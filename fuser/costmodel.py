@@ -331,7 +331,16 @@ class CostModelDecider:
         from .kernels.api import KernelError
         from .kernels.registry import get_kernel
 
-        missing = [o for o in node.output if o and o not in known and not _static(graph.shape(o))]
+        # Views are recomputed whenever the graph's shape is not fully static (it often lost
+        # their leading dims); other ops only when the graph has no shape at all.
+        view = node.op_type in ("Reshape", "Flatten")
+        missing = [
+            o
+            for o in node.output
+            if o
+            and o not in known
+            and (graph.shape(o) is None or (view and not _static(graph.shape(o))))
+        ]
         if not missing:
             return
         try:
