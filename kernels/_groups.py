@@ -22,18 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import TypeVar
 
 import numpy as np
 
 from .npu.core import Core
-from .npu.launch import split_balanced
+from .npu.launch import gather, split_balanced
 from .npu.machine import Machine
 from .npu.memory import Tile
-from .npu.pipes import COMPUTE_PIPES, GM_PIPES, Level, Pipe
+from .npu.pipes import Level, Pipe
 from .npu.stats import RunStats
-from .npu.timeline import Interval, Timeline
 
 W = TypeVar("W")
 
@@ -81,41 +79,6 @@ def launch_groups(
         if items:
             body(Group(cube, vecs or (cube,)), items)
     return gather(machine, name, cores, timeline)
-
-
-def gather(machine: Machine, name: str, cores: Sequence[Core], timeline: bool) -> RunStats:
-    """`RunStats` of cores that ran as one kernel (launch head + slowest makespan)."""
-    core_cycles = max(c.makespan for c in cores)
-    cycles = machine.kernel_launch_cycles + core_cycles
-    n = len(cores)
-    busy = {p.value: sum(c.busy[p] for c in cores) for p in Pipe}
-    util = {p: (b / (core_cycles * n) if core_cycles > 0 else 0.0) for p, b in busy.items()}
-    slowest = max(cores, key=lambda c: c.makespan)
-    mem = max(slowest.busy[p] for p in GM_PIPES)
-    comp = max(slowest.busy[p] for p in COMPUTE_PIPES)
-    moved = {k: sum(c.moved[k] for c in cores) for k in cores[0].moved}
-    tl = None
-    if timeline:
-        head = machine.kernel_launch_cycles
-        intervals = tuple(
-            Interval(i, p.value, s + head, e + head, label)
-            for i, c in enumerate(cores)
-            for p, s, e, label in c.intervals
-        )
-        tl = Timeline(machine.clock_hz, intervals, ((0.0, cycles, name),))
-    return RunStats(
-        cycles=cycles,
-        us=machine.cycles_to_us(cycles),
-        core_cycles=core_cycles,
-        pipe_busy=MappingProxyType(busy),
-        pipe_utilization=MappingProxyType(util),
-        launches=1,
-        cores=n,
-        bound="memory" if mem >= comp else "compute",
-        estimated=False,
-        timeline=tl,
-        **moved,
-    )
 
 
 def l2_bytes_per_cycle(machine: Machine, active_cores: int) -> float:

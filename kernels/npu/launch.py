@@ -10,9 +10,9 @@ data) run the same schedule, so one of them is simulated and its result reused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from .core import Core
 from .machine import Machine
@@ -81,10 +81,24 @@ def launch(
         if key is not None:
             cache[key] = res
         results.append(res)
-    return _gather(machine, name, results, timeline)
+    return gather(machine, name, results, timeline)
 
 
-def _gather(machine: Machine, name: str, results: list[_CoreResult], timeline: bool) -> RunStats:
+class CoreRecord(Protocol):
+    """What a finished core leaves behind: a `Core`, or the snapshot `launch` keeps of one."""
+
+    @property
+    def makespan(self) -> float: ...
+    @property
+    def busy(self) -> Mapping[Pipe, float]: ...
+    @property
+    def moved(self) -> Mapping[str, int]: ...
+    @property
+    def intervals(self) -> Sequence[tuple[Pipe, float, float, str]]: ...
+
+
+def gather(machine: Machine, name: str, results: Sequence[CoreRecord], timeline: bool) -> RunStats:
+    """`RunStats` of cores that ran as one kernel: launch head + the slowest core's makespan."""
     launch_cycles = machine.kernel_launch_cycles
     core_cycles = max(r.makespan for r in results)
     cycles = launch_cycles + core_cycles
