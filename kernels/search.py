@@ -38,6 +38,10 @@ from .api import Kernel, TensorMeta, Tiling, TilingError
 from .npu.machine import Machine
 from .registry import all_models, get_kernel
 
+#: Bumped when a cost model or the simulated machine changes what a tiling costs, so that
+#: tuning-cache entries priced by an older model are not reused (`cache_target`).
+MODEL_REVISION = 2
+
 EXHAUSTIVE_LIMIT = 4096
 BEAM = 32
 TIE = 0.01
@@ -222,6 +226,11 @@ class Searched:
 
 def _thaw(attrs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
+
+
+def cache_target(machine: Machine) -> str:
+    """The target as a tuning-cache key: its name, a digest of its numbers, the model revision."""
+    return f"{machine.name}@{machine.fingerprint}/r{MODEL_REVISION}"
 
 
 def roofline_floor(flops: float, gm_bytes: float, machine: Machine, dtype: np.dtype) -> float:

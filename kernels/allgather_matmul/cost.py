@@ -60,7 +60,7 @@ def agmm_cycles(machine: Machine, p: _Problem, t: AllGatherMatMulTiling) -> floa
             for s, c in steps
         )  # fmt: skip
         cube = sum(c * cube_blocks(tm, s, tn, k0) for s, c in steps)
-        mte2 = dma(machine, tm * kk * isz, cores) + dma(machine, kk * tn * isz, cores)
+        mte2 = dma(machine, tm * kk * isz, cores, True) + dma(machine, kk * tn * isz, cores, True)
         tile.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count)
     fix = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
     arrivals = [0.0] + [end for _, end in ring_arrivals(machine, shards, p.g.shard_bytes)]
@@ -85,7 +85,7 @@ def agmm_cycles(machine: Machine, p: _Problem, t: AllGatherMatMulTiling) -> floa
         core = first + (passes - 1) * shards * w + mine * fix + fill
     gm = isz * (shards * p.m * p.ks + p.ks * (shards if p.k_gather else 1) * p.n
                 + p.m * p.n * (1 if p.k_gather else shards))  # fmt: skip
-    return kernel_cycles(machine, core, gm)
+    return kernel_cycles(machine, core, gm, tm * tk * isz, cores)
 
 
 def _chunks(total: int, step: int) -> list[tuple[int, int]]:

@@ -52,16 +52,16 @@ def gemm_cycles(machine: Machine, p: GemmProblem, t: MatMulTiling, gm_extra: flo
             for ss, c in steps
         )  # fmt: skip
         cube = sum(c * cube_blocks(tm, ss, tn, k0) for ss, c in steps)
-        mte2 = dma(machine, tm * kk * isz, cores) + dma(machine, kk * tn * isz, cores)
+        mte2 = dma(machine, tm * kk * isz, cores, True) + dma(machine, kk * tn * isz, cores, True)
         s.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * per_core)
     fix = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
     s.busy["FIXP"] = fix * per_core
     s.drain = fix  # the last block's FixPipe follows its last multiply
     if p.has_c:
-        c_in = dma(machine, tm * tn * isz, cores)
+        c_in = dma(machine, tm * tn * isz, cores, True)
         s.busy["MTE2"] += c_in * per_core
     gm = isz * p.batch_size * (p.m * p.k + p.k * p.n + p.m * p.n) + gm_extra
-    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
+    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, tm * tk * isz, cores)
 
 
 def _chunks(total: int, step: int) -> list[tuple[int, int]]:
