@@ -43,6 +43,8 @@ from .registry import all_models, get_kernel
 MODEL_REVISION = 2
 
 EXHAUSTIVE_LIMIT = 4096
+#: Tiling fields that are switches or core counts rather than tile sizes.
+FLAGS = frozenset({"double_buffer", "db_l1", "db_l0", "db_l0c", "cores", "a_resident"})
 BEAM = 32
 TIE = 0.01
 
@@ -51,7 +53,7 @@ def _volume(t: Tiling) -> int:
     """Product of a tiling's size fields (everything but flags and core counts)."""
     v = 1
     for f in dataclasses.fields(t):
-        if f.name not in ("double_buffer", "cores", "a_resident"):
+        if f.name not in FLAGS:
             v *= max(1, int(getattr(t, f.name)))
     return v
 
@@ -137,7 +139,7 @@ def _shape_key(t: Tiling) -> Hashable:
     return tuple(
         getattr(t, f.name)
         for f in dataclasses.fields(t)
-        if f.name not in ("double_buffer", "cores")
+        if f.name not in FLAGS or f.name == "a_resident"
     )
 
 

@@ -49,6 +49,7 @@ from ..npu.pipes import Level
 from .plan import (
     LayerNormMatMulTiling,
     Problem,
+    default_tiling,
     effective,
     n_blocks,
     part_columns,
@@ -56,6 +57,7 @@ from .plan import (
     round_up,
     specs,
 )
+from .staged import staged_cycles
 
 
 def lnmm_cycles(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> float:
@@ -222,6 +224,7 @@ class _LnmmModel:
     op_type = "LayerNormMatMul"
 
     def __init__(self) -> None:
+        self._staged: dict[Any, float] = {}
         self._last = LastProblem()
 
     def _problem(self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) -> Problem:
@@ -230,7 +233,13 @@ class _LnmmModel:
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
-        return list(lnmm_space(machine, problem(metas, attrs)))
+        p = problem(metas, attrs)
+        space: list[Tiling] = list(lnmm_space(machine, p))
+        # The unfused chain's schedule is always a candidate: fused is never priced slower.
+        base = space[0] if space else default_tiling(p, machine)
+        assert isinstance(base, LayerNormMatMulTiling)
+        space.append(dataclasses.replace(base, staged=1))
+        return space
 
     def cost(
         self,
@@ -240,7 +249,13 @@ class _LnmmModel:
         machine: Machine,
     ) -> float:
         assert isinstance(tiling, LayerNormMatMulTiling)
-        return lnmm_cycles(machine, self._problem(metas, attrs), tiling)
+        p = self._problem(metas, attrs)
+        if tiling.staged:
+            key = (tuple(metas), repr(sorted(attrs.items())), machine)
+            if key not in self._staged:
+                self._staged = {key: staged_cycles(machine, p, metas, attrs)}
+            return self._staged[key]
+        return lnmm_cycles(machine, p, tiling)
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine

@@ -38,7 +38,9 @@ class LayerNormMatMulTiling(Tiling):
     vector step; W tiles of `tile_k` x `tile_n` in L1, fed to L0 in steps of `tile_k0`;
     `a_resident` 1: the normalized block stays in L1 for all its matmuls, 0: it stays in the
     GM/L2 workspace and `rows` x `tile_k` panels of it are copied to L1 per step (big K);
-    double buffering (0/1); cube cores (groups)."""
+    double buffering (0/1); cube cores (groups); `staged` 1: the unfused chain's schedule
+    instead (`staged.py`: LayerNorm writes N once, MatMul reads it back), the other fields
+    then unused."""
 
     rows: int
     n_split: int
@@ -49,6 +51,7 @@ class LayerNormMatMulTiling(Tiling):
     a_resident: int
     double_buffer: int
     cores: int
+    staged: int = 0
 
 
 class Item(NamedTuple):
