@@ -17,6 +17,7 @@ and deduplicated.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ from .._link import ring_arrivals
 from ..api import TensorMeta, Tiling
 from ..npu.machine import Machine
 from .kernel import AllGatherMatMulTiling, _effective, _Problem, _problem, _specs
+from .staged import staged_cycles
 
 OP = "AllGatherMatMul"
 
@@ -129,11 +131,18 @@ class _AgmmModel:
 
     def __init__(self) -> None:
         self._last = LastProblem()
+        self._staged: dict[Any, float] = {}
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
-        return list(agmm_space(machine, _problem(OP, metas, attrs, machine)))
+        p = _problem(OP, metas, attrs, machine)
+        space: list[Tiling] = list(agmm_space(machine, p))
+        # The unfused chain's schedule (one chunk) is always a candidate: never priced slower.
+        base = space[0] if space else AllGatherMatMulTiling(16, 16, 16, 16, 1, 0, 1)
+        assert isinstance(base, AllGatherMatMulTiling)
+        space.append(dataclasses.replace(base, staged=1))
+        return space
 
     def cost(
         self,
@@ -144,6 +153,11 @@ class _AgmmModel:
     ) -> float:
         assert isinstance(tiling, AllGatherMatMulTiling)
         p = self._last.get(metas, attrs, lambda: _problem(OP, metas, attrs, machine))
+        if tiling.staged:
+            key = (tuple(metas), repr(sorted(attrs.items())), machine)
+            if key not in self._staged:
+                self._staged = {key: staged_cycles(machine, p, metas)}
+            return self._staged[key]
         return agmm_cycles(machine, p, tiling)
 
     def rule_of_thumb(
