@@ -1,6 +1,6 @@
 """Cost model of the implicit-GEMM convolutions: `ConvBnRelu` (fused) and ONNX `Conv`.
 
-Refines `_conv_tiling.estimate_cycles` (the kernel's own first-order estimate) into the stream
+Refines `tiling.estimate_cycles` (the kernel's own first-order estimate) into the stream
 form of `_cost_base`, following the kernel's program step by step: per output block of
 `tile_h` x `tile_w` pixels x `tile_co` channels, per K chunk of `tile_ci` channels one input
 copy (halo rows included, clipped to the image) and one weight copy (skipped when a single
@@ -24,9 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ._conv_geometry import ConvGeometry
-from ._conv_tiling import ConvTiling, conv_specs, effective, n_items
-from ._cost_base import (
+from .._cost_base import (
     LastProblem,
     Stage,
     Stream,
@@ -38,10 +36,12 @@ from ._cost_base import (
     fitting,
     kernel_cycles,
 )
-from .api import TensorMeta, Tiling
-from .conv_bn_relu import _ConvKernel
-from .npu.machine import Machine
-from .registry import get_kernel
+from ..api import TensorMeta, Tiling
+from ..npu.machine import Machine
+from ..registry import get_kernel
+from .geometry import ConvGeometry
+from .kernel import _ConvKernel
+from .tiling import ConvTiling, conv_specs, effective, n_items
 
 
 def conv_cycles(
@@ -68,7 +68,7 @@ def conv_cycles(
     # Parameter copies (and BN folding) once per channel block the core meets.
     params = {"MTE2": 0.0, "SCALAR": 0.0}
     if has_b or has_bn:
-        params["MTE2"] = dma(machine, (5 if has_bn else 1) * co * isz, cores)
+        params["MTE2"] = dma(machine, (5 if has_bn else 1) * co * isz, cores, True)
         if has_bn:
             params["SCALAR"] = 4 * co * machine.scalar_op_cycles
     chunk_steps = per_core * math.ceil(width / ci)
@@ -87,8 +87,8 @@ def conv_cycles(
         # for the stream's mix (its fill and drain).
         w_share = co_changes / chunk_steps if single else 1.0
         mte2 = (
-            dma(machine, x_bytes, cores)
-            + w_share * dma(machine, w_bytes, cores)
+            dma(machine, x_bytes, cores, True)
+            + w_share * dma(machine, w_bytes, cores, True)
             + params["MTE2"] * co_changes / chunk_steps
         )
         pipes = {"MTE2": mte2, "MTE1": mte1, "CUBE": cube}
@@ -99,7 +99,11 @@ def conv_cycles(
         # fill and drain see one tap of MTE1 and Cube, and the chunk's copy.
         # The first chunk also waits for the block's parameters and its whole weight copy.
         if s.first is not None and s.first.pipes.get("MTE2") == mte2:
-            prologue = dma(machine, x_bytes, cores) + dma(machine, w_bytes, cores) + params["MTE2"]
+            prologue = (
+                dma(machine, x_bytes, cores, True)
+                + dma(machine, w_bytes, cores, True)
+                + params["MTE2"]
+            )
             s.first = Stage({"MTE2": prologue, "MTE1": mte1 / g.taps, "CUBE": cube / g.taps})
             # After a copy-bound stream, the last chunk's taps (MTE1 and Cube overlapping)
             # still run: as MTE1 the longer of the two, as Cube one tap.
@@ -110,7 +114,8 @@ def conv_cycles(
     s.busy["FIXP"] = fix * per_core
     s.drain = fix
     gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
-    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
+    first_in = min(ci, width) * x_rows * x_cols * isz
+    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
 
 
 def conv_space(

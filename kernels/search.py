@@ -29,19 +29,22 @@ import dataclasses
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from . import _cost_allgather, _cost_conv, _cost_gemm, _cost_lnmm, _cost_rows
 from ._cost_base import CostModel
 from .api import Kernel, TensorMeta, Tiling, TilingError
 from .npu.machine import Machine
-from .registry import get_kernel
+from .registry import all_models, get_kernel
+
+#: Bumped when a cost model or the simulated machine changes what a tiling costs, so that
+#: tuning-cache entries priced by an older model are not reused (`cache_target`).
+MODEL_REVISION = 2
 
 EXHAUSTIVE_LIMIT = 4096
+#: Tiling fields that are switches or core counts rather than tile sizes.
+FLAGS = frozenset({"double_buffer", "db_l1", "db_l0", "db_l0c", "cores", "a_resident"})
 BEAM = 32
 TIE = 0.01
 
@@ -50,19 +53,14 @@ def _volume(t: Tiling) -> int:
     """Product of a tiling's size fields (everything but flags and core counts)."""
     v = 1
     for f in dataclasses.fields(t):
-        if f.name not in ("double_buffer", "cores", "a_resident"):
+        if f.name not in FLAGS:
             v *= max(1, int(getattr(t, f.name)))
     return v
 
 
-@cache
 def models() -> Mapping[tuple[str, str], CostModel]:
-    """Every cost model keyed by (domain, op_type)."""
-    found: dict[tuple[str, str], CostModel] = {}
-    for module in (_cost_gemm, _cost_conv, _cost_rows, _cost_lnmm, _cost_allgather):
-        for m in module.MODELS:
-            found[(m.domain, m.op_type)] = m
-    return MappingProxyType(found)
+    """Every cost model keyed by (domain, op_type) (each kernel package's `MODELS`)."""
+    return all_models()
 
 
 def model_for(domain: str, op_type: str) -> CostModel | None:
@@ -141,7 +139,7 @@ def _shape_key(t: Tiling) -> Hashable:
     return tuple(
         getattr(t, f.name)
         for f in dataclasses.fields(t)
-        if f.name not in ("double_buffer", "cores")
+        if f.name not in FLAGS or f.name == "a_resident"
     )
 
 
@@ -216,8 +214,25 @@ def _host_tiling_cached(
     return hit
 
 
+class Searched:
+    """Mixin of fused kernels: without `tile_*` attributes (symbolic shapes at fuse time), the
+    run-time tiling is the search's pick by the cost model `fuse` uses."""
+
+    def host_tiling(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> Tiling:
+        """The search's best tiling for these inputs (see `host_tiling`)."""
+        assert isinstance(self, Kernel)
+        return host_tiling(self, inputs_meta, attrs, machine)
+
+
 def _thaw(attrs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
+
+
+def cache_target(machine: Machine) -> str:
+    """The target as a tuning-cache key: its name, a digest of its numbers, the model revision."""
+    return f"{machine.name}@{machine.fingerprint}/r{MODEL_REVISION}"
 
 
 def roofline_floor(flops: float, gm_bytes: float, machine: Machine, dtype: np.dtype) -> float:

@@ -38,23 +38,25 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._budget import QueueSpec, check_flag, check_positive, require_fits
-from ._levels import overflow
-from ._link import arrival_order, ring_arrivals, with_link
-from .allgather import Gather, concat_shards, gather_spec
-from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
-from .npu.core import Core
-from .npu.launch import launch, split_balanced
-from .npu.machine import Machine
-from .npu.memory import Queue, Tile
-from .npu.pipes import Level, Pipe
+from .._budget import QueueSpec, check_flag, check_positive, require_fits
+from .._levels import overflow
+from .._link import arrival_order, ring_arrivals, with_link
+from ..allgather import Gather, concat_shards, gather_spec
+from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
+from ..npu.core import Core
+from ..npu.launch import launch, split_balanced
+from ..npu.machine import Machine
+from ..npu.memory import Queue, Tile
+from ..npu.pipes import Level, Pipe
+from ..search import Searched
 
 
 @dataclass(frozen=True)
 class AllGatherMatMulTiling(Tiling):
     """Output tiles `tile_m` x `tile_n`; K in L1 panels of `tile_k`, L0 steps of `tile_k0`;
     `acc_tiles` L0C accumulators (output tiles kept across shards for a K gather); double
-    buffering (0/1); cube cores."""
+    buffering (0/1); cube cores; `staged` 1: one chunk, the unfused chain's schedule
+    (`staged.py`: gather, then multiply), the other fields then unused."""
 
     tile_m: int
     tile_n: int
@@ -63,6 +65,7 @@ class AllGatherMatMulTiling(Tiling):
     acc_tiles: int
     double_buffer: int
     cores: int
+    staged: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-class AllGatherMatMulKernel(Kernel):
+class AllGatherMatMulKernel(Searched, Kernel):
     """Fused AllGather + MatMul (+ bias); see the module docstring."""
 
     op_type = "AllGatherMatMul"
@@ -179,7 +182,7 @@ class AllGatherMatMulKernel(Kernel):
             op, tile_m=t.tile_m, tile_n=t.tile_n, tile_k=t.tile_k, tile_k0=t.tile_k0,
             acc_tiles=t.acc_tiles, cores=t.cores,
         )  # fmt: skip
-        check_flag(op, double_buffer=t.double_buffer)
+        check_flag(op, double_buffer=t.double_buffer, staged=t.staged)
         if t.tile_k0 > t.tile_k:
             raise TilingError(f"{op}: tile_k0 {t.tile_k0} exceeds tile_k {t.tile_k}")
         if t.cores > machine.cube_cores:
@@ -187,7 +190,8 @@ class AllGatherMatMulKernel(Kernel):
                 f"{op}: tiling uses {t.cores} cores, {machine.name} has {machine.cube_cores} "
                 "cube cores"
             )
-        require_fits(op, machine, _specs(_problem(op, inputs_meta, attrs, machine), t))
+        if not t.staged:  # the staged stages check their own tilings
+            require_fits(op, machine, _specs(_problem(op, inputs_meta, attrs, machine), t))
 
     def default_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -251,6 +255,10 @@ class AllGatherMatMulKernel(Kernel):
     ) -> KernelRun:
         assert isinstance(tiling, AllGatherMatMulTiling)
         p = _problem(self.op_type, inputs_meta, attrs, machine)
+        if tiling.staged:
+            from .staged import run_staged
+
+            return run_staged(machine, p, inputs, inputs_meta, functional, timeline)
         g = p.g
         steps = ring_arrivals(machine, g.group_size, g.shard_bytes)
         order = arrival_order(g.rank, g.group_size)

@@ -41,9 +41,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._budget import QueueSpec, check_flag, check_positive, require_fits
-from ._groups import Group, from_workspace, launch_groups, to_workspace, ub_to_l1, workspace_tile
-from ._lnmm import (
+from .._budget import QueueSpec, check_flag, check_positive, require_fits
+from .._groups import Group, from_workspace, launch_groups, to_workspace, ub_to_l1, workspace_tile
+from ..api import Kernel, KernelRun, TensorMeta, Tiling, TilingError
+from ..layernorm import LayerNormSpec, flat_param, layernorm_rows, layernorm_steps
+from ..npu.core import Core
+from ..npu.machine import Machine
+from ..npu.memory import Buffer, Queue, Tile
+from ..npu.pipes import Level, Pipe
+from ..search import Searched
+from .plan import (
     Item,
     LayerNormMatMulTiling,
     Problem,
@@ -54,15 +61,10 @@ from ._lnmm import (
     problem,
     specs,
 )
-from .api import Kernel, KernelRun, TensorMeta, Tiling, TilingError
-from .layernorm import LayerNormSpec, flat_param, layernorm_rows, layernorm_steps
-from .npu.core import Core
-from .npu.machine import Machine
-from .npu.memory import Buffer, Queue, Tile
-from .npu.pipes import Level, Pipe
+from .staged import run_staged
 
 
-class LayerNormMatMulKernel(Kernel):
+class LayerNormMatMulKernel(Searched, Kernel):
     """Fused LayerNorm + n MatMuls (+ bias); see the module docstring."""
 
     op_type = "LayerNormMatMul"
@@ -96,7 +98,7 @@ class LayerNormMatMulKernel(Kernel):
         )  # fmt: skip
         if t.tile_k0 > t.tile_k:
             raise TilingError(f"{op}: tile_k0 {t.tile_k0} exceeds tile_k {t.tile_k}")
-        check_flag(op, a_resident=t.a_resident, double_buffer=t.double_buffer)
+        check_flag(op, a_resident=t.a_resident, double_buffer=t.double_buffer, staged=t.staged)
         if t.cores > machine.cube_cores:
             raise TilingError(
                 f"{op}: tiling uses {t.cores} cores, {machine.name} has {machine.cube_cores} "
@@ -108,7 +110,8 @@ class LayerNormMatMulKernel(Kernel):
                 f"{op}: rows {t.rows} must be a multiple of {p.q} (matmul rows per normalized "
                 "slice)"
             )
-        require_fits(op, machine, specs(p, t))
+        if not t.staged:  # the staged stages check their own tilings
+            require_fits(op, machine, specs(p, t))
 
     def default_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -127,6 +130,9 @@ class LayerNormMatMulKernel(Kernel):
     ) -> KernelRun:
         assert isinstance(tiling, LayerNormMatMulTiling)
         p = problem(inputs_meta, attrs)
+        if tiling.staged:
+            metas = self.infer(inputs_meta, attrs)
+            return run_staged(machine, p, inputs, inputs_meta, attrs, metas, functional, timeline)
         tm = effective(p, tiling)[0]
         work = [
             Item(m0, min(m0 + tm, p.m), part)
