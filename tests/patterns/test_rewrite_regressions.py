@@ -1,0 +1,151 @@
+"""Regressions of issue 14 ("wrong or invalid rewrites"), one test (or a few) per defect.
+
+Each builds the smallest model that showed the defect, fuses it with every match accepted, and
+checks the fused model against onnxruntime running the original (or against a float64
+evaluation where onnxruntime's own kernel is the accurate one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fuser.ort import session
+from fuser.testing import fuse_all, reasons
+
+RNG_SEED = 14
+
+
+def _model(
+    nodes: list[onnx.NodeProto],
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    inits: list[onnx.TensorProto],
+    opset: int = 17,
+) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _run_original(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[Any]:
+    sess = onnxruntime.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    return list(sess.run(None, feeds))
+
+
+def _run_fused(model: onnx.ModelProto, feeds: dict[str, np.ndarray], kernel: str) -> list[Any]:
+    return list(session(model, kernel=kernel).run(None, feeds))
+
+
+def _full_check(model: onnx.ModelProto) -> None:
+    onnx.checker.check_model(model, full_check=True)
+
+
+# -- 2: new initializer names against enclosing graphs and subgraphs --------------------------
+
+
+def _conv_bn(prefix: str, x: str, out: str, rng: np.random.Generator) -> tuple[list, list]:
+    """Conv named `prefix` -> BN, its parameters as initializers named after it."""
+    w = numpy_helper.from_array(rng.standard_normal((2, 2, 1, 1)).astype(np.float32), "w")
+    params = [
+        numpy_helper.from_array(v.astype(np.float32), f"{prefix}.{n}")
+        for n, v in (
+            ("s", rng.uniform(0.5, 2, 2)),
+            ("b", rng.standard_normal(2)),
+            ("m", rng.standard_normal(2)),
+            ("v", rng.uniform(0.5, 2, 2)),
+        )
+    ]
+    w.name = f"{prefix}.w"
+    nodes = [
+        helper.make_node("Conv", [x, w.name], [f"{prefix}.y"], name=prefix),
+        helper.make_node("BatchNormalization", [f"{prefix}.y", *(p.name for p in params)], [out]),
+    ]
+    return nodes, [w, *params]
+
+
+def test_folded_weight_in_a_branch_does_not_shadow_an_outer_value() -> None:
+    """The branch reads outer 'conv.W_bn_folded'; the fold inside the branch must not take
+    that name (it would silently replace what the branch reads)."""
+    rng = np.random.default_rng(RNG_SEED)
+    conv, inits = _conv_bn("conv", "x", "bn", rng)
+    then_nodes = [*conv, helper.make_node("Add", ["bn", "conv.W_bn_folded"], ["t"])]
+    then = helper.make_graph(
+        then_nodes, "then", [], [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 2, 3, 3])], inits
+    )
+    other = helper.make_graph(
+        [helper.make_node("Identity", ["conv.W_bn_folded"], ["e"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [1, 2, 3, 3])],
+    )
+    outer = [
+        helper.make_node("Relu", ["x"], ["conv.W_bn_folded"]),
+        helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+    ]
+    model = _model(
+        outer,
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 3, 3]),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3, 3])],
+        [],
+    )
+    result = fuse_all(model)
+    assert result.report.summary["conv_bn_relu"] == 1, reasons(result)
+    _full_check(result.model)
+    feeds = {"x": rng.standard_normal((1, 2, 3, 3)).astype(np.float32), "c": np.array(True)}
+    (expected,) = _run_original(model, feeds)
+    (actual,) = _run_fused(result.model, feeds, "reference")
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_main_graph_fold_does_not_take_a_name_a_subgraph_defines() -> None:
+    """A branch defines 'conv.W_bn_folded' itself: a main-graph initializer of that name
+    would be defined twice (an SSA violation the checker and onnxruntime refuse)."""
+    rng = np.random.default_rng(RNG_SEED)
+    conv, inits = _conv_bn("conv", "x", "bn", rng)
+    branch = helper.make_graph(
+        [
+            helper.make_node("Neg", ["x"], ["conv.W_bn_folded"]),
+            helper.make_node("Identity", ["conv.W_bn_folded"], ["t"]),
+        ],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 2, 3, 3])],
+    )
+    nodes = [
+        *conv,
+        helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch),
+    ]
+    model = _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 3, 3]),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3, 3]),
+            helper.make_tensor_value_info("bn", TensorProto.FLOAT, [1, 2, 3, 3]),
+        ],
+        inits,
+    )
+    result = fuse_all(model)
+    assert result.report.summary["conv_bn_relu"] == 1, reasons(result)
+    names = [t.name for t in result.model.graph.initializer]
+    assert "conv.W_bn_folded" not in names
+    _full_check(result.model)
+    feeds = {"x": rng.standard_normal((1, 2, 3, 3)).astype(np.float32), "c": np.array(True)}
+    for expected, actual in zip(
+        _run_original(model, feeds), _run_fused(result.model, feeds, "reference"), strict=True
+    ):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
