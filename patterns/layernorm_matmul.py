@@ -32,9 +32,10 @@ one-element constant kept as read (a tiny epsilon is not zero), gamma and beta b
 only along the normalized axes. A mean or variance read outside the chain, or that is a graph
 output, is an internal value with an outside reader: the matcher refuses that with its reason.
 
-A `Shape` (or any other node) reading N does not block the fusion: the fused op then outputs
-`normalized`, which the Shape keeps reading (re-pointing the Shape to X would be a rewrite
-outside the match, which the engine does not do).
+A `Shape` reading N is re-pointed to X when gamma and beta provably keep X's shape (they
+broadcast only into it); any other reader, or a Shape when that is not proven, makes the fused
+op output `normalized`. Gamma or beta that broadcast N up beyond X's shape (X's last dim 1,
+gamma [4]) are refused: the fused op's `normalized` has X's shape.
 """
 
 from __future__ import annotations
@@ -611,6 +612,36 @@ def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
     )
 
 
+def _keeps_x_shape(graph: GraphIndex, norm: _Norm) -> bool | str | None:
+    """Whether the normalized value has X's shape: True if gamma and beta provably only
+    broadcast into it, None if shapes leave it open, or why not (they broadcast it up: X's
+    last dim 1 and gamma [4] give [.., 4]; the fused op's `normalized` has X's shape)."""
+    x_shape = graph.shape(norm.x)
+    proven = x_shape is not None
+    for name, what in ((norm.scale, "gamma"), (norm.bias, "beta")):
+        if not name:
+            continue
+        const = _const(graph, name)
+        shape = tuple(const.shape) if const is not None else graph.shape(name)
+        if shape is None or x_shape is None:
+            proven = False
+            continue
+        raised = len(shape) > len(x_shape)
+        for dim, x_dim in zip(reversed(shape), reversed(x_shape), strict=False):
+            if dim == 1 or dim == x_dim:
+                continue
+            if isinstance(x_dim, int) and isinstance(dim, int):
+                raised = True
+            else:
+                proven = False
+        if raised:
+            return (
+                f"{what} '{name}' of shape {list(shape)} broadcasts the normalized value up "
+                f"from the shape of '{norm.x}' {list(x_shape)}; LayerNormMatMul keeps X's shape"
+            )
+    return True if proven else None
+
+
 def _constant_why(graph: GraphIndex, value: str) -> str:
     if value in graph.graph_inputs:
         if value in graph.initializers:
@@ -972,6 +1003,9 @@ class LayerNormMatMulPattern:
             first = readers.misses[0]
             reason = "; ".join(m.reason for m in readers.misses)
             return rejection(self.name, graph, (*norm.nodes, *first.nodes), reason, first.value)
+        keeps = _keeps_x_shape(graph, norm)
+        if isinstance(keeps, str):
+            return rejection(self.name, graph, norm.nodes, keeps, norm.out)
         nodes = (*norm.nodes, *readers.casts, *(i for lin in readers.linears for i in lin.nodes))
         inputs = [norm.x, norm.scale, norm.bias]
         for lin in readers.linears:
@@ -996,7 +1030,8 @@ class LayerNormMatMulPattern:
             ("", *(lin.output for lin in readers.linears)),
             attributes,
             exportable={norm.out: 0},
-            shape_sources={norm.out: norm.x},
+            # Shape(N) may read X instead only if gamma and beta provably keep X's shape.
+            shape_sources={norm.out: norm.x} if keeps else {},
             new_initializers=tuple(t for lin in readers.linears for t in lin.new_initializers),
             notes=notes,
         )

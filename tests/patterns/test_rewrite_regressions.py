@@ -149,3 +149,94 @@ def test_main_graph_fold_does_not_take_a_name_a_subgraph_defines() -> None:
         _run_original(model, feeds), _run_fused(result.model, feeds, "reference"), strict=True
     ):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+# -- 1: Shape re-pointing respects broadcasting ------------------------------------------------
+
+
+def _decomposed_ln(x: str, gamma: str, beta: str, out: str) -> list[onnx.NodeProto]:
+    """The exporters' decomposed LayerNorm over the last axis (opset 13: axes attribute)."""
+    return [
+        helper.make_node("ReduceMean", [x], ["mu"], axes=[-1]),
+        helper.make_node("Sub", [x, "mu"], ["d"]),
+        helper.make_node("Mul", ["d", "d"], ["d2"]),
+        helper.make_node("ReduceMean", ["d2"], ["var"], axes=[-1]),
+        helper.make_node("Add", ["var", "eps"], ["ve"]),
+        helper.make_node("Sqrt", ["ve"], ["std"]),
+        helper.make_node("Div", ["d", "std"], ["nrm"]),
+        helper.make_node("Mul", ["nrm", gamma], ["scaled"]),
+        helper.make_node("Add", ["scaled", beta], [out]),
+    ]
+
+
+def _ln_params(rng: np.random.Generator, width: int, hidden: int) -> list[onnx.TensorProto]:
+    return [
+        numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
+        numpy_helper.from_array(rng.uniform(0.5, 2, width).astype(np.float32), "gamma"),
+        numpy_helper.from_array(rng.standard_normal(width).astype(np.float32), "beta"),
+        numpy_helper.from_array(rng.standard_normal((width, hidden)).astype(np.float32), "w"),
+    ]
+
+
+@pytest.mark.parametrize("also_read", [False, True])
+def test_gamma_broadcasting_the_normalized_value_up_is_refused(also_read: bool) -> None:
+    """X [2, 1] with gamma [4]: N is [2, 4], so Shape(N) is not Shape(X); and the fused op's
+    `normalized` would have X's shape. Refused with the reason, nothing rewritten."""
+    rng = np.random.default_rng(RNG_SEED)
+    nodes = [
+        *_decomposed_ln("x", "gamma", "beta", "n"),
+        helper.make_node("MatMul", ["n", "w"], ["y"]),
+        helper.make_node("Shape", ["n"], ["shape"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3]),
+        helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+    ]
+    if also_read:
+        nodes.append(helper.make_node("Relu", ["n"], ["r"]))
+        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 4]))
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1])],
+        outputs,
+        _ln_params(rng, 4, 3),
+        opset=13,
+    )
+    result = fuse_all(model)
+    assert result.report.summary["layernorm_matmul"] == 0
+    (reason,) = reasons(result, "layernorm_matmul")
+    assert reason == (
+        "gamma 'gamma' of shape [4] broadcasts the normalized value up from the shape of 'x' "
+        "[2, 1]; LayerNormMatMul keeps X's shape"
+    )
+
+
+def test_shape_of_normalized_is_served_by_the_fused_op_when_x_shape_is_not_proven() -> None:
+    """X [batch, K] with K symbolic and gamma [4]: N has X's shape only if K is 4 (or 1), which
+    nothing proves; the Shape then reads the fused op's `normalized` output, not X."""
+    rng = np.random.default_rng(RNG_SEED)
+    nodes = [
+        *_decomposed_ln("x", "gamma", "beta", "n"),
+        helper.make_node("MatMul", ["n", "w"], ["y"]),
+        helper.make_node("Shape", ["n"], ["shape"]),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "k"])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+        ],
+        _ln_params(rng, 4, 3),
+        opset=13,
+    )
+    result = fuse_all(model)
+    assert result.report.summary["layernorm_matmul"] == 1, reasons(result)
+    shape_node = next(n for n in result.model.graph.node if n.op_type == "Shape")
+    assert list(shape_node.input) == ["n"]
+    _full_check(result.model)
+    feeds = {"x": rng.standard_normal((5, 4)).astype(np.float32)}
+    for expected, actual in zip(
+        _run_original(model, feeds), _run_fused(result.model, feeds, "reference"), strict=True
+    ):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
