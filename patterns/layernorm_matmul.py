@@ -229,17 +229,9 @@ def _is_noop_cast(graph: GraphIndex, node: onnx.NodeProto) -> bool:
 
 
 def _const(graph: GraphIndex, name: str) -> np.ndarray | None:
-    """`graph.constant`, reading a `Constant` node directly (no evaluator: cheap on big graphs)."""
-    if not name:
-        return None
-    node = graph.producer_of(name)
-    if node is not None and node.op_type == "Constant" and node.domain == "" and node.attribute:
-        attr = node.attribute[0]
-        if attr.name == "value":
-            return numpy_helper.to_array(attr.t)
-        if attr.name in ("value_float", "value_floats", "value_int", "value_ints"):
-            return np.asarray(onnx.helper.get_attribute_value(attr))
-    return graph.constant(name)
+    """`graph.constant` (which reads a `Constant` node directly, in the dtype ONNX gives its
+    attribute: `value_float` is float32, not numpy's float64)."""
+    return graph.constant(name) if name else None
 
 
 def _operand_const(graph: GraphIndex, name: str) -> np.ndarray | None:

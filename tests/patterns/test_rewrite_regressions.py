@@ -240,3 +240,39 @@ def test_shape_of_normalized_is_served_by_the_fused_op_when_x_shape_is_not_prove
         _run_original(model, feeds), _run_fused(result.model, feeds, "reference"), strict=True
     ):
         np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+# -- 5: a Constant(value_float=...) bias keeps the op's dtype ----------------------------------
+
+
+@pytest.mark.parametrize("linear", ["matmul_add", "gemm"])
+def test_constant_value_float_bias_stays_float32(linear: str) -> None:
+    """`Constant(value_float=0.25)` is a float32 scalar; the [N] bias fuser broadcasts it to
+    must be float32 too (it was float64, feeding a float32 fused op)."""
+    rng = np.random.default_rng(RNG_SEED)
+    ln = helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], epsilon=1e-5)
+    const = helper.make_node("Constant", [], ["b"], value_float=0.25)
+    if linear == "gemm":
+        linears = [helper.make_node("Gemm", ["n", "w", "b"], ["y"], transB=0)]
+    else:
+        linears = [
+            helper.make_node("MatMul", ["n", "w"], ["p"]),
+            helper.make_node("Add", ["p", "b"], ["y"]),
+        ]
+    inits = _ln_params(rng, 4, 3)[1:]
+    model = _model(
+        [ln, const, *linears],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 3])],
+        inits,
+    )
+    result = fuse_all(model)
+    assert result.report.summary["layernorm_matmul"] == 1, reasons(result)
+    new = [t for t in result.model.graph.initializer if t.name not in {i.name for i in inits}]
+    assert [t.data_type for t in new] == [TensorProto.FLOAT]
+    _full_check(result.model)
+    feeds = {"x": rng.standard_normal((5, 4)).astype(np.float32)}
+    (expected,) = _run_original(model, feeds)
+    (actual,) = _run_fused(result.model, feeds, "npu")
+    assert actual.dtype == np.float32
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
