@@ -276,3 +276,135 @@ def test_constant_value_float_bias_stays_float32(linear: str) -> None:
     (actual,) = _run_fused(result.model, feeds, "npu")
     assert actual.dtype == np.float32
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+# -- 6: what the pattern fuses, the NPU kernel runs (or the pattern refuses it) ----------------
+
+
+def _gather_model(bias_shape: tuple[int, ...] | None, w_shape: tuple[int, ...]) -> Any:
+    rng = np.random.default_rng(RNG_SEED)
+    w = numpy_helper.from_array(rng.standard_normal(w_shape).astype(np.float32), "W")
+    nodes = [
+        helper.make_node(
+            "AllGather", ["x"], ["g"], domain="com.microsoft", group_size=2, axis=0, name="ag"
+        ),
+        helper.make_node("MatMul", ["g", "W"], ["mm" if bias_shape is not None else "y"]),
+    ]
+    inits = [w]
+    if bias_shape is not None:
+        inits.append(
+            numpy_helper.from_array(rng.standard_normal(bias_shape).astype(np.float32), "B")
+        )
+        nodes.append(helper.make_node("Add", ["mm", "B"], ["y"], name="bias"))
+    out = [4, 5] if len(w_shape) == 2 else [w_shape[0], 4, w_shape[-1]]
+    graph = helper.make_graph(
+        nodes,
+        "rank",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)],
+        inits,
+        value_info=[helper.make_tensor_value_info("g", TensorProto.FLOAT, [4, 3])],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets), inits
+
+
+def _run_two_ranks(model: onnx.ModelProto, shards: list[np.ndarray]) -> list[np.ndarray]:
+    import threading
+
+    from fuser.collective import Communicator
+
+    session(model, kernel="npu")  # registers the plugin op before the ranks' sessions exist
+    communicator = Communicator(2)
+    sessions = [session(model, kernel="npu", rank=r, communicator=communicator) for r in (0, 1)]
+    results: list[np.ndarray] = [np.empty(0), np.empty(0)]
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            results[rank] = sessions[rank].run(None, {"x": shards[rank]})[0]
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("bias_shape", [(), (1,)])
+def test_allgather_matmul_scalar_bias_runs_on_the_npu_kernel(bias_shape: tuple[int, ...]) -> None:
+    model, (w, b) = _gather_model(bias_shape, (3, 5))
+    result = fuse_all(model)
+    assert result.report.summary["allgather_matmul"] == 1, reasons(result)
+    (node,) = [n for n in result.model.graph.node if n.domain == "fuser"]
+    bias = next(t for t in result.model.graph.initializer if t.name == node.input[2])
+    assert list(bias.dims) == [5]
+    rng = np.random.default_rng(RNG_SEED + 1)
+    shards = [rng.standard_normal((2, 3)).astype(np.float32) for _ in range(2)]
+    truth = np.concatenate(shards) @ numpy_helper.to_array(w) + numpy_helper.to_array(b)
+    for y in _run_two_ranks(result.model, shards):
+        np.testing.assert_allclose(y, truth, rtol=1e-5, atol=1e-5)
+
+
+def test_allgather_matmul_batched_weight_is_refused() -> None:
+    model, _ = _gather_model(None, (2, 3, 5))
+    result = fuse_all(model)
+    assert result.report.summary["allgather_matmul"] == 0
+    assert reasons(result) == [
+        "weight 'W' of MatMul 'MatMul#1' has shape [2, 3, 5]; AllGatherMatMul takes a 2-D "
+        "[K, N] weight"
+    ]
+
+
+def test_float64_chains_are_refused_for_every_family() -> None:
+    """The NPU's units take float16 and float32: a float64 fused op would not run there."""
+    rng = np.random.default_rng(RNG_SEED)
+    d = TensorProto.DOUBLE
+    conv, _ = _conv_bn("conv", "x", "bn", rng)
+    inits64 = [
+        numpy_helper.from_array(rng.uniform(0.5, 2, s).astype(np.float64), n)
+        for n, s in (
+            ("conv.w", (2, 2, 1, 1)),
+            ("conv.s", 2),
+            ("conv.b", 2),
+            ("conv.m", 2),
+            ("conv.v", 2),
+            ("gamma", 9),
+            ("beta", 9),
+            ("w", (9, 3)),
+        )
+    ]
+    nodes = [
+        *conv,
+        helper.make_node("Flatten", ["bn"], ["f"]),  # [1, 18] -> reshape [2, 9]
+        helper.make_node("Reshape", ["f", "shape"], ["r"]),
+        helper.make_node("LayerNormalization", ["r", "gamma", "beta"], ["n"]),
+        helper.make_node("MatMul", ["n", "w"], ["y"]),
+        helper.make_node("Softmax", ["y"], ["p"]),
+        helper.make_node("TopK", ["p", "k"], ["v", "i"]),
+    ]
+    inits64 += [
+        numpy_helper.from_array(np.array([2, 9], np.int64), "shape"),
+        numpy_helper.from_array(np.array([2], np.int64), "k"),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", d, [1, 2, 3, 3])],
+        [
+            helper.make_tensor_value_info("v", d, [2, 2]),
+            helper.make_tensor_value_info("i", TensorProto.INT64, [2, 2]),
+        ],
+        inits64,
+    )
+    result = fuse_all(model)
+    assert sum(result.report.summary.values()) == 0
+    assert sorted(reasons(result)) == [
+        "'r' is float64, which LayerNormMatMul does not support",
+        "'x' is float64, which ConvBnRelu does not support",
+        "'y' is float64, which SoftmaxTopK does not support",
+    ]
