@@ -200,7 +200,8 @@ def _bias(graph: GraphIndex, matmul_id: int) -> _Bias:
         return _Bias(note=note)
     value = graph.constant(bias)
     weight = graph.constant(graph.node(matmul_id).input[1])
-    assert value is not None and weight is not None
+    assert value is not None
+    assert weight is not None
     n = int(weight.shape[-1])
     if value.size == n:
         return _Bias(add_id, bias)

@@ -13,11 +13,12 @@ Matched:
     N  = Div(d, Sqrt(Add(v, eps))) | Mul(d, Reciprocal(Sqrt(Add(v, eps))))
     N  = Add(Mul(N, gamma), beta)            (affine part optional, either operand order)
   axes as attribute (opset < 18) or input (opset 18+); no-op Casts (to the dtype the value
-  already has) are looked through. The fused op gets stash_type=0: statistics in the input
-  dtype, as the decomposed ops compute them. TorchScript writes a float16 LayerNorm with the
-  variance in float64 (Cast after the Sub, Cast back after the Div): that form gets
-  stash_type=1 (statistics in float32), equal within float16 resolution, and says so in the
-  fusion's notes.
+  already has) are looked through. The fused op gets stash_type=0 (the decomposed form); its
+  statistics are accurate all the same (see `layer_norm`), as onnxruntime's optimizer makes
+  them by replacing the chain with its LayerNormalization kernel. TorchScript writes a
+  float16 LayerNorm with the variance in float64 (Cast after the Sub, Cast back after the
+  Div): that form gets stash_type=1 (statistics in float32), equal within float16 resolution,
+  and says so in the fusion's notes.
 - Consumers of N: MatMul(N, W) with W a constant 2-D weight, then optionally Add of a constant
   bias broadcasting along the last axis only (either operand order); and Reshape(N, [-1, K]) ->
   Gemm (GPT-2's Conv1D), with transB, alpha and beta folded into new W'/b' initializers at fuse
@@ -100,19 +101,29 @@ def layer_norm(
     epsilon: float,
     stash_type: int,
 ) -> np.ndarray:
-    """ONNX LayerNormalization (stash_type=1: statistics in float32 at least), or the decomposed
-    chain op by op in the input dtype (stash_type=0)."""
+    """ONNX LayerNormalization with accurate statistics whatever `stash_type`: in float32 at
+    least, in two passes (the mean, corrected by the mean deviation from it; then the centred
+    variance); the normalized value rounded to the input dtype once, then gamma and beta, each
+    rounded.
+
+    At least as accurate as onnxruntime's LayerNormalization kernel, which is also what runs
+    the decomposed chain (its optimizer replaces the chain by the kernel): a float16 row
+    [300, -300, 0, 0] does not overflow in the square, and a constant float32 row normalizes to
+    exactly 0 (the float32 mean of a constant row can miss by an ulp; the deviations from it are
+    exact differences, so their mean puts it back), even with epsilon 1e-12. `stash_type` says
+    what the original stated (1: the op's float32 statistics; 0: the decomposed form).
+    """
+    del stash_type  # both forms get the accurate statistics (see above)
     dtype = x.dtype
-    stats = np.promote_types(dtype, np.float32) if stash_type == 1 else dtype
-    axes = tuple(range(axis % x.ndim, x.ndim))
-    xs = x.astype(stats)
-    eps = np.asarray(epsilon, dtype=stats)
-    d = xs - xs.mean(axis=axes, keepdims=True).astype(stats)
-    var = (d * d).mean(axis=axes, keepdims=True).astype(stats)
-    with np.errstate(
-        divide="ignore", invalid="ignore"
-    ):  # epsilon 0 on a constant row: NaN, as ONNX
-        n = (d / np.sqrt(var + eps)).astype(dtype)
+    work = np.promote_types(dtype, np.float32)
+    start = axis % x.ndim
+    rows = x.reshape(int(np.prod(x.shape[:start], dtype=np.int64)), -1).astype(work)
+    mean = rows.mean(axis=-1, keepdims=True, dtype=work)
+    mean = mean + (rows - mean).mean(axis=-1, keepdims=True, dtype=work)
+    d = rows - mean
+    var = (d * d).mean(axis=-1, keepdims=True, dtype=work)
+    with np.errstate(divide="ignore", invalid="ignore"):  # epsilon 0, constant row: NaN as ONNX
+        n = (d / np.sqrt(var + np.asarray(epsilon, dtype=work))).astype(dtype).reshape(x.shape)
     if scale is not None:
         n = (n * scale).astype(dtype)
     if bias is not None:
@@ -162,8 +173,8 @@ LAYERNORM_MATMUL = FusedOp(
         Attr(
             "stash_type",
             "int",
-            "1: statistics in float32 (LayerNormalization); "
-            "0: in the input dtype (decomposed form)",
+            "what the original said: 1 = LayerNormalization's float32 statistics, 0 = the "
+            "decomposed form; both are computed at least as accurately as float32 two-pass",
             1,
         ),
         Attr("has_bias", "ints", "per Linear: 1 if b_i follows W_i"),

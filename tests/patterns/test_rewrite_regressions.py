@@ -79,7 +79,11 @@ def test_folded_weight_in_a_branch_does_not_shadow_an_outer_value() -> None:
     conv, inits = _conv_bn("conv", "x", "bn", rng)
     then_nodes = [*conv, helper.make_node("Add", ["bn", "conv.W_bn_folded"], ["t"])]
     then = helper.make_graph(
-        then_nodes, "then", [], [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 2, 3, 3])], inits
+        then_nodes,
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 2, 3, 3])],
+        inits,
     )
     other = helper.make_graph(
         [helper.make_node("Identity", ["conv.W_bn_folded"], ["e"])],
@@ -408,3 +412,93 @@ def test_float64_chains_are_refused_for_every_family() -> None:
         "'x' is float64, which ConvBnRelu does not support",
         "'y' is float64, which SoftmaxTopK does not support",
     ]
+
+
+# -- 3: LayerNorm statistics at least as accurate as onnxruntime's kernel -----------------------
+
+
+def _ln_model(form: str, dtype: Any, width: int, epsilon: float, stash_type: int) -> Any:
+    """x [rows, width] -> LayerNorm (op with `stash_type`, or decomposed) -> n (an output too)
+    -> MatMul W -> y."""
+    rng = np.random.default_rng(RNG_SEED)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    gamma = rng.uniform(0.5, 2, width).astype(dtype)
+    beta = rng.standard_normal(width).astype(dtype)
+    w = (rng.standard_normal((width, 3)) / np.sqrt(width)).astype(dtype)
+    inits = [
+        numpy_helper.from_array(np.array(epsilon, dtype), "eps"),
+        numpy_helper.from_array(gamma, "gamma"),
+        numpy_helper.from_array(beta, "beta"),
+        numpy_helper.from_array(w, "w"),
+    ]
+    if form == "op":
+        ln = [
+            helper.make_node(
+                "LayerNormalization",
+                ["x", "gamma", "beta"],
+                ["n"],
+                epsilon=epsilon,
+                stash_type=stash_type,
+            )
+        ]
+        inits = inits[1:]
+    else:
+        ln = _decomposed_ln("x", "gamma", "beta", "n")
+    model = _model(
+        [*ln, helper.make_node("MatMul", ["n", "w"], ["y"])],
+        [helper.make_tensor_value_info("x", elem, ["rows", width])],
+        [
+            helper.make_tensor_value_info("y", elem, ["rows", 3]),
+            helper.make_tensor_value_info("n", elem, ["rows", width]),
+        ],
+        inits,
+        opset=17 if form == "op" else 13,
+    )
+    return model, (gamma, beta, w)
+
+
+def _float64_layernorm(x: np.ndarray, gamma: Any, beta: Any, w: Any, eps: float) -> Any:
+    x64 = x.astype(np.float64)
+    d = x64 - x64.mean(axis=-1, keepdims=True)
+    n = d / np.sqrt((d * d).mean(axis=-1, keepdims=True) + eps) * gamma + beta
+    return n @ w.astype(np.float64), n
+
+
+@pytest.mark.parametrize("kernel", ["reference", "npu"])
+@pytest.mark.parametrize(("form", "stash_type"), [("op", 0), ("op", 1), ("decomposed", 0)])
+def test_float16_statistics_do_not_overflow(form: str, stash_type: int, kernel: str) -> None:
+    """x = [300, -300, 0, 0] in float16: 300^2 overflows float16, so statistics in float16
+    give 0s; onnxruntime's kernel (which also runs the decomposed chain) gives
+    [1.414, -1.414, 0, 0]."""
+    model, (gamma, beta, w) = _ln_model(form, np.float16, 4, 1e-5, stash_type)
+    result = fuse_all(model)
+    assert result.report.summary["layernorm_matmul"] == 1, reasons(result)
+    x = np.array([[300, -300, 0, 0], [1, 2, 3, 4]], np.float16)
+    y, n = _run_fused(result.model, {"x": x}, kernel)
+    y64, n64 = _float64_layernorm(x, gamma, beta, w, 1e-5)
+    np.testing.assert_allclose(n.astype(np.float64), n64, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(y.astype(np.float64), y64, rtol=1e-2, atol=1e-2)
+    if form == "decomposed":  # onnxruntime runs the original chain accurately too
+        _, expected_n = _run_original(model, {"x": x})
+        np.testing.assert_allclose(n.astype(np.float32), expected_n, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "npu"])
+@pytest.mark.parametrize("form", ["op", "decomposed"])
+@pytest.mark.parametrize("width", [7, 768])
+def test_float32_constant_rows_with_tiny_epsilon_match_float64(
+    form: str, width: int, kernel: str
+) -> None:
+    """epsilon 1e-12, constant rows: exactly, the normalized value is beta. float32 statistics
+    whose mean misses the row's value by an ulp gave 0.21 off; onnxruntime's kernel 4e-7."""
+    eps = float(np.float32(1e-12))
+    model, (gamma, beta, w) = _ln_model(form, np.float32, width, eps, 1)
+    result = fuse_all(model)
+    assert result.report.summary["layernorm_matmul"] == 1, reasons(result)
+    rng = np.random.default_rng(RNG_SEED + width)
+    values = rng.uniform(-3, 3, 16).astype(np.float32)
+    x = np.repeat(values[:, None], width, axis=1)
+    y, n = _run_fused(result.model, {"x": x}, kernel)
+    y64, n64 = _float64_layernorm(x, gamma, beta, w, eps)
+    assert float(np.abs(n - n64).max()) <= 1e-6
+    assert float(np.abs(y - y64).max()) <= 1e-5
