@@ -502,3 +502,51 @@ def test_float32_constant_rows_with_tiny_epsilon_match_float64(
     y64, n64 = _float64_layernorm(x, gamma, beta, w, eps)
     assert float(np.abs(n - n64).max()) <= 1e-6
     assert float(np.abs(y - y64).max()) <= 1e-5
+
+
+# -- 4: SoftmaxTopK on rows with float32 denormal probabilities --------------------------------
+
+
+@pytest.mark.parametrize("kernel", ["reference", "npu"])
+@pytest.mark.parametrize("order", ["softmax_topk", "topk_softmax"])
+def test_softmax_topk_matches_onnxruntime_on_denormal_probabilities(
+    order: str, kernel: str
+) -> None:
+    """Logits 100+ below the row's max give float32 denormal probabilities (exp(-103.6) is
+    about 1e-45). onnxruntime 1.32's Softmax keeps them (it does not flush: logits
+    [0, -300, -103.6, -200], k=2 give indices [0, 2] there), so the fused op must keep them
+    too, or the index chosen among the "zeros" changes."""
+    if order == "softmax_topk":
+        nodes = [
+            helper.make_node("Softmax", ["x"], ["p"], axis=-1),
+            helper.make_node("TopK", ["p", "k"], ["v", "i"]),
+        ]
+    else:
+        nodes = [
+            helper.make_node("TopK", ["x", "k"], ["t", "i"]),
+            helper.make_node("Softmax", ["t"], ["v"], axis=-1),
+        ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", 6])],
+        [
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, ["rows", 3]),
+            helper.make_tensor_value_info("i", TensorProto.INT64, ["rows", 3]),
+        ],
+        [numpy_helper.from_array(np.array([3], np.int64), "k")],
+        opset=13,
+    )
+    result = fuse_all(model)
+    assert result.report.summary["softmax_topk"] == 1, reasons(result)
+    rng = np.random.default_rng(RNG_SEED)
+    x = np.zeros((400, 6), np.float32)
+    x[:, 1:] = rng.uniform(-106, -85, (400, 5)).astype(np.float32)
+    x[0] = [0, -300, -103.6, -200, -300, -300]
+    x[1] = [0, -103.95, -103.9, -104, -120, -87.3]  # around the smallest denormal
+    expected_v, expected_i = _run_original(model, {"x": x})
+    actual_v, actual_i = _run_fused(result.model, {"x": x}, kernel)
+    if order == "softmax_topk":
+        assert list(expected_i[0][:2]) == [0, 2]
+    np.testing.assert_array_equal(actual_i, expected_i)
+    # values: float32 rounding apart (a few ulps; among denormals ulps are 1.4e-45 each)
+    np.testing.assert_allclose(actual_v, expected_v, rtol=1e-5, atol=1e-44)
