@@ -128,12 +128,14 @@ def layernorm_rows(
     d = xs - mean
     var = (d * d).mean(axis=-1, keepdims=True, dtype=work)
     std = np.sqrt(var + eps)
-    n = (d / std).astype(s.dtype, copy=False)
+    with np.errstate(divide="ignore", invalid="ignore"):  # epsilon 0, constant row: NaN as ONNX
+        n = (d / std).astype(s.dtype, copy=False)
+        inv_std = (1 / std).astype(s.stats, copy=False)
     if scale is not None:
         n = (n * scale).astype(s.dtype, copy=False)
     if bias is not None:
         n = (n + bias).astype(s.dtype, copy=False)
-    return n, mean.astype(s.stats, copy=False), (1 / std).astype(s.stats, copy=False)
+    return n, mean.astype(s.stats, copy=False), inv_std
 
 
 def flat_param(p: np.ndarray | None, s: LayerNormSpec) -> np.ndarray | None:

@@ -327,10 +327,12 @@ def _ln_shape(b: Builder) -> tuple[list[int], list[str | None]]:
     return [int(b.rng.integers(1, 6)), k], ["batch", None]
 
 
-def _gamma_shape(b: Builder, k: int, rank: int) -> tuple[int, ...]:
+def _gamma_shape(b: Builder, k: int, rank: int, up: int) -> tuple[int, ...]:
+    """gamma's or beta's shape: [K] or [1, K]; with K = 1 sometimes [up], which broadcasts
+    the normalized value up to `up` (one `up` per LayerNorm, so gamma and beta agree)."""
     options: list[tuple[int, ...]] = [(k,), (k,), (k,), (1, k)]
     if k == 1:
-        options.append((int(b.rng.integers(2, 5)),))  # broadcasts the normalized value up
+        options.append((up,))
     shape = b.pick(options)
     return shape if len(shape) <= rank else (k,)
 
@@ -384,13 +386,14 @@ def ln_decomposed(b: Builder) -> None:
     reciprocal = b.chance(0.3)  # d * Reciprocal(std), else d / std
     n = b.one("Mul", [d, b.one("Reciprocal", [std])]) if reciprocal else b.one("Div", [d, std])
     widths = [k]
+    up = int(b.rng.integers(2, 5))
     if b.chance(0.8):
-        shape_g = _gamma_shape(b, k, len(shape))
+        shape_g = _gamma_shape(b, k, len(shape), up)
         widths.append(shape_g[-1])
         gamma = b.weight(shape_g, "g", 1.0)
         n = b.one("Mul", [n, gamma] if b.chance(0.5) else [gamma, n])
         if b.chance(0.8):
-            shape_b = _gamma_shape(b, k, len(shape))
+            shape_b = _gamma_shape(b, k, len(shape), up)
             widths.append(shape_b[-1])
             beta = b.weight(shape_b, "beta", 1.0)
             n = b.one("Add", [n, beta] if b.chance(0.5) else [beta, n])
