@@ -64,6 +64,20 @@ def subgraph_free_names(graph: onnx.GraphProto) -> set[str]:
     return used - defined
 
 
+def all_value_names(graph: onnx.GraphProto) -> set[str]:
+    """Every value name defined or read in `graph` and, recursively, in its subgraphs."""
+    names = {v.name for v in (*graph.input, *graph.output, *graph.value_info)}
+    names.update(t.name for t in graph.initializer)
+    names.update(s.values.name for s in graph.sparse_initializer)
+    for node in graph.node:
+        names.update(node.input)
+        names.update(node.output)
+        for sub in _node_subgraphs(node):
+            names |= all_value_names(sub)
+    names.discard("")
+    return names
+
+
 def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
     for attr in node.attribute:
         if attr.type == onnx.AttributeProto.GRAPH:
@@ -179,6 +193,7 @@ class GraphIndex:
     new_initializers: list[onnx.TensorProto] = field(default_factory=list)
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _reads: dict[int, list[str]] = field(default_factory=dict)
+    _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
     _next_id: int = 0
     modified: bool = False
 
@@ -429,9 +444,15 @@ class GraphIndex:
         return name
 
     def unique_value_name(self, base: str) -> str:
+        """A value name used nowhere in the model: not in this graph, not in an enclosing graph
+        (a subgraph's new name would shadow an outer value the subgraph reads) and not in any
+        subgraph (ONNX names are unique across scopes: a main-graph name a subgraph defines
+        again breaks SSA)."""
+        taken = self._model_names()
         name, counter = base, 1
         while (
-            name in self.producer
+            name in taken
+            or name in self.producer
             or name in self.initializers
             or name in self.types
             or name in self.reserved_names
@@ -439,7 +460,17 @@ class GraphIndex:
             counter += 1
             name = f"{base}_{counter}"
         self.reserved_names.add(name)
+        taken.add(name)
         return name
+
+    def _model_names(self) -> set[str]:
+        """Every value name of the model (all graphs), kept by the main graph's index."""
+        root = self
+        while root.outer is not None:
+            root = root.outer
+        if root._taken is None:
+            root._taken = all_value_names(root.graph)
+        return root._taken
 
     def descendants_in_window(
         self, members: Iterable[int], fused_inputs: set[str]

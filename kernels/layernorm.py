@@ -2,11 +2,13 @@
 
     mu = mean(x),  d = x - mu,  var = mean(d * d),  y = d / sqrt(var + eps) * scale + bias
 
-over the normalized axes (`axis` .. last), each normalized slice one row (`_rows`). With
-`stash_type=1` the statistics are float32 (a float16 row is cast up, the result cast back);
-with 0 they stay in the input dtype, as the decomposed ReduceMean/Sub/Pow/... chain computes
-them. Scale and bias are copied into UB once per core. The arithmetic is the fused ops'
-`layer_norm` (patterns/layernorm_matmul.py), op for op, so fused and unfused agree.
+over the normalized axes (`axis` .. last), each normalized slice one row (`_rows`). The
+statistics are computed in float32 whatever `stash_type` (a float16 row is cast up, the result
+cast back), in two passes (the mean corrected by the mean deviation from it, then the centred
+variance): at least as accurate as onnxruntime's LayerNormalization kernel. The arithmetic is
+the fused ops' `layer_norm` (patterns/layernorm_matmul.py), op for op, so fused and unfused
+agree.
+Scale and bias are copied into UB once per core.
 
 Outputs: Y, Mean and InvStdDev (shape X.shape[:axis] + 1s, float32 with stash_type=1). Mean
 and InvStdDev are copied out only with attribute `emit_stats=1`; the arrays are returned in
@@ -40,6 +42,13 @@ class LayerNormSpec:
     epsilon: float
     has_scale: bool
     has_bias: bool
+
+    @property
+    def work(self) -> np.dtype:
+        """The dtype the statistics are computed in: float32 at least, whatever `stats` (the
+        Mean/InvStdDev outputs' dtype) says, as onnxruntime's kernel does: a float16 row of
+        [300, -300, 0, 0] squared overflows float16."""
+        return np.dtype(np.promote_types(self.stats, np.float32))
 
 
 def layernorm_spec(
@@ -86,15 +95,17 @@ def layernorm_spec(
 
 def layernorm_steps(s: LayerNormSpec) -> list[VecStep]:
     """Vector instructions per row: statistics in `s.stats`, the affine part in the dtype."""
-    d, up = s.width, s.stats != s.dtype
+    d, up = s.width, s.work != s.dtype
     steps = []
     if up:
         steps.append(VecStep(("Cast",), d, s.dtype))
-    steps.append(VecStep(("ReduceSum", "Sub", "Mul", "ReduceSum", "Div"), d, s.stats))
-    # Per row: mean and variance scaled by 1/D, + eps, sqrt.
-    steps.append(VecStep(("Muls", "Muls", "Adds", "Sqrt"), 1, s.stats))
+    # Two passes: the mean, corrected by the mean of the deviations from it; then the variance.
+    passes = ("ReduceSum", "Sub", "ReduceSum", "Sub", "Mul", "ReduceSum", "Div")
+    steps.append(VecStep(passes, d, s.work))
+    # Per row: mean, its correction and the variance scaled by 1/D, + eps, sqrt.
+    steps.append(VecStep(("Muls", "Muls", "Adds", "Muls", "Adds", "Sqrt"), 1, s.work))
     if up:
-        steps.append(VecStep(("Cast",), d, s.stats))
+        steps.append(VecStep(("Cast",), d, s.work))
     affine = ("Mul",) * s.has_scale + ("Add",) * s.has_bias
     if affine:
         steps.append(VecStep(affine, d, s.dtype))
@@ -106,18 +117,25 @@ def layernorm_rows(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(normalized [t, D] in the dtype, mean [t, 1], inv std [t, 1] in the stats dtype) of a
     tile of rows; `scale`/`bias` are flat [D] or None. Rounds as `layer_norm` does."""
-    xs = x.astype(s.stats, copy=False)
-    eps = np.asarray(s.epsilon, dtype=s.stats)
-    mean = xs.mean(axis=-1, keepdims=True).astype(s.stats, copy=False)
+    work = s.work
+    xs = x.astype(work, copy=False)
+    eps = np.asarray(s.epsilon, dtype=work)
+    mean = xs.mean(axis=-1, keepdims=True, dtype=work)
+    # The float32 mean of a constant row can miss the value by an ulp; the mean of the
+    # deviations from it puts it back exactly (they are exact differences, Sterbenz), so a
+    # constant row normalizes to 0 as in exact arithmetic even with a tiny epsilon.
+    mean = mean + (xs - mean).mean(axis=-1, keepdims=True, dtype=work)
     d = xs - mean
-    var = (d * d).mean(axis=-1, keepdims=True).astype(s.stats, copy=False)
+    var = (d * d).mean(axis=-1, keepdims=True, dtype=work)
     std = np.sqrt(var + eps)
-    n = (d / std).astype(s.dtype, copy=False)
+    with np.errstate(divide="ignore", invalid="ignore"):  # epsilon 0, constant row: NaN as ONNX
+        n = (d / std).astype(s.dtype, copy=False)
+        inv_std = (1 / std).astype(s.stats, copy=False)
     if scale is not None:
         n = (n * scale).astype(s.dtype, copy=False)
     if bias is not None:
         n = (n + bias).astype(s.dtype, copy=False)
-    return n, mean, (1 / std).astype(s.stats, copy=False)
+    return n, mean.astype(s.stats, copy=False), inv_std
 
 
 def flat_param(p: np.ndarray | None, s: LayerNormSpec) -> np.ndarray | None:
@@ -164,7 +182,7 @@ class LayerNormalizationKernel(Kernel):
             ),
             steps=tuple(layernorm_steps(s)),
             # The centred row in the statistics dtype.
-            temp_bytes_per_row=s.width * s.stats.itemsize,
+            temp_bytes_per_row=s.width * s.work.itemsize,
             resident_bytes=(s.width * isz,) * (s.has_scale + s.has_bias),
         )
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo, matmul_shape
 from fuser.graph import GraphIndex
@@ -163,7 +163,15 @@ def _gather_attributes(
 
 def _weight_problem(graph: GraphIndex, matmul_id: int) -> _Problem | None:
     w = graph.node(matmul_id).input[1]
-    if graph.constant(w) is not None:
+    value = graph.constant(w)
+    if value is not None and value.ndim != 2:
+        # The kernel multiplies the gathered rows by one [K, N] matrix on the Cube.
+        return _Problem(
+            f"weight '{w}' of MatMul '{graph.describe(matmul_id)}' has shape "
+            f"{list(value.shape)}; AllGatherMatMul takes a 2-D [K, N] weight",
+            w,
+        )
+    if value is not None:
         return None
     why = "an overridable graph input" if w in graph.graph_inputs else "computed at run time"
     return _Problem(
@@ -173,7 +181,37 @@ def _weight_problem(graph: GraphIndex, matmul_id: int) -> _Problem | None:
     )
 
 
-def _bias(graph: GraphIndex, matmul_id: int) -> tuple[int | None, str, str]:
+@dataclass(frozen=True)
+class _Bias:
+    """The bias Add joining the fusion (or a note saying why not), and the [N] initializer
+    made for a bias that broadcasts from fewer values ([] or [1])."""
+
+    add: int | None = None
+    name: str = ""
+    note: str = ""
+    new: tuple[onnx.TensorProto, ...] = ()
+
+
+def _bias(graph: GraphIndex, matmul_id: int) -> _Bias:
+    """The bias Add after the MatMul, if it can join the fusion."""
+    found = _bias_add(graph, matmul_id)
+    add_id, bias, note = found
+    if add_id is None:
+        return _Bias(note=note)
+    value = graph.constant(bias)
+    weight = graph.constant(graph.node(matmul_id).input[1])
+    assert value is not None
+    assert weight is not None
+    n = int(weight.shape[-1])
+    if value.size == n:
+        return _Bias(add_id, bias)
+    # The kernel adds one [N] row: a scalar bias is spelled out to N values (same sum).
+    row = np.ascontiguousarray(np.broadcast_to(value.reshape(-1), (n,)))
+    name = graph.unique_value_name(f"{graph.describe(add_id)}.bias_broadcast")
+    return _Bias(add_id, name, "", (numpy_helper.from_array(row, name),))
+
+
+def _bias_add(graph: GraphIndex, matmul_id: int) -> tuple[int | None, str, str]:
     """(Add id, bias name, note): the bias Add after the MatMul, if it can join the fusion."""
     y = graph.node(matmul_id).output[0]
     readers = graph.readers(y)
@@ -256,15 +294,15 @@ class AllGatherMatMulPattern:
                 f"'{gathered}' is also read by {', '.join(others)}: output as 'gathered' "
                 "(one MatMul per fused node)"
             )
-        add_id, bias, note = _bias(graph, matmul_id)
-        if note:
-            notes.append(note)
-        ids = [node_id, matmul_id, *([add_id] if add_id is not None else [])]
+        bias = _bias(graph, matmul_id)
+        if bias.note:
+            notes.append(bias.note)
+        ids = [node_id, matmul_id, *([bias.add] if bias.add is not None else [])]
         y = graph.node(ids[-1]).output[0]
         return Match(
-            self.name, ALLGATHER_MATMUL, tuple(ids), (gather.input[0], matmul.input[1], bias),
+            self.name, ALLGATHER_MATMUL, tuple(ids), (gather.input[0], matmul.input[1], bias.name),
             (y, ""), {"group_size": group_size, "axis": axis},
-            exportable={gathered: 1}, notes=tuple(notes),
+            exportable={gathered: 1}, notes=tuple(notes), new_initializers=bias.new,
         )  # fmt: skip
 
 

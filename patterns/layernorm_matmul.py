@@ -13,11 +13,12 @@ Matched:
     N  = Div(d, Sqrt(Add(v, eps))) | Mul(d, Reciprocal(Sqrt(Add(v, eps))))
     N  = Add(Mul(N, gamma), beta)            (affine part optional, either operand order)
   axes as attribute (opset < 18) or input (opset 18+); no-op Casts (to the dtype the value
-  already has) are looked through. The fused op gets stash_type=0: statistics in the input
-  dtype, as the decomposed ops compute them. TorchScript writes a float16 LayerNorm with the
-  variance in float64 (Cast after the Sub, Cast back after the Div): that form gets
-  stash_type=1 (statistics in float32), equal within float16 resolution, and says so in the
-  fusion's notes.
+  already has) are looked through. The fused op gets stash_type=0 (the decomposed form); its
+  statistics are accurate all the same (see `layer_norm`), as onnxruntime's optimizer makes
+  them by replacing the chain with its LayerNormalization kernel. TorchScript writes a
+  float16 LayerNorm with the variance in float64 (Cast after the Sub, Cast back after the
+  Div): that form gets stash_type=1 (statistics in float32), equal within float16 resolution,
+  and says so in the fusion's notes.
 - Consumers of N: MatMul(N, W) with W a constant 2-D weight, then optionally Add of a constant
   bias broadcasting along the last axis only (either operand order); and Reshape(N, [-1, K]) ->
   Gemm (GPT-2's Conv1D), with transB, alpha and beta folded into new W'/b' initializers at fuse
@@ -32,9 +33,10 @@ one-element constant kept as read (a tiny epsilon is not zero), gamma and beta b
 only along the normalized axes. A mean or variance read outside the chain, or that is a graph
 output, is an internal value with an outside reader: the matcher refuses that with its reason.
 
-A `Shape` (or any other node) reading N does not block the fusion: the fused op then outputs
-`normalized`, which the Shape keeps reading (re-pointing the Shape to X would be a rewrite
-outside the match, which the engine does not do).
+A `Shape` reading N is re-pointed to X when gamma and beta provably keep X's shape (they
+broadcast only into it); any other reader, or a Shape when that is not proven, makes the fused
+op output `normalized`. Gamma or beta that broadcast N up beyond X's shape (X's last dim 1,
+gamma [4]) are refused: the fused op's `normalized` has X's shape.
 """
 
 from __future__ import annotations
@@ -99,19 +101,29 @@ def layer_norm(
     epsilon: float,
     stash_type: int,
 ) -> np.ndarray:
-    """ONNX LayerNormalization (stash_type=1: statistics in float32 at least), or the decomposed
-    chain op by op in the input dtype (stash_type=0)."""
+    """ONNX LayerNormalization with accurate statistics whatever `stash_type`: in float32 at
+    least, in two passes (the mean, corrected by the mean deviation from it; then the centred
+    variance); the normalized value rounded to the input dtype once, then gamma and beta, each
+    rounded.
+
+    At least as accurate as onnxruntime's LayerNormalization kernel, which is also what runs
+    the decomposed chain (its optimizer replaces the chain by the kernel): a float16 row
+    [300, -300, 0, 0] does not overflow in the square, and a constant float32 row normalizes to
+    exactly 0 (the float32 mean of a constant row can miss by an ulp; the deviations from it are
+    exact differences, so their mean puts it back), even with epsilon 1e-12. `stash_type` says
+    what the original stated (1: the op's float32 statistics; 0: the decomposed form).
+    """
+    del stash_type  # both forms get the accurate statistics (see above)
     dtype = x.dtype
-    stats = np.promote_types(dtype, np.float32) if stash_type == 1 else dtype
-    axes = tuple(range(axis % x.ndim, x.ndim))
-    xs = x.astype(stats)
-    eps = np.asarray(epsilon, dtype=stats)
-    d = xs - xs.mean(axis=axes, keepdims=True).astype(stats)
-    var = (d * d).mean(axis=axes, keepdims=True).astype(stats)
-    with np.errstate(
-        divide="ignore", invalid="ignore"
-    ):  # epsilon 0 on a constant row: NaN, as ONNX
-        n = (d / np.sqrt(var + eps)).astype(dtype)
+    work = np.promote_types(dtype, np.float32)
+    start = axis % x.ndim
+    rows = x.reshape(int(np.prod(x.shape[:start], dtype=np.int64)), -1).astype(work)
+    mean = rows.mean(axis=-1, keepdims=True, dtype=work)
+    mean = mean + (rows - mean).mean(axis=-1, keepdims=True, dtype=work)
+    d = rows - mean
+    var = (d * d).mean(axis=-1, keepdims=True, dtype=work)
+    with np.errstate(divide="ignore", invalid="ignore"):  # epsilon 0, constant row: NaN as ONNX
+        n = (d / np.sqrt(var + np.asarray(epsilon, dtype=work))).astype(dtype).reshape(x.shape)
     if scale is not None:
         n = (n * scale).astype(dtype)
     if bias is not None:
@@ -161,8 +173,8 @@ LAYERNORM_MATMUL = FusedOp(
         Attr(
             "stash_type",
             "int",
-            "1: statistics in float32 (LayerNormalization); "
-            "0: in the input dtype (decomposed form)",
+            "what the original said: 1 = LayerNormalization's float32 statistics, 0 = the "
+            "decomposed form; both are computed at least as accurately as float32 two-pass",
             1,
         ),
         Attr("has_bias", "ints", "per Linear: 1 if b_i follows W_i"),
@@ -228,17 +240,9 @@ def _is_noop_cast(graph: GraphIndex, node: onnx.NodeProto) -> bool:
 
 
 def _const(graph: GraphIndex, name: str) -> np.ndarray | None:
-    """`graph.constant`, reading a `Constant` node directly (no evaluator: cheap on big graphs)."""
-    if not name:
-        return None
-    node = graph.producer_of(name)
-    if node is not None and node.op_type == "Constant" and node.domain == "" and node.attribute:
-        attr = node.attribute[0]
-        if attr.name == "value":
-            return numpy_helper.to_array(attr.t)
-        if attr.name in ("value_float", "value_floats", "value_int", "value_ints"):
-            return np.asarray(onnx.helper.get_attribute_value(attr))
-    return graph.constant(name)
+    """`graph.constant` (which reads a `Constant` node directly, in the dtype ONNX gives its
+    attribute: `value_float` is float32, not numpy's float64)."""
+    return graph.constant(name) if name else None
 
 
 def _operand_const(graph: GraphIndex, name: str) -> np.ndarray | None:
@@ -611,6 +615,36 @@ def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
     )
 
 
+def _keeps_x_shape(graph: GraphIndex, norm: _Norm) -> bool | str | None:
+    """Whether the normalized value has X's shape: True if gamma and beta provably only
+    broadcast into it, None if shapes leave it open, or why not (they broadcast it up: X's
+    last dim 1 and gamma [4] give [.., 4]; the fused op's `normalized` has X's shape)."""
+    x_shape = graph.shape(norm.x)
+    proven = x_shape is not None
+    for name, what in ((norm.scale, "gamma"), (norm.bias, "beta")):
+        if not name:
+            continue
+        const = _const(graph, name)
+        shape = tuple(const.shape) if const is not None else graph.shape(name)
+        if shape is None or x_shape is None:
+            proven = False
+            continue
+        raised = len(shape) > len(x_shape)
+        for dim, x_dim in zip(reversed(shape), reversed(x_shape), strict=False):
+            if dim == 1 or dim == x_dim:
+                continue
+            if isinstance(x_dim, int) and isinstance(dim, int):
+                raised = True
+            else:
+                proven = False
+        if raised:
+            return (
+                f"{what} '{name}' of shape {list(shape)} broadcasts the normalized value up "
+                f"from the shape of '{norm.x}' {list(x_shape)}; LayerNormMatMul keeps X's shape"
+            )
+    return True if proven else None
+
+
 def _constant_why(graph: GraphIndex, value: str) -> str:
     if value in graph.graph_inputs:
         if value in graph.initializers:
@@ -972,6 +1006,9 @@ class LayerNormMatMulPattern:
             first = readers.misses[0]
             reason = "; ".join(m.reason for m in readers.misses)
             return rejection(self.name, graph, (*norm.nodes, *first.nodes), reason, first.value)
+        keeps = _keeps_x_shape(graph, norm)
+        if isinstance(keeps, str):
+            return rejection(self.name, graph, norm.nodes, keeps, norm.out)
         nodes = (*norm.nodes, *readers.casts, *(i for lin in readers.linears for i in lin.nodes))
         inputs = [norm.x, norm.scale, norm.bias]
         for lin in readers.linears:
@@ -996,7 +1033,8 @@ class LayerNormMatMulPattern:
             ("", *(lin.output for lin in readers.linears)),
             attributes,
             exportable={norm.out: 0},
-            shape_sources={norm.out: norm.x},
+            # Shape(N) may read X instead only if gamma and beta provably keep X's shape.
+            shape_sources={norm.out: norm.x} if keeps else {},
             new_initializers=tuple(t for lin in readers.linears for t in lin.new_initializers),
             notes=notes,
         )

@@ -154,7 +154,7 @@ def specs(p: Problem, t: LayerNormMatMulTiling) -> list[QueueSpec]:
     specs = [
         QueueSpec(Level.UB, "x", vr * d * isz, depth),
         QueueSpec(Level.UB, "n", vr * d * isz, depth),
-        QueueSpec(Level.UB, "tmp", vr * d * p.ln.stats.itemsize, 1),
+        QueueSpec(Level.UB, "tmp", vr * d * p.ln.work.itemsize, 1),
         QueueSpec(Level.L1, "a_block", tm * p.k * isz, depth)
         if t.a_resident
         else QueueSpec(Level.L1, "a_panel", tm * tk * isz, depth),

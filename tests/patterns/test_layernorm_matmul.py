@@ -689,14 +689,13 @@ def test_float64_epsilon_float32_cannot_hold_is_refused() -> None:
     assert "= 1e-12 is not exactly representable in LayerNormMatMul's float32 epsilon" in reason
 
 
-def test_float64_with_exact_epsilon() -> None:
+def test_float64_is_refused_the_npu_kernel_takes_no_double() -> None:
     g = Graph(dtype=np.float64)
     x = g.input("x", ["batch", "seq", HIDDEN])
     qkv_block(g, decomposed_ln(g, x, eps=2.0**-20), x)
-    model = g.model()
-    result = fuse(model)
-    assert result.report.summary == {PATTERN: 1}
-    assert_same(model, result.model, tolerance=1e-9)
+    result = fuse(g.model())
+    assert result.report.summary == {PATTERN: 0}
+    assert "'x' is float64, which LayerNormMatMul does not support" in reasons(result)
 
 
 def test_refuses_non_constant_weight() -> None:

@@ -1,0 +1,690 @@
+"""Seeded generator of trap graphs: every fusion family, in surroundings that try to break it.
+
+`make_case(seed)` builds one small ONNX model from one seed (numpy's Generator, so the same seed
+gives the same model on any machine). It plants one or two fusion families:
+
+    conv_bn_relu      Conv -> BatchNormalization (-> Relu)
+    ln_op             LayerNormalization (opset 17+) -> MatMul(s) (-> Add bias) / Reshape -> Gemm
+    ln_decomposed     ReduceMean/Sub/Pow|Mul/ReduceMean/Add/Sqrt/Div|Reciprocal (-> Mul/Add)
+    softmax_topk      Softmax -> TopK (-> renormalize), with an optional Cast between
+    topk_softmax      TopK -> Softmax
+    allgather_matmul  com.microsoft AllGather -> MatMul (-> Add bias), run on 2 ranks
+
+and surrounds them with traps: internal values read elsewhere (a Relu, a Shape, a ReduceSum) or
+made graph outputs; constants as initializer, Constant node, constant subgraph (a Cast of a
+Constant), overridable initializer or plain graph input; weights shared between instances;
+parameters that broadcast ([1, K], [1], []); attributes at odd values (strides, dilations, pads,
+auto_pad, groups, epsilons from 0 to 0.5, LN axis, stash_type, TopK largest/sorted, Gemm
+transB/alpha/beta, AllGather axis absent or negative, Softmax axis); opsets 11-18; float16,
+float32 and float64; symbolic dims; the family inside an If branch or a Loop body; and decoy
+values or nodes named as fuser names what it creates (`<conv>.W_bn_folded`, ...), in the same
+graph, an enclosing one or a subgraph.
+
+The generator writes what it planted into `Case.planted`; what fuser actually fuses may be less
+(refusals are expected on many traps). The checks are in `fuzz_check.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+FAMILIES = (
+    "conv_bn_relu",
+    "ln_op",
+    "ln_decomposed",
+    "softmax_topk",
+    "topk_softmax",
+    "allgather_matmul",
+)
+# fused-op pattern name of each planted family
+PATTERN_OF = {
+    "conv_bn_relu": "conv_bn_relu",
+    "ln_op": "layernorm_matmul",
+    "ln_decomposed": "layernorm_matmul",
+    "softmax_topk": "softmax_topk",
+    "topk_softmax": "softmax_topk",
+    "allgather_matmul": "allgather_matmul",
+}
+DTYPES = (np.float32, np.float16, np.float64)
+GROUP = 2  # ranks of an allgather case
+
+
+@dataclass
+class InputSpec:
+    """How to feed one graph input: `role` is activation (the input sets apply), positive
+    (BN variance and such), bool (an If condition) or param (any values)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any
+    role: str
+
+
+@dataclass
+class Case:
+    """One generated model and how to run it."""
+
+    seed: int
+    model: onnx.ModelProto
+    inputs: list[InputSpec]
+    group_size: int
+    planted: list[str]
+    traps: list[str]
+    # outputs whose order along the last axis ONNX leaves open (from a TopK with sorted=0)
+    unordered: frozenset[str] = frozenset()
+
+
+@dataclass
+class _Scope:
+    """Nodes, initializers and outputs of one graph being built (main graph or a subgraph)."""
+
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    inits: list[onnx.TensorProto] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+
+class Builder:
+    """Builds one case: names, constants, traps; subgraphs share the name counter."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self.dtype: Any = DTYPES[int(self.rng.choice(3, p=[0.6, 0.3, 0.1]))]
+        self.elem = helper.np_dtype_to_tensor_dtype(np.dtype(self.dtype))
+        self.opset = int(self.rng.integers(11, 19))
+        self.symbolic = bool(self.rng.random() < 0.5)
+        self.counter = 0
+        self.main = _Scope()
+        self.scope = self.main
+        self.inputs: list[InputSpec] = []
+        self.graph_inputs: list[onnx.ValueInfoProto] = []
+        self.value_info: list[onnx.ValueInfoProto] = []
+        self.traps: list[str] = []
+        self.planted: list[str] = []
+        self.decoys: list[str] = []  # names fuser may want for what it creates
+        self.shared: dict[tuple[int, ...], str] = {}  # a weight reused by a later instance
+        self.unsorted_topk = False  # the family being built has a TopK with sorted=0
+        self.unordered: set[str] = set()
+
+    # -- names and nodes -----------------------------------------------------------------------
+
+    def name(self, base: str) -> str:
+        self.counter += 1
+        return f"{base}{self.counter}"
+
+    def chance(self, p: float) -> bool:
+        return bool(self.rng.random() < p)
+
+    def pick(self, options: list[Any] | tuple[Any, ...]) -> Any:
+        return options[int(self.rng.integers(len(options)))]
+
+    def node(
+        self, op: str, inputs: list[str], n_out: int = 1, name: str = "", **attrs: Any
+    ) -> list[str]:
+        base = name or self.name(op.lower())
+        outs = [f"{base}_out{i}" if n_out > 1 else f"{base}_out" for i in range(n_out)]
+        domain = "com.microsoft" if op == "AllGather" else ""
+        kept = {k: v for k, v in attrs.items() if v is not None}
+        self.scope.nodes.append(
+            helper.make_node(op, inputs, outs, name=base, domain=domain, **kept)
+        )
+        return outs
+
+    def one(self, op: str, inputs: list[str], name: str = "", **attrs: Any) -> str:
+        return self.node(op, inputs, 1, name, **attrs)[0]
+
+    # -- inputs and constants ------------------------------------------------------------------
+
+    def dim(self, size: int, symbol: str) -> int | str:
+        """A symbolic dim of its own per input (inputs of different families differ in size)."""
+        return f"{symbol}{self.counter}" if self.symbolic else size
+
+    def graph_input(self, shape: list[int], dims: list[int | str], role: str, dtype: Any) -> str:
+        name = self.name("in")
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        self.graph_inputs.append(helper.make_tensor_value_info(name, elem, dims))
+        self.inputs.append(InputSpec(name, tuple(shape), dtype, role))
+        return name
+
+    def activation(self, shape: list[int], symbols: list[str | None] | None = None) -> str:
+        """A graph input of the case's dtype; dims listed in `symbols` may be symbolic."""
+        symbols = symbols or [None] * len(shape)
+        dims = [self.dim(s, sym) if sym else s for s, sym in zip(shape, symbols, strict=True)]
+        return self.graph_input(shape, dims, "activation", self.dtype)
+
+    def const(self, array: np.ndarray, base: str, *, allow_input: bool = True,
+              role: str = "param") -> str:  # fmt: skip
+        """`array` as one of the ways a graph holds a constant (or a run-time input)."""
+        modes = ["init"] * 5 + ["constant"] * 2 + ["subgraph"]
+        if allow_input:
+            modes += ["overridable", "input"]
+        mode = self.pick(modes)
+        name = self.name(base)
+        if mode == "init" or (mode == "overridable" and self.scope is not self.main):
+            self.scope.inits.append(numpy_helper.from_array(array, name))
+        elif mode == "constant":
+            value = numpy_helper.from_array(array, name + "_t")
+            self.scope.nodes.append(helper.make_node("Constant", [], [name], value=value))
+        elif mode == "subgraph":  # Cast(Constant(float64)) to the dtype: a folded cone
+            wide = numpy_helper.from_array(array.astype(np.float64), name + "_t")
+            self.scope.nodes.append(helper.make_node("Constant", [], [name + "_w"], value=wide))
+            elem = helper.np_dtype_to_tensor_dtype(array.dtype)
+            self.scope.nodes.append(helper.make_node("Cast", [name + "_w"], [name], to=elem))
+        elif mode == "overridable":  # an initializer also listed as a graph input
+            self.main.inits.append(numpy_helper.from_array(array, name))
+            self.graph_inputs.append(
+                helper.make_tensor_value_info(
+                    name, helper.np_dtype_to_tensor_dtype(array.dtype), list(array.shape)
+                )
+            )
+        else:  # a graph input fed at run time (always in the main graph)
+            elem = helper.np_dtype_to_tensor_dtype(array.dtype)
+            self.graph_inputs.append(helper.make_tensor_value_info(name, elem, list(array.shape)))
+            self.inputs.append(InputSpec(name, tuple(array.shape), array.dtype, role))
+        self.traps.append(f"{base}:{mode}")
+        return name
+
+    def weight(self, shape: tuple[int, ...], base: str, scale: float | None = None) -> str:
+        """A weight, sometimes the same tensor as an earlier one of that shape (shared)."""
+        key = (*shape, self.elem, id(self.scope))
+        if key in self.shared and self.chance(0.4):
+            self.traps.append("shared weight")
+            return self.shared[key]
+        fan = shape[0] if shape else 1
+        array = self.rng.standard_normal(shape) * (scale or 1 / np.sqrt(max(fan, 1)))
+        name = self.const(array.astype(self.dtype), base)
+        self.shared[key] = name
+        return name
+
+    # -- traps ---------------------------------------------------------------------------------
+
+    def expose(self, value: str, p: float = 0.15) -> None:
+        """Maybe make an internal value escape: a graph output, or read by another node."""
+        if not self.chance(p):
+            return
+        how = self.pick(["output", "relu", "shape", "reduce"])
+        self.traps.append(f"{value} read: {how}")
+        if how == "output":
+            self.scope.outputs.append(value)
+        elif how == "relu":
+            self.scope.outputs.append(self.one("Relu", [value]))
+        elif how == "shape":
+            self.scope.outputs.append(self.one("Shape", [value]))
+        else:
+            self.scope.outputs.append(self.one("ReduceSum", [value], keepdims=1))
+
+    def decoy(self, name: str) -> None:
+        """Remember a name fuser may pick for what it creates; `finish` defines it somewhere."""
+        self.decoys.append(name)
+
+
+# -- families ------------------------------------------------------------------------------------
+
+
+def conv_bn_relu(b: Builder) -> None:
+    rank = 1 if b.chance(0.3) else 2
+    cin = int(b.rng.integers(1, 5))
+    group = 1
+    cout = int(b.rng.integers(1, 6))
+    if b.chance(0.25) and cin > 1:
+        group = cin
+        cout = cin * int(b.rng.integers(1, 3))
+    spatial = [int(b.rng.integers(2, 8)) for _ in range(rank)]
+    kernel = [int(b.rng.integers(1, min(4, s) + 1)) for s in spatial]
+    batch = int(b.rng.integers(1, 3))
+    x = b.activation([batch, cin, *spatial], ["batch", None, *(["h", "w"][:rank])])
+    attrs: dict[str, Any] = {}
+    if b.chance(0.4):
+        attrs["strides"] = [int(b.rng.integers(1, 3)) for _ in range(rank)]
+    if b.chance(0.3):
+        attrs["dilations"] = [int(b.rng.integers(1, 3)) for _ in range(rank)]
+        # dilated kernel must fit the input
+        attrs["dilations"] = [
+            d if (k - 1) * d + 1 <= s else 1
+            for d, k, s in zip(attrs["dilations"], kernel, spatial, strict=True)
+        ]
+    pad_mode = b.pick(["none", "pads", "SAME_UPPER", "SAME_LOWER", "VALID"])
+    if pad_mode == "pads":  # begins then ends, each below the kernel size
+        attrs["pads"] = [int(b.rng.integers(0, k)) for k in (*kernel, *kernel)]
+    elif pad_mode != "none":
+        attrs["auto_pad"] = pad_mode
+        attrs.pop("dilations", None)  # SAME with dilation: keep it simple and valid
+    if group > 1:
+        attrs["group"] = group
+    attrs["kernel_shape"] = kernel if b.chance(0.5) else None
+    w = b.weight((cout, cin // group, *kernel), "W")
+    ins = [x, w]
+    if b.chance(0.5):
+        ins.append(b.weight((cout,), "B", scale=1.0))
+    name = b.name("conv")
+    b.decoy(f"{name}.W_bn_folded")
+    b.decoy(f"{name}.B_bn_folded")
+    y = b.one("Conv", ins, name=name, **attrs)
+    b.expose(y)
+    bn_params = [
+        b.const(b.rng.uniform(0.5, 2, cout).astype(b.dtype), "scale"),
+        b.const(b.rng.standard_normal(cout).astype(b.dtype), "bias"),
+        b.const(b.rng.standard_normal(cout).astype(b.dtype), "mean"),
+        b.const(b.rng.uniform(0.3, 2, cout).astype(b.dtype), "var", role="positive"),
+    ]
+    eps = b.pick([None, 1e-5, 1e-3, 1e-12, 0.5])
+    training = 1 if b.opset >= 14 and b.chance(0.05) else None  # then 3 outputs
+    bn = b.node(
+        "BatchNormalization", [y, *bn_params], 3 if training else 1, epsilon=eps,
+        momentum=b.pick([None, 0.1, 0.99]), training_mode=training,
+    )[0]  # fmt: skip
+    b.expose(bn)
+    out = b.one("Relu", [bn]) if b.chance(0.6) else bn
+    b.scope.outputs.append(out)
+
+
+def _linears(b: Builder, n: str, lead: list[int], k: int, flat_ok: bool) -> None:
+    """1-3 consumers of the normalized value: MatMul (+ Add bias) or Reshape -> Gemm."""
+    for _ in range(int(b.rng.integers(1, 4))):
+        n_out = int(b.rng.integers(1, 6))
+        if flat_ok and b.chance(0.25):
+            target = b.const(np.array([-1, k], np.int64), "shape", allow_input=False)
+            flat = b.one("Reshape", [n, target])
+            trans_b = int(b.chance(0.5))
+            w = b.weight((n_out, k) if trans_b else (k, n_out), "W")
+            gname = b.name("gemm")
+            b.decoy(f"{gname}.W_folded")
+            b.decoy(f"{gname}.bias_folded")
+            ins = [flat, w]
+            if b.chance(0.6):
+                bshape = b.pick([(n_out,), (1,), (1, n_out)])
+                ins.append(b.weight(bshape, "C", scale=1.0))
+            y = b.one(
+                "Gemm", ins, name=gname, transB=trans_b,
+                alpha=b.pick([None, 1.0, 0.5, -2.0]), beta=b.pick([None, 1.0, 0.25]),
+            )  # fmt: skip
+            b.scope.outputs.append(y)
+            continue
+        w = b.weight((k, n_out), "W")
+        mname = b.name("matmul")
+        b.decoy(f"{mname}.bias")
+        y = b.one("MatMul", [n, w], name=mname)
+        if b.chance(0.6):
+            b.expose(y)
+            bshape = b.pick([(n_out,), (n_out,), (1,), (), (1, n_out)])
+            bias = b.weight(bshape, "b", scale=1.0)
+            y = b.one("Add", [y, bias] if b.chance(0.5) else [bias, y])
+        b.scope.outputs.append(y)
+
+
+def _ln_shape(b: Builder) -> tuple[list[int], list[str | None]]:
+    k = int(b.pick([1, 3, 4, 7, 8, 12]))
+    if b.chance(0.5):
+        lead = [int(b.rng.integers(1, 3)), int(b.rng.integers(1, 5))]
+        return [*lead, k], ["batch", "seq", None]
+    return [int(b.rng.integers(1, 6)), k], ["batch", None]
+
+
+def _gamma_shape(b: Builder, k: int, rank: int, up: int) -> tuple[int, ...]:
+    """gamma's or beta's shape: [K] or [1, K]; with K = 1 sometimes [up], which broadcasts
+    the normalized value up to `up` (one `up` per LayerNorm, so gamma and beta agree)."""
+    options: list[tuple[int, ...]] = [(k,), (k,), (k,), (1, k)]
+    if k == 1:
+        options.append((up,))
+    shape = b.pick(options)
+    return shape if len(shape) <= rank else (k,)
+
+
+def ln_op(b: Builder) -> None:
+    shape, symbols = _ln_shape(b)
+    k = shape[-1]
+    x = b.activation(shape, symbols)
+    axis = -1 if b.chance(0.8) else b.pick([len(shape) - 1, -2 if len(shape) > 1 else -1])
+    scale = b.weight((k,) if axis in (-1, len(shape) - 1) else tuple(shape[axis:]), "g", 1.0)
+    ins = [x, scale]
+    if b.chance(0.7):
+        ins.append(b.weight((k,) if len(ins) and axis in (-1, len(shape) - 1)
+                            else tuple(shape[axis:]), "beta", 1.0))  # fmt: skip
+    eps = b.pick([None, 1e-5, 1e-12, 0.0, 0.5, 1e-6])
+    name = b.name("ln")
+    n = b.one(
+        "LayerNormalization", ins, name=name, axis=None if axis == -1 else axis, epsilon=eps,
+        stash_type=b.pick([None, 1, 0]),
+    )  # fmt: skip
+    b.expose(n, 0.25)
+    _linears(b, n, shape[:-1], k, flat_ok=True)
+
+
+def ln_decomposed(b: Builder) -> None:
+    shape, symbols = _ln_shape(b)
+    k = shape[-1]
+    x = b.activation(shape, symbols)
+    axes = [-1] if b.chance(0.85) else [len(shape) - 1]
+
+    def mean(v: str) -> str:
+        keep = None if b.chance(0.9) else 1
+        if b.opset >= 18:
+            ax = b.const(np.array(axes, np.int64), "axes", allow_input=False)
+            return b.one("ReduceMean", [v, ax], keepdims=keep)
+        return b.one("ReduceMean", [v], axes=axes, keepdims=keep)
+
+    mu = mean(x)
+    b.expose(mu, 0.08)
+    d = b.one("Sub", [x, mu])
+    b.expose(d, 0.08)
+    if b.chance(0.5):
+        sq = b.one("Pow", [d, b.const(np.array(2.0, b.dtype), "two", allow_input=False)])
+    else:
+        sq = b.one("Mul", [d, d])
+    var = mean(sq)
+    b.expose(var, 0.08)
+    eps_value = b.pick([1e-5, 1e-12, 1e-6, 0.5, 0.0])
+    eps = b.const(np.array(eps_value, b.dtype).reshape(b.pick([(), (1,)])), "eps")
+    std = b.one("Sqrt", [b.one("Add", [var, eps] if b.chance(0.5) else [eps, var])])
+    reciprocal = b.chance(0.3)  # d * Reciprocal(std), else d / std
+    n = b.one("Mul", [d, b.one("Reciprocal", [std])]) if reciprocal else b.one("Div", [d, std])
+    widths = [k]
+    up = int(b.rng.integers(2, 5))
+    if b.chance(0.8):
+        shape_g = _gamma_shape(b, k, len(shape), up)
+        widths.append(shape_g[-1])
+        gamma = b.weight(shape_g, "g", 1.0)
+        n = b.one("Mul", [n, gamma] if b.chance(0.5) else [gamma, n])
+        if b.chance(0.8):
+            shape_b = _gamma_shape(b, k, len(shape), up)
+            widths.append(shape_b[-1])
+            beta = b.weight(shape_b, "beta", 1.0)
+            n = b.one("Add", [n, beta] if b.chance(0.5) else [beta, n])
+    b.expose(n, 0.25)
+    # gamma or beta may have broadcast the last dim up: the Linears then see that width
+    k_out = max(k, *widths)
+    _linears(b, n, shape[:-1], k_out, flat_ok=k_out == k)
+
+
+def _softmax(b: Builder, v: str, rank: int) -> str:
+    if b.opset < 13:
+        axis = b.pick([rank - 1, -1]) if b.chance(0.85) else None  # None: default 1
+    else:
+        axis = b.pick([None, -1, rank - 1]) if b.chance(0.9) else 0
+    return b.one("Softmax", [v], axis=axis)
+
+
+def _topk(b: Builder, v: str, shape: list[int]) -> tuple[str, str]:
+    rank = len(shape)
+    axis = b.pick([None, -1, rank - 1]) if b.chance(0.95) else 0
+    k = int(b.rng.integers(1, shape[0 if axis == 0 else -1] + 1))
+    kname = b.const(np.array([k], np.int64), "k", allow_input=False)
+    largest = None if b.chance(0.9) else 0
+    sorted_ = None if b.chance(0.85) else 0
+    b.unsorted_topk |= sorted_ == 0
+    vals, idx = b.node("TopK", [v, kname], 2, axis=axis, largest=largest, sorted=sorted_)
+    return vals, idx
+
+
+def _row_shape(b: Builder) -> tuple[list[int], list[str | None]]:
+    n = int(b.pick([2, 3, 4, 5, 8, 9]))
+    if b.chance(0.5):
+        return [int(b.rng.integers(1, 4)), int(b.rng.integers(1, 4)), n], ["batch", "seq", None]
+    return [int(b.rng.integers(1, 6)), n], ["batch", None]
+
+
+def softmax_topk(b: Builder) -> None:
+    shape, symbols = _row_shape(b)
+    x = b.activation(shape, symbols)
+    p = _softmax(b, x, len(shape))
+    b.expose(p, 0.2)
+    if b.chance(0.15) and b.dtype == np.float16:
+        p = b.one("Cast", [p], to=TensorProto.FLOAT)
+    vals, idx = _topk(b, p, shape)
+    b.scope.outputs.append(idx)
+    if b.chance(0.4):
+        b.expose(vals, 0.15)
+        if b.opset >= 13:
+            ax = b.const(np.array([-1], np.int64), "axes", allow_input=False)
+            total = b.one("ReduceSum", [vals, ax], keepdims=b.pick([None, 1]))
+        else:
+            total = b.one("ReduceSum", [vals], axes=[-1], keepdims=b.pick([None, 1]))
+        vals = b.one("Div", [vals, total])
+    b.scope.outputs.append(vals)
+
+
+def topk_softmax(b: Builder) -> None:
+    shape, symbols = _row_shape(b)
+    x = b.activation(shape, symbols)
+    vals, idx = _topk(b, x, shape)
+    b.expose(vals, 0.2)
+    b.scope.outputs.append(idx)
+    b.scope.outputs.append(_softmax(b, vals, len(shape)))
+
+
+def allgather_matmul(b: Builder) -> None:
+    rank = 2 if b.chance(0.6) else 3
+    shard = [int(b.rng.integers(1, 4)) for _ in range(rank - 1)] + [int(b.rng.integers(1, 6))]
+    x = b.activation(shard, [None] * rank)
+    axis = b.pick([None, 0, -1, rank - 1, 1 if rank == 3 else 0])
+    gathered = list(shard)
+    gathered[0 if axis is None else axis % rank] *= GROUP
+    name = b.name("allgather")
+    g = b.one("AllGather", [x], name=name, group_size=GROUP, axis=axis)
+    b.value_info.append(helper.make_tensor_value_info(g, b.elem, gathered))
+    b.expose(g, 0.15)
+    k = gathered[-1]
+    n_out = int(b.rng.integers(1, 6))
+    wshape = (k, n_out) if b.chance(0.9) else (gathered[0], k, n_out)
+    y = b.one("MatMul", [g, b.weight(wshape, "W")])
+    if b.chance(0.6):
+        b.expose(y, 0.1)
+        add = b.name("add")
+        b.decoy(f"{add}.bias_broadcast")
+        bias = b.weight(b.pick([(n_out,), (1,), (), (1, n_out)]), "b", scale=1.0)
+        y = b.one("Add", [y, bias], name=add)
+    b.scope.outputs.append(y)
+
+
+BUILDERS: dict[str, Callable[[Builder], None]] = {
+    "conv_bn_relu": conv_bn_relu,
+    "ln_op": ln_op,
+    "ln_decomposed": ln_decomposed,
+    "softmax_topk": softmax_topk,
+    "topk_softmax": topk_softmax,
+    "allgather_matmul": allgather_matmul,
+}
+
+
+# -- placement: main graph, If branch, Loop body -------------------------------------------------
+
+
+def _in_subgraph(b: Builder, family: str, kind: str) -> None:
+    """Build `family` inside an If (both branches: the second a renamed copy) or a Loop body."""
+    outer = b.scope
+    inner = _Scope()
+    b.scope = inner
+    BUILDERS[family](b)
+    b.scope = outer
+    typed = _infer_outputs(b, inner, list(dict.fromkeys(inner.outputs)))
+    outs = [v.name for v in typed]
+    if kind == "if":
+        then = helper.make_graph(inner.nodes, b.name("then"), [], typed, inner.inits)
+        other = _renamed(then, f"_e{b.counter}")
+        cond = b.graph_input([], [], "bool", np.bool_)
+        results = b.node("If", [cond], len(outs), then_branch=then, else_branch=other)
+    else:
+        it, cond_in = b.name("iter"), b.name("cond")
+        cond_out = b.name("cond_out")
+        nodes = [helper.make_node("Identity", [cond_in], [cond_out]), *inner.nodes]
+        body = helper.make_graph(
+            nodes,
+            b.name("body"),
+            [
+                helper.make_tensor_value_info(it, TensorProto.INT64, []),
+                helper.make_tensor_value_info(cond_in, TensorProto.BOOL, []),
+            ],
+            [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []), *typed],
+            inner.inits,
+        )
+        trips = b.const(np.array(2, np.int64), "trips", allow_input=False)
+        results = b.node("Loop", [trips, ""], len(outs), body=body)
+    outer.outputs.extend(results)
+    b.traps.append(f"{family} in {kind}")
+
+
+def _infer_outputs(b: Builder, inner: _Scope, outs: list[str]) -> list[onnx.ValueInfoProto]:
+    """Types of a subgraph's outputs: shape inference on its nodes as a graph of their own,
+    with the main graph's inputs and initializers (all a family's subgraph reads outside)."""
+    graph = helper.make_graph(
+        inner.nodes, "probe", b.graph_inputs, [_untyped(o) for o in outs],
+        [*b.main.inits, *inner.inits], value_info=b.value_info,
+    )  # fmt: skip
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", b.opset)])
+    inferred = onnx.shape_inference.infer_shapes(probe)
+    known = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output)}
+    _type_outputs(probe.graph, known)
+    _rank_unknown_outputs(probe, b)
+    return list(probe.graph.output)
+
+
+def _untyped(name: str) -> onnx.ValueInfoProto:
+    """A subgraph output: its type is filled in by shape inference in `finish`."""
+    return onnx.ValueInfoProto(name=name)
+
+
+def _renamed(graph: onnx.GraphProto, suffix: str) -> onnx.GraphProto:
+    """A copy of `graph` whose own values and nodes carry `suffix` (SSA across branches)."""
+    out = copy.deepcopy(graph)
+    own = {t.name for t in out.initializer} | {o for n in out.node for o in n.output}
+    rename = {name: name + suffix for name in own if name}
+    for t in out.initializer:
+        t.name = rename.get(t.name, t.name)
+    for n in out.node:
+        n.name = n.name + suffix if n.name else n.name
+        n.input[:] = [rename.get(i, i) for i in n.input]
+        n.output[:] = [rename.get(o, o) for o in n.output]
+    for o in out.output:
+        o.name = rename.get(o.name, o.name)
+    out.name = graph.name + suffix
+    return out
+
+
+def _define_decoys(b: Builder, rng: np.random.Generator) -> None:
+    """Define some decoy names: in the main graph, or inside a small If of the main graph."""
+    src = next((s.name for s in b.inputs if s.role == "activation"), None)
+    if src is None:
+        return
+    for name in b.decoys:
+        if rng.random() >= 0.3:
+            continue
+        if rng.random() < 0.5:
+            b.main.nodes.append(helper.make_node("Neg", [src], [name], name=name + "_node"))
+            b.main.outputs.append(name)
+        else:
+            body = helper.make_graph(
+                [helper.make_node("Neg", [src], [name])], b.name("decoy"), [], [_untyped(name)]
+            )
+            cond = b.graph_input([], [], "bool", np.bool_)
+            other = _renamed(body, "_e")
+            b.main.outputs.extend(b.node("If", [cond], 1, then_branch=body, else_branch=other))
+        b.traps.append(f"decoy {name}")
+
+
+def make_case(seed: int) -> Case:
+    """The case of `seed`: one model, its inputs, the ranks it runs on."""
+    b = Builder(seed)
+    if b.chance(0.12):
+        families = ["allgather_matmul"]
+    else:
+        pool = [f for f in FAMILIES if f != "allgather_matmul"]
+        if b.opset < 17:
+            pool.remove("ln_op")
+        if b.dtype == np.float64:  # onnxruntime's CPU provider has no double Conv
+            pool.remove("conv_bn_relu")
+        families = [b.pick(pool) for _ in range(1 if b.chance(0.7) else 2)]
+    for family in families:
+        b.planted.append(family)
+        where = "main"
+        if family != "allgather_matmul":
+            where = b.pick(["main"] * 6 + ["if", "loop"])
+        before = len(b.main.outputs)
+        b.unsorted_topk = False
+        if where == "main":
+            BUILDERS[family](b)
+        else:
+            _in_subgraph(b, family, where)
+        if b.unsorted_topk:
+            b.unordered.update(b.main.outputs[before:])
+    _define_decoys(b, b.rng)
+    model = _finish(b)
+    return Case(
+        seed,
+        model,
+        b.inputs,
+        GROUP if "allgather_matmul" in families else 1,
+        b.planted,
+        b.traps,
+        frozenset(b.unordered),
+    )
+
+
+def _finish(b: Builder) -> onnx.ModelProto:
+    """The model, with every output typed from shape inference (the full check needs it)."""
+    outputs = list(dict.fromkeys(b.main.outputs))
+    graph = helper.make_graph(
+        b.main.nodes,
+        f"fuzz{b.seed}",
+        b.graph_inputs,
+        [_untyped(o) for o in outputs],
+        b.main.inits,
+        value_info=b.value_info,
+    )
+    opsets = [helper.make_opsetid("", b.opset)]
+    if any(n.domain == "com.microsoft" for n in b.main.nodes):
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    inferred = onnx.shape_inference.infer_shapes(model)
+    known = {v.name: v for v in (*b.value_info, *inferred.graph.value_info)}
+    known |= {v.name: v for v in inferred.graph.output if v.type.HasField("tensor_type")}
+    _type_outputs(model.graph, known)
+    _rank_unknown_outputs(model, b)
+    return model
+
+
+def _rank_unknown_outputs(model: onnx.ModelProto, b: Builder) -> None:
+    """Outputs shape inference gave no rank (a Reshape to a computed shape, say): the rank
+    from one onnxruntime run, every dim symbolic (the full check needs a shape field)."""
+    missing = [o for o in model.graph.output if not o.type.tensor_type.HasField("shape")]
+    if not missing:
+        return
+    import onnxruntime
+
+    feeds = {
+        s.name: (np.array(True) if s.role == "bool" else np.ones(s.shape, s.dtype))
+        for s in b.inputs
+    }
+    try:
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3
+        sess = onnxruntime.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        names = [o.name for o in sess.get_outputs()]
+        ranks = {n: np.asarray(v).ndim for n, v in zip(names, sess.run(None, feeds), strict=True)}
+    except Exception:  # not runnable (say, a collective): such outputs are dropped
+        ranks = {}
+    for out in missing:
+        if out.name in ranks:
+            shape = out.type.tensor_type.shape
+            shape.SetInParent()
+            for i in range(ranks[out.name]):
+                shape.dim.add().dim_param = f"{out.name}_d{i}"
+    kept = [o for o in model.graph.output if o.type.tensor_type.HasField("shape")]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+
+
+def _type_outputs(graph: onnx.GraphProto, known: dict[str, onnx.ValueInfoProto]) -> None:
+    for out in graph.output:
+        info = known.get(out.name)
+        if info is not None and info.type.HasField("tensor_type"):
+            out.type.CopyFrom(info.type)
