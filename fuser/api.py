@@ -34,18 +34,31 @@ class FusionResult:
     model: onnx.ModelProto
     report: FusionReport
     source: LoadedModel
+    # What onnx's checker said of an input that onnxruntime runs anyway (fused regardless).
+    warnings: tuple[str, ...] = ()
 
-    def save(self, path: str | os.PathLike[str], *, external: bool | None = None) -> list[Path]:
-        """Write the fused model atomically; returns the files written."""
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        external: bool | None = None,
+        extra: Mapping[Path, bytes] | None = None,
+    ) -> list[Path]:
+        """Write the fused model (and the `extra` files, e.g. a report) as one step: all appear
+        or none; returns the files written.
+
+        Raises `OutputError` (naming the path) for a folder, an unwritable place, or a path
+        that would overwrite the input or its external data.
+        """
         if external is None:
             external = self.source.external or self.model.ByteSize() > PROTOBUF_LIMIT_BYTES
-        return save_model(self.model, path, source=self.source, external=external)
+        return save_model(self.model, path, source=self.source, external=external, extra=extra)
 
 
 def fuse(
     model: ModelSource,
-    patterns: Sequence[str] | None = None,
-    disable: Sequence[str] = (),
+    patterns: str | Sequence[str] | None = None,
+    disable: str | Sequence[str] = (),
     target: str = DEFAULT_TARGET,
     *,
     force: bool = False,
@@ -61,7 +74,7 @@ def fuse(
     """
     clock = engine.timed()
     next(clock)
-    chosen = select(patterns, disable)
+    chosen = select(pattern_names(patterns), pattern_names(disable) or ())
     check_target(target)
     loaded = load_model(model)
     engine.check_structure(loaded)
@@ -85,6 +98,16 @@ def fuse(
         seconds=seconds,
     )
     return FusionResult(loaded.model, report, loaded)
+
+
+def pattern_names(names: str | Sequence[str] | None) -> list[str] | None:
+    """Pattern names as a list: a string is one name or a comma-separated list of them (a bare
+    string would otherwise be taken letter by letter)."""
+    if names is None:
+        return None
+    if isinstance(names, str):
+        return [n.strip() for n in names.split(",") if n.strip()]
+    return list(names)
 
 
 def check_target(target: str) -> None:
@@ -137,8 +160,8 @@ class Inspection:
 
 def inspect(
     model: ModelSource,
-    patterns: Sequence[str] | None = None,
-    disable: Sequence[str] = (),
+    patterns: str | Sequence[str] | None = None,
+    disable: str | Sequence[str] = (),
     target: str = DEFAULT_TARGET,
 ) -> Inspection:
     """What `fuse` would do, without keeping the result: matches and near-misses."""
