@@ -14,6 +14,7 @@ from . import engine
 from .decide import Decider
 from .errors import UsageError
 from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
+from .normalize import fill_outputs, normalize
 from .registry import select
 from .report import FusionRecord, FusionReport, RejectionRecord
 
@@ -77,15 +78,17 @@ def fuse(
     chosen = select(pattern_names(patterns), pattern_names(disable) or ())
     check_target(target)
     loaded = load_model(model)
-    engine.check_structure(loaded)
+    normalized = normalize(loaded)  # what onnxruntime tolerates, fixed in fuser's copy
     types = engine.infer_types(loaded.model)
+    normalized += fill_outputs(loaded.model, types.get(""))
+    warnings = engine.check_structure(loaded)
     seconds = {"load": next(clock)}
     before = engine.count_nodes(loaded.model.graph)
     log = engine.run_passes(
         loaded, chosen, decider or _default_decider(target, force, cache), types
     )
     seconds["match_rewrite"] = next(clock)
-    if log.fusions:
+    if log.fusions or normalized:
         engine.verify(loaded.model, loaded.label, external=loaded.external)
     seconds["verify"] = next(clock)
     report = FusionReport(
@@ -96,8 +99,9 @@ def fuse(
         nodes_before=before,
         nodes_after=engine.count_nodes(loaded.model.graph),
         seconds=seconds,
+        normalized=(*normalized, *warnings),
     )
-    return FusionResult(loaded.model, report, loaded)
+    return FusionResult(loaded.model, report, loaded, warnings)
 
 
 def pattern_names(names: str | Sequence[str] | None) -> list[str] | None:

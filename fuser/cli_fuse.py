@@ -117,4 +117,6 @@ def print_report(report: Any, label: str) -> None:
                 r.pattern, ", ".join(r.nodes), (f"[{r.graph}] " if r.graph else "") + r.reason
             )
         out.print(misses)
+    for note in report.normalized:
+        out.print(f"normalized: {note}", highlight=False, soft_wrap=True)
     out.print(f"nodes: {report.nodes_before} -> {report.nodes_after}")
