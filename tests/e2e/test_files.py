@@ -236,8 +236,9 @@ def test_a_killed_write_leaves_nothing(tmp_path: Path, sig: int, anonymous: bool
     (out / "keep.txt").write_text("already here")
     before_src, before_out = digests(src), digests(out)
     code = (
-        "import sys, fuser.atomic as a\n"
-        f"a.ANONYMOUS_FILES = {anonymous}\n"
+        "import sys, importlib\n"
+        "atomic = importlib.import_module('fuser.atomic')\n"
+        f"atomic.ANONYMOUS_FILES = {anonymous}\n"
         "from fuser.cli import main\n"
         f"sys.argv = ['fuser', 'fuse', {str(src / 'a.onnx')!r}, '-o', {str(out / 'b.onnx')!r},"
         f" '--report', {str(out / 'r.json')!r}, '--no-cache']\n"
