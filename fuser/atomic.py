@@ -77,8 +77,8 @@ class Terminated(BaseException):
 @dataclass
 class _Pending:
     target: Path
-    handle: BinaryIO
-    anonymous: bool  # O_TMPFILE inode (no name yet) or a named temp file
+    handle: BinaryIO | None = None
+    anonymous: bool = False  # an O_TMPFILE inode (no name yet) or a named temp file
     temp: Path | None = None  # the named temp file, if any (fallback, or staged for a rename)
     linked: Path | None = None  # the target itself, if linked there in this batch
 
@@ -97,10 +97,12 @@ class AtomicBatch:
     _created_dirs: list[Path] = field(default_factory=list)
     _old_handler: object = None
     _committed: bool = False
+    _committing: bool = False  # giving names: a SIGTERM is held until that is done
+    _terminate: bool = False  # a SIGTERM arrived while committing
 
     def __enter__(self) -> AtomicBatch:
         if threading.current_thread() is threading.main_thread():
-            self._old_handler = signal.signal(signal.SIGTERM, _raise_terminated)
+            self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
@@ -114,19 +116,27 @@ class AtomicBatch:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if self._committing:
+            self._terminate = True
+            return
+        raise Terminated
+
     def open(self, target: Path) -> BinaryIO:
         """An invisible file that becomes `target` at commit (its folder is made if missing).
 
         An OSError names `target` itself, whatever part of its path was at fault.
         """
+        pending = _Pending(target)
+        self.files.append(pending)  # registered before any file exists: cleanup finds it
         try:
             self._make_parent(target.parent)
             remove_stale_temps(target)
-            handle, anonymous, temp = _open_hidden(target)
+            _open_hidden(pending)
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, str(target)) from exc
-        self.files.append(_Pending(target, handle, anonymous, temp))
-        return handle
+        assert pending.handle is not None
+        return pending.handle
 
     def _make_parent(self, folder: Path) -> None:
         missing = []
@@ -140,22 +150,30 @@ class AtomicBatch:
     def commit(self) -> None:
         """Flush every file to disk, then give them their names, all or none."""
         for pending in self.files:
+            assert pending.handle is not None
             pending.handle.flush()
             os.fsync(pending.handle.fileno())
+        # Quick, and all or nothing: a SIGTERM now waits until every name is given.
+        self._committing = True
         try:
-            for pending in self.files:
-                _stage(pending)
-        except BaseException:
-            self.discard()
-            raise
-        for pending in self.files:
-            if pending.temp is not None:
-                os.replace(pending.temp, pending.target)
-                pending.temp = None
-        self._committed = True
+            try:
+                for pending in self.files:
+                    _stage(pending)
+            except BaseException:
+                self.discard()  # no name given yet but new ones: take those back
+                raise
+            for pending in self.files:  # renames in one folder: these do not fail in practice
+                if pending.temp is not None:
+                    os.replace(pending.temp, pending.target)
+                    pending.temp = None
+            self._committed = True
+        finally:
+            self._committing = False
         self._close_all()
         for folder in {p.target.parent for p in self.files}:
             _fsync_dir(folder)
+        if self._terminate:
+            raise Terminated
 
     def discard(self) -> None:
         """Remove everything this batch made (temp files, new links, new folders)."""
@@ -163,7 +181,7 @@ class AtomicBatch:
         for pending in self.files:
             for path in (pending.temp, pending.linked):
                 if path is not None:
-                    with contextlib.suppress(FileNotFoundError):
+                    with contextlib.suppress(OSError):  # never made, or its folder is not one
                         path.unlink()
             pending.temp = pending.linked = None
         for folder in reversed(self._created_dirs):
@@ -173,15 +191,14 @@ class AtomicBatch:
 
     def _close_all(self) -> None:
         for pending in self.files:
-            with contextlib.suppress(OSError):
-                pending.handle.close()
+            if pending.handle is not None:
+                with contextlib.suppress(OSError):
+                    pending.handle.close()
 
 
-def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise Terminated
-
-
-def _open_hidden(target: Path) -> tuple[BinaryIO, bool, Path | None]:
+def _open_hidden(pending: _Pending) -> None:
+    """Open `pending`'s file: anonymous if possible; a named temp is recorded before it exists."""
+    target = pending.target
     if ANONYMOUS_FILES:
         try:
             fd = os.open(target.parent, _O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666)
@@ -190,27 +207,28 @@ def _open_hidden(target: Path) -> tuple[BinaryIO, bool, Path | None]:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOTSUP):
                 raise
         else:
-            return os.fdopen(fd, "wb"), True, None
-    temp = temp_name(target)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    return os.fdopen(fd, "wb"), False, temp
+            pending.handle, pending.anonymous = os.fdopen(fd, "wb"), True
+            return
+    pending.temp = temp_name(target)
+    fd = os.open(pending.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    pending.handle = os.fdopen(fd, "wb")
 
 
 def _stage(pending: _Pending) -> None:
     """Give an anonymous file a name: the target itself if free, else a temp to rename."""
     if not pending.anonymous:
         return
+    assert pending.handle is not None
     if not pending.target.exists():
+        pending.linked = pending.target
         try:
             _link_anonymous(pending.handle, pending.target)
         except FileExistsError:
-            pass  # created meanwhile by someone else: replace it like an existing file
+            pending.linked = None  # created meanwhile by someone else: replace it instead
         else:
-            pending.linked = pending.target
             return
-    temp = temp_name(pending.target)
-    _link_anonymous(pending.handle, temp)
-    pending.temp = temp
+    pending.temp = temp_name(pending.target)  # recorded first: cleanup finds it
+    _link_anonymous(pending.handle, pending.temp)
 
 
 def _link_anonymous(handle: BinaryIO, name: Path) -> None:
