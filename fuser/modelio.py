@@ -221,8 +221,7 @@ def check_output_paths(targets: Sequence[Path], source: LoadedModel | None) -> N
     for target in targets:
         if target.is_dir():
             raise OutputError(
-                f"{target}: is a directory; give the output file's path "
-                f"(e.g. {target / 'model.onnx'})"
+                f"{target}: is a directory, not a file fuser can write; choose another output path"
             )
     if source is None:
         return

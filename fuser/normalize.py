@@ -92,22 +92,23 @@ def _sub_graphs(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
 
 
 def _in_order(graph: onnx.GraphProto, visible: set[str]) -> bool:
-    """Whether every node reads only values defined before it (or outside the graph)."""
+    """Whether every node reads only values defined before it (or outside the graph).
+
+    One pass over the nodes (this runs on every input, sorted or not)."""
     known = visible | {v.name for v in graph.input} | {t.name for t in graph.initializer}
     known |= {s.values.name for s in graph.sparse_initializer}
+    nested: list[onnx.GraphProto] = []
     for node in graph.node:
         for name in node.input:
             if name and name not in known:
                 return False
-        for _, sub in _sub_graphs(node):
-            if not subgraph_free_names(sub) <= known:
-                return False
-        known.update(o for o in node.output if o)
-    for node in graph.node:
-        for _, sub in _sub_graphs(node):
-            if not _in_order(sub, known):
-                return False
-    return True
+        if node.attribute:
+            for _, sub in _sub_graphs(node):
+                if not subgraph_free_names(sub) <= known:
+                    return False
+                nested.append(sub)
+        known.update(node.output)
+    return all(_in_order(sub, known) for sub in nested)
 
 
 def _sort(loaded: LoadedModel) -> list[str]:
