@@ -14,6 +14,7 @@ from . import engine
 from .decide import Decider
 from .errors import UsageError
 from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
+from .normalize import fill_outputs, normalize
 from .registry import select
 from .report import FusionRecord, FusionReport, RejectionRecord
 
@@ -34,18 +35,31 @@ class FusionResult:
     model: onnx.ModelProto
     report: FusionReport
     source: LoadedModel
+    # What onnx's checker said of an input that onnxruntime runs anyway (fused regardless).
+    warnings: tuple[str, ...] = ()
 
-    def save(self, path: str | os.PathLike[str], *, external: bool | None = None) -> list[Path]:
-        """Write the fused model atomically; returns the files written."""
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        external: bool | None = None,
+        extra: Mapping[Path, bytes] | None = None,
+    ) -> list[Path]:
+        """Write the fused model (and the `extra` files, e.g. a report) as one step: all appear
+        or none; returns the files written.
+
+        Raises `OutputError` (naming the path) for a folder, an unwritable place, or a path
+        that would overwrite the input or its external data.
+        """
         if external is None:
             external = self.source.external or self.model.ByteSize() > PROTOBUF_LIMIT_BYTES
-        return save_model(self.model, path, source=self.source, external=external)
+        return save_model(self.model, path, source=self.source, external=external, extra=extra)
 
 
 def fuse(
     model: ModelSource,
-    patterns: Sequence[str] | None = None,
-    disable: Sequence[str] = (),
+    patterns: str | Sequence[str] | None = None,
+    disable: str | Sequence[str] = (),
     target: str = DEFAULT_TARGET,
     *,
     force: bool = False,
@@ -61,18 +75,20 @@ def fuse(
     """
     clock = engine.timed()
     next(clock)
-    chosen = select(patterns, disable)
+    chosen = select(pattern_names(patterns), pattern_names(disable) or ())
     check_target(target)
     loaded = load_model(model)
-    engine.check_structure(loaded)
+    normalized = normalize(loaded)  # what onnxruntime tolerates, fixed in fuser's copy
     types = engine.infer_types(loaded.model)
+    normalized += fill_outputs(loaded.model, types.get(""))
+    warnings = engine.check_structure(loaded)
     seconds = {"load": next(clock)}
     before = engine.count_nodes(loaded.model.graph)
     log = engine.run_passes(
         loaded, chosen, decider or _default_decider(target, force, cache), types
     )
     seconds["match_rewrite"] = next(clock)
-    if log.fusions:
+    if log.fusions or normalized:
         engine.verify(loaded.model, loaded.label, external=loaded.external)
     seconds["verify"] = next(clock)
     report = FusionReport(
@@ -83,8 +99,19 @@ def fuse(
         nodes_before=before,
         nodes_after=engine.count_nodes(loaded.model.graph),
         seconds=seconds,
+        normalized=(*normalized, *warnings),
     )
-    return FusionResult(loaded.model, report, loaded)
+    return FusionResult(loaded.model, report, loaded, warnings)
+
+
+def pattern_names(names: str | Sequence[str] | None) -> list[str] | None:
+    """Pattern names as a list: a string is one name or a comma-separated list of them (a bare
+    string would otherwise be taken letter by letter)."""
+    if names is None:
+        return None
+    if isinstance(names, str):
+        return [n.strip() for n in names.split(",") if n.strip()]
+    return list(names)
 
 
 def check_target(target: str) -> None:
@@ -137,8 +164,8 @@ class Inspection:
 
 def inspect(
     model: ModelSource,
-    patterns: Sequence[str] | None = None,
-    disable: Sequence[str] = (),
+    patterns: str | Sequence[str] | None = None,
+    disable: str | Sequence[str] = (),
     target: str = DEFAULT_TARGET,
 ) -> Inspection:
     """What `fuse` would do, without keeping the result: matches and near-misses."""

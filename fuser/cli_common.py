@@ -29,11 +29,7 @@ def resolve_input(spec: str) -> tuple[Any, str]:
     """A path, or `example:NAME` for a built-in model from fuser.models; and its label."""
     if spec.startswith(EXAMPLE_PREFIX):
         models = importlib.import_module("fuser.models")
-        name = spec[len(EXAMPLE_PREFIX) :]
-        try:
-            return models.get_example(name), spec
-        except KeyError as exc:
-            raise UsageError(str(exc.args[0]) if exc.args else f"unknown example '{name}'") from exc
+        return models.get_example(spec[len(EXAMPLE_PREFIX) :]), spec  # UsageError if unknown
     return spec, spec
 
 

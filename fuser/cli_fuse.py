@@ -51,6 +51,9 @@ def fuse(
         source, label = resolve_input(input)
         if isinstance(source, str) and same_file(source, output):
             raise UsageError(f"{output}: output would overwrite the input; choose another path")
+        for path in (output, report):
+            if path is not None and path.is_dir():  # fail before fusing, not after
+                raise UsageError(f"{path}: is a directory; give a file path")
         with (
             err.status(f"fusing {label}", spinner="dots")
             if err.is_terminal
@@ -70,19 +73,18 @@ def fuse(
         if validation is not None and not validation.ok:
             print_validation(validation)
             raise fail(f"{label}: the fused model does not match the original; nothing written", 1)
-        written = result.save(output)
         data: dict[str, Any] = {}
         if report is not None or as_json:  # only then: thousands of fusions take a while
             data = result.report.to_dict()
             if validation is not None:
                 data["validation"] = validation.to_dict()
-        if report is not None:
-            report.parent.mkdir(parents=True, exist_ok=True)
-            from .modelio import atomic_write  # onnx only when writing
-
-            atomic_write(report, json.dumps(data, indent=2).encode())
+        # The model and the report are written as one step: both appear, or neither.
+        extra = {report: json.dumps(data, indent=2).encode()} if report is not None else None
+        written = result.save(output, extra=extra)
     except FuserError as exc:
         raise fail(str(exc)) from None
+    for warning in result.warnings:
+        err.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if as_json:
         print_json(data)
         return
@@ -115,4 +117,6 @@ def print_report(report: Any, label: str) -> None:
                 r.pattern, ", ".join(r.nodes), (f"[{r.graph}] " if r.graph else "") + r.reason
             )
         out.print(misses)
+    for note in report.normalized:
+        out.print(f"normalized: {note}", highlight=False, soft_wrap=True)
     out.print(f"nodes: {report.nodes_before} -> {report.nodes_after}")

@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from .checkview import checker_view, inference_view
 from .decide import Decider
 from .errors import FusionError, ModelLoadError
 from .fusedop import DOMAIN, VERSION, TensorInfo
@@ -46,47 +47,30 @@ def opset_map(model: onnx.ModelProto) -> dict[str, int]:
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
 
 
-def checkable(model: onnx.ModelProto, *, external: bool) -> onnx.ModelProto:
-    """The model as onnx's checker can see it without reading external data.
-
-    The checker resolves external files against the working directory and checks their sizes;
-    fuser has already validated those locations itself (modelio), so here each external
-    initializer becomes a typed graph input: same structure, no data read.
-    """
-    if not external:
-        return model
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    graph = copy.graph
-    outside = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-    kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    declared = {v.name for v in graph.input}
-    graph.input.extend(
-        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-        for t in outside
-        if t.name not in declared
-    )
-    return copy
-
-
-def check_structure(loaded: LoadedModel) -> None:
-    """onnx's checker on the proto (external tensors stay unread); one line on failure."""
+def check_structure(loaded: LoadedModel) -> tuple[str, ...]:
+    """onnx's checker on the model as `checkview` presents it (external tensors unread,
+    onnxruntime's legacy ops typed); one line on failure. Returns what the checker would have
+    refused but onnxruntime runs (warnings: fuser fuses such a model anyway)."""
+    view = checker_view(loaded.model, external=loaded.external)
     try:
-        onnx.checker.check_model(
-            checkable(loaded.model, external=loaded.external), full_check=False
-        )
+        onnx.checker.check_model(view.model, full_check=False)
     except onnx.checker.ValidationError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid model"
-        raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {first}") from exc
+        raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
+    return view.warnings
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def infer_types(model: onnx.ModelProto) -> dict[str, TypeTable]:
     """Element types and shapes of every value, per graph path (shape inference on a copy)."""
     ensure_fused_ops_registered()
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(
+            inference_view(model), check_type=False, strict_mode=False
+        )
     except Exception:  # inference is best-effort here; patterns refuse what they cannot type
         inferred = model
     types: dict[str, TypeTable] = {}
@@ -294,15 +278,15 @@ def _trim(names: tuple[str, ...]) -> list[str]:
 
 
 def verify(model: onnx.ModelProto, label: str, *, external: bool) -> None:
-    """The checker on the rewritten model (each fused node's shape inference was checked
-    against the original graph when it was made); a failure is fuser's bug, so say so."""
+    """The checker on the rewritten model, seen as the input was (`checkview`): the output is
+    never less valid than the input. Each fused node's shape inference was checked against the
+    original graph when it was made; a failure here is fuser's bug, so say so."""
     try:
-        onnx.checker.check_model(checkable(model, external=external), full_check=False)
+        onnx.checker.check_model(checker_view(model, external=external).model, full_check=False)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FusionError(
-            f"{label}: the fused model failed verification ({first}); nothing was written. "
-            "This is a bug in fuser: please report it with the model"
+            f"{label}: the fused model failed verification ({_first_line(exc)}); nothing was "
+            "written. This is a bug in fuser: please report it with the model"
         ) from exc
 
 

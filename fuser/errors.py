@@ -17,12 +17,23 @@ class UnsafeExternalDataError(ModelLoadError):
     """An external-data location points outside the model's own folder."""
 
 
+class OutputError(FuserError):
+    """The output cannot be written where asked (a folder, unwritable, or over the input)."""
+
+
 class FusionError(FuserError):
     """The rewritten model failed verification; nothing was written."""
 
 
 class UsageError(FuserError):
     """A caller asked for something that does not exist (unknown pattern, target, example)."""
+
+
+class UnknownExampleError(UsageError, KeyError):
+    """An example model name that does not exist (a KeyError too, for older callers)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message like a key
+        return str(self.args[0]) if self.args else "unknown example"
 
 
 class ValidationInputError(FuserError):

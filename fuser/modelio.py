@@ -11,11 +11,9 @@ resolves outside the model's folder is refused (path traversal), as is a missing
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -25,7 +23,8 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 
-from .errors import ModelLoadError, UnsafeExternalDataError
+from .atomic import AtomicBatch
+from .errors import ModelLoadError, OutputError, UnsafeExternalDataError
 
 ModelSource = str | os.PathLike[str] | bytes | onnx.ModelProto
 
@@ -44,6 +43,8 @@ class LoadedModel:
     base_dir: Path | None
     label: str  # how messages name the model: its path, or "<bytes>" / "<model>"
     external: bool = False  # whether any tensor lives in an external file (found at load)
+    path: Path | None = None  # the file it was read from (resolved), None if in memory
+    data_files: tuple[Path, ...] = ()  # its external data files (resolved), found at load
 
 
 def load_model(source: ModelSource, *, label: str | None = None) -> LoadedModel:
@@ -68,9 +69,12 @@ def load_model(source: ModelSource, *, label: str | None = None) -> LoadedModel:
             data = path.read_bytes()
         except OSError as exc:
             raise ModelLoadError(f"{name}: cannot read ({exc.strerror})") from exc
-        loaded = LoadedModel(_parse(data, name), path.resolve().parent, name)
-    external = check_external_locations(loaded)
-    return LoadedModel(loaded.model, loaded.base_dir, loaded.label, external)
+        resolved = path.resolve()
+        loaded = LoadedModel(_parse(data, name), resolved.parent, name, path=resolved)
+    data_files = external_files(loaded)
+    return LoadedModel(
+        loaded.model, loaded.base_dir, loaded.label, bool(data_files), loaded.path, data_files
+    )
 
 
 def _parse(data: bytes, label: str) -> onnx.ModelProto:
@@ -137,17 +141,14 @@ def _safe_location(loaded: LoadedModel, tensor: onnx.TensorProto) -> Path:
     return target
 
 
-def check_external_locations(loaded: LoadedModel) -> bool:
-    """Refuse absolute, escaping or missing external-data locations before reading any.
-
-    Returns whether the model has external tensors at all.
-    """
-    found = False
+def external_files(loaded: LoadedModel) -> tuple[Path, ...]:
+    """The model's external data files; absolute, escaping or missing locations are refused
+    before any is read."""
+    found: dict[Path, None] = {}
     for tensor in iter_all_tensors(loaded.model.graph):
         if _is_external(tensor):
-            _safe_location(loaded, tensor)
-            found = True
-    return found
+            found[_safe_location(loaded, tensor)] = None
+    return tuple(found)
 
 
 def read_external_bytes(loaded: LoadedModel, tensor: onnx.TensorProto) -> bytes:
@@ -199,45 +200,100 @@ def has_external_data(model: onnx.ModelProto) -> bool:
     return any(_is_external(t) for t in iter_all_tensors(model.graph))
 
 
+def input_files(loaded: LoadedModel) -> list[Path]:
+    """The files a loaded model was read from: its own file and its external data files."""
+    return [*([loaded.path] if loaded.path is not None else []), *loaded.data_files]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (also through symlinks and hard links)."""
+    try:
+        if a.resolve() == b.resolve():
+            return True
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_output_paths(targets: Sequence[Path], source: LoadedModel | None) -> None:
+    """Refuse, before anything is written, an output that is a folder or one of the input's
+    files (the input and its external data are never modified)."""
+    for target in targets:
+        if target.is_dir():
+            raise OutputError(
+                f"{target}: is a directory, not a file fuser can write; choose another output path"
+            )
+    if source is None:
+        return
+    for used in input_files(source):
+        for target in targets:
+            if _same_file(target, used):
+                what = "the input" if used == source.path else "external data of the input"
+                raise OutputError(
+                    f"{target}: writing it would overwrite {used.name}, {what} "
+                    f"{source.label}; choose another output path"
+                )
+
+
 def save_model(
     model: onnx.ModelProto,
     path: str | os.PathLike[str],
     *,
     source: LoadedModel | None = None,
     external: bool | None = None,
+    extra: Mapping[Path, bytes] | None = None,
 ) -> list[Path]:
-    """Write `model` atomically to `path`; returns the files written.
+    """Write `model` to `path`, plus the `extra` files, as one step; returns the files written.
 
     With external data (forced by `external=True`, or needed because the model references
     external tensors or exceeds protobuf's limit) the tensors go to `<name>.data` beside the
-    output, streamed one by one from wherever they live now. Files are written to temporary
-    names and renamed, so a failure leaves no partial output.
+    output, streamed one by one from wherever they live now. All files appear together or not
+    at all (see `fuser.atomic`); none of them may be a file of `source` (OutputError).
     """
     out = Path(path)
     if external is None:
         external = has_external_data(model) or model.ByteSize() > PROTOBUF_LIMIT_BYTES
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not external:
-        atomic_write(out, model.SerializeToString(deterministic=True))
-        return [out]
-
-    data_name = out.name + ".data"
-    staged = onnx.ModelProto()
-    staged.CopyFrom(model)
-    data_tmp = _temp_path(out.parent, data_name)
+    data_path = out.with_name(out.name + ".data")
+    others = list(extra or {})
+    check_output_paths([out, *([data_path] if external else []), *others], source)
     try:
-        with data_tmp.open("wb") as data_file:
-            for tensor in iter_all_tensors(staged.graph):
-                _externalize(tensor, data_file, data_name, source)
-            data_file.flush()
-            os.fsync(data_file.fileno())
-        atomic_write(out, staged.SerializeToString(deterministic=True))
-        os.replace(data_tmp, out.parent / data_name)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            data_tmp.unlink()
-        raise
-    return [out, out.parent / data_name]
+        with AtomicBatch() as batch:
+            model_file = batch.open(out)
+            data_file = batch.open(data_path) if external else None
+            extra_files = [(batch.open(p), data) for p, data in (extra or {}).items()]
+            if data_file is None:
+                model_file.write(model.SerializeToString(deterministic=True))
+            else:
+                staged = onnx.ModelProto()
+                staged.CopyFrom(model)
+                for tensor in iter_all_tensors(staged.graph):
+                    _externalize(tensor, data_file, data_path.name, source)
+                model_file.write(staged.SerializeToString(deterministic=True))
+            for handle, data in extra_files:
+                handle.write(data)
+            batch.commit()
+    except OSError as exc:
+        failed = Path(exc.filename) if exc.filename else out
+        raise OutputError(f"{failed}: cannot write ({exc.strerror or exc})") from exc
+    return [out, *([data_path] if external else []), *others]
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write one file as one step (a kill or an error leaves no file and no temp file)."""
+    save_files({path: data})
+
+
+def save_files(files: Mapping[Path, bytes]) -> None:
+    """Write several files as one step; OutputError names the one that cannot be written."""
+    try:
+        with AtomicBatch() as batch:
+            handles = [(batch.open(p), data) for p, data in files.items()]
+            for handle, data in handles:
+                handle.write(data)
+            batch.commit()
+    except OSError as exc:
+        failed = exc.filename or next(iter(files), "")
+        raise OutputError(f"{failed}: cannot write ({exc.strerror or exc})") from exc
 
 
 def _externalize(
@@ -262,23 +318,3 @@ def _externalize(
     for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
         entry = tensor.external_data.add()
         entry.key, entry.value = key, value
-
-
-def _temp_path(folder: Path, name: str) -> Path:
-    handle, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    os.close(handle)
-    return Path(tmp)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = _temp_path(path.parent, path.name)
-    try:
-        with tmp.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise

@@ -57,6 +57,8 @@ class FusionReport:
     nodes_before: int
     nodes_after: int
     seconds: Mapping[str, float] = field(default_factory=dict)
+    # What fuser fixed in its copy of the input (or overlooked, as onnxruntime does) first.
+    normalized: tuple[str, ...] = ()
 
     @property
     def summary(self) -> dict[str, int]:
@@ -106,6 +108,7 @@ class FusionReport:
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
             "seconds": dict(self.seconds),
+            "normalized": list(self.normalized),
         }
 
     def to_json(self) -> str:

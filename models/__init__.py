@@ -17,6 +17,7 @@ from types import MappingProxyType
 
 import onnx
 
+from ..errors import UnknownExampleError
 from .cnn import cnn_edge, conv1d, mobilenet, resnet
 from .moe import moe, qwen_router
 from .parallel import sp_mlp, tp_mlp
@@ -50,12 +51,13 @@ EXAMPLES: Mapping[str, Callable[[], onnx.ModelProto]] = MappingProxyType(
 
 
 def get_example(name: str) -> onnx.ModelProto:
-    """Build the example model ``name`` (see ``EXAMPLES``); ``KeyError`` lists the known names."""
+    """Build the example model ``name`` (see ``EXAMPLES``); an unknown name raises
+    ``UnknownExampleError`` (a fuser ``UsageError`` and a ``KeyError``) listing the known ones."""
     try:
         builder = EXAMPLES[name]
     except KeyError:
         known = ", ".join(sorted(EXAMPLES))
-        raise KeyError(f"unknown example model {name!r}; known: {known}") from None
+        raise UnknownExampleError(f"unknown example model {name!r}; known: {known}") from None
     return builder()
 
 

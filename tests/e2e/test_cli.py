@@ -324,3 +324,45 @@ def test_tuning_cache_options(tmp_path: Path) -> None:
     none = fuser("fuse", str(model_file), "-o", str(tmp_path / "o3.onnx"), "--no-cache")
     assert none.returncode == 0 and not off.exists()
     assert (tmp_path / "o3.onnx").read_bytes() == out.read_bytes()
+
+
+def test_opset_onnxruntime_cannot_run_is_refused(tmp_path: Path) -> None:
+    model = small_cnn()
+    model.opset_import[0].version = 99
+    path = _save(tmp_path / "future.onnx", model)
+    before = digest(path)
+    out = tmp_path / "o.onnx"
+    result = fuser("fuse", str(path), "-o", str(out))
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "future.onnx" in lines[0] and "opset 99" in lines[0], lines
+    assert not out.exists() and digest(path) == before
+
+
+def test_checker_complaint_onnxruntime_ignores_is_one_warning_line(tmp_path: Path) -> None:
+    """A graph output only onnxruntime can type: fused anyway, the checker's words on one line."""
+    model = small_cnn()
+    model.graph.node.append(
+        helper.make_node("Gelu", ["y"], ["z"], name="gelu", domain="com.microsoft")
+    )
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    path = _save(tmp_path / "ms.onnx", model)
+    out = tmp_path / "o.onnx"
+    result = fuser("fuse", str(path), "-o", str(out), "--json")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("warning: graph output 'z'"), lines
+    assert "Field 'shape' of 'type' is required but missing" in lines[0]
+    assert json.loads(result.stdout)["summary"]["conv_bn_relu"] == 1
+    assert out.exists()
+
+
+def test_unknown_example_is_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "o.onnx"
+    result = fuser("fuse", "example:nope", "-o", str(out))
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "unknown example model 'nope'" in lines[0] and "resnet" in lines[0]
+    assert not out.exists()

@@ -1,0 +1,226 @@
+"""The model as onnx's checker and shape inference can see it, where onnxruntime is laxer.
+
+fuser accepts what onnxruntime runs. Where onnxruntime accepts more than the ONNX spec, onnx's
+own tools see a *view* of the model (a copy; the model itself is never changed here):
+
+- External tensors become typed graph inputs: the checker would resolve their files against
+  the working directory; fuser has validated those locations itself (modelio).
+- ``LayerNormalization`` below opset 17: onnxruntime registers it in the ONNX domain from
+  version 1 (it began as a contrib op), with opset 17's inputs, outputs, attributes and
+  results (checked on onnxruntime 1.32: the same outputs at opsets 1-16 as at 17, Mean and
+  InvStdDev included). The view moves such nodes to the domain ``LEGACY_DOMAIN`` whose schema
+  has that signature and that inference, so the checker checks them and shape inference types
+  their outputs.
+- Graph inputs and outputs without a shape (or type), which the checker refuses ("Field
+  'shape' of 'type' is required but missing") and onnxruntime runs: the view gives them an
+  empty placeholder, so the checker still checks everything else, and each is reported as a
+  warning naming the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import onnx
+from onnx import defs, helper
+
+LEGACY_DOMAIN = "fuser.ort_legacy"
+# The first opset whose ONNX domain defines LayerNormalization.
+LAYERNORM_OPSET = 17
+
+
+@dataclass(frozen=True)
+class View:
+    """A model prepared for onnx's tools, and what its preparation had to overlook."""
+
+    model: onnx.ModelProto
+    warnings: tuple[str, ...] = ()
+
+
+def onnx_opset(model: onnx.ModelProto) -> int:
+    """The model's ai.onnx opset (0 if it imports none)."""
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    return 0
+
+
+def _layernorm_schema() -> defs.OpSchema:
+    floats = ["tensor(float16)", "tensor(float)", "tensor(double)", "tensor(bfloat16)"]
+
+    def formal(name: str, kind: str, optional: bool = False) -> defs.OpSchema.FormalParameter:
+        option = defs.OpSchema.FormalParameterOption
+        return defs.OpSchema.FormalParameter(
+            name, kind, "", param_option=option.Optional if optional else option.Single
+        )
+
+    schema = defs.OpSchema(
+        "LayerNormalization",
+        LEGACY_DOMAIN,
+        1,
+        "onnxruntime's LayerNormalization of opsets 1-16 (opset 17's, in the ONNX domain)",
+        inputs=[formal("X", "T"), formal("Scale", "T"), formal("B", "T", optional=True)],
+        outputs=[
+            formal("Y", "T"),
+            formal("Mean", "U", optional=True),
+            formal("InvStdDev", "U", optional=True),
+        ],
+        type_constraints=[("T", floats, ""), ("U", ["tensor(float)", "tensor(bfloat16)"], "")],
+        attributes=[
+            defs.OpSchema.Attribute("axis", helper.make_attribute("axis", -1), ""),
+            defs.OpSchema.Attribute("epsilon", helper.make_attribute("epsilon", 1e-5), ""),
+            defs.OpSchema.Attribute("stash_type", helper.make_attribute("stash_type", 1), ""),
+        ],
+    )
+    schema.set_type_and_shape_inference_function(_infer_layernorm)
+    return schema
+
+
+def _infer_layernorm(ctx: onnx.shape_inference.InferenceContext) -> None:
+    x = ctx.get_input_type(0)
+    if x is None or not x.HasField("tensor_type"):
+        return
+    ctx.set_output_type(0, x)
+    stash = ctx.get_attribute("stash_type")
+    stash_type = stash.i if stash is not None else onnx.TensorProto.FLOAT
+    if not x.tensor_type.HasField("shape"):
+        stats = helper.make_tensor_type_proto(stash_type, None)
+    else:
+        dims = list(x.tensor_type.shape.dim)
+        attr = ctx.get_attribute("axis")
+        axis = attr.i if attr is not None else -1
+        axis = axis + len(dims) if axis < 0 else axis
+        stats = onnx.TypeProto()
+        stats.tensor_type.elem_type = stash_type
+        stats.tensor_type.shape.SetInParent()
+        for i, dim in enumerate(dims):
+            new = stats.tensor_type.shape.dim.add()
+            if i >= axis:
+                new.dim_value = 1
+            else:
+                new.CopyFrom(dim)
+    for i in (1, 2):
+        if ctx.get_num_outputs() > i and ctx.has_output(i):
+            ctx.set_output_type(i, stats)
+
+
+def _register() -> None:
+    if not defs.has("LayerNormalization", LEGACY_DOMAIN):
+        defs.register_schema(_layernorm_schema())
+
+
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _graphs(sub)
+
+
+def legacy_layernorms(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """LayerNormalization nodes of the ONNX domain the model's opset does not define."""
+    if onnx_opset(model) >= LAYERNORM_OPSET:
+        return []
+    return [
+        node
+        for graph in _graphs(model.graph)
+        for node in graph.node
+        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx")
+    ]
+
+
+def _move_legacy_layernorms(model: onnx.ModelProto) -> bool:
+    nodes = legacy_layernorms(model)
+    if not nodes:
+        return False
+    _register()
+    for node in nodes:
+        node.domain = LEGACY_DOMAIN
+    if all(o.domain != LEGACY_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(LEGACY_DOMAIN, 1))
+    return True
+
+
+def inference_view(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` as shape inference should see it: the model itself unless it has legacy
+    LayerNormalization nodes (then a copy in which they are typed like onnxruntime's)."""
+    if not legacy_layernorms(model):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    _move_legacy_layernorms(copy)
+    return copy
+
+
+def missing_type(value: onnx.ValueInfoProto) -> str | None:
+    """What the checker misses on a main-graph input/output: "type", "shape" or None."""
+    if not value.HasField("type") or value.type.WhichOneof("value") is None:
+        return "type"
+    if not value.type.HasField("tensor_type"):
+        return None
+    tensor = value.type.tensor_type
+    if not tensor.elem_type:
+        return "type"
+    return None if tensor.HasField("shape") else "shape"
+
+
+def _untyped_io(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.ValueInfoProto, str]]:
+    """Main-graph inputs/outputs the checker refuses for a missing type or shape."""
+    for kind, value in _view_io(graph):
+        missing = missing_type(value)
+        if missing is not None:
+            yield kind, value, missing
+
+
+def checker_view(model: onnx.ModelProto, *, external: bool) -> View:
+    """`model` as onnx's checker should see it (the model itself when nothing needs hiding)."""
+    initializers = model.graph.initializer
+    outside = [t for t in initializers if t.data_location == onnx.TensorProto.EXTERNAL]
+    untyped = list(_untyped_io(model.graph))
+    if not (external and outside) and not untyped and not legacy_layernorms(model):
+        return View(model)
+    view = onnx.ModelProto()
+    view.CopyFrom(model)
+    graph = view.graph
+    if external and outside:
+        kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+        declared = {v.name for v in graph.input}
+        graph.input.extend(
+            helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+            for t in outside
+            if t.name not in declared
+        )
+    _move_legacy_layernorms(view)
+    warnings = []
+    by_name = {(k, v.name): v for k, v in _view_io(graph)}
+    for kind, value, missing in untyped:
+        warnings.append(
+            f"graph {kind} '{value.name}' has no {missing} (onnx.checker: {_checker_says(value)}); "
+            f"onnxruntime runs it, so fuser goes on, the {missing} left unknown"
+        )
+        placeholder = by_name[(kind, value.name)].type.tensor_type
+        if not placeholder.elem_type:
+            placeholder.elem_type = onnx.TensorProto.FLOAT  # seen only by the checker
+        placeholder.shape.SetInParent()
+    return View(view, tuple(warnings))
+
+
+def _checker_says(value: onnx.ValueInfoProto) -> str:
+    """The checker's own words about one graph input/output."""
+    try:
+        onnx.checker.check_value_info(value, onnx.checker.DEFAULT_CONTEXT)
+    except onnx.checker.ValidationError as exc:
+        text = str(exc).strip()
+        return text.splitlines()[0] if text else "refused"
+    return "refused"
+
+
+def _view_io(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.ValueInfoProto]]:
+    yield from (("input", v) for v in graph.input)
+    yield from (("output", v) for v in graph.output)

@@ -1,0 +1,308 @@
+"""What onnxruntime runs, fuser accepts (issue 14, items 9-10): each model here loads and runs in
+onnxruntime but breaks a rule of onnx's checker. fuser fuses it, says what it normalized, writes
+an output no less valid than the input that computes the same, and leaves the input alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import fuser
+from fuser.errors import FuserError, ModelLoadError, UsageError
+
+RNG_SEED = 7
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, ["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def layernorm_matmul(
+    opset: int = 17, *, reverse: bool = False, out_shape: bool = True
+) -> onnx.ModelProto:
+    """LayerNormalization -> MatMul -> Relu over x[2,3,8] (odd sizes: 8 -> 5)."""
+    rng = np.random.default_rng(RNG_SEED)
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], name="ln", epsilon=1e-5),
+        helper.make_node("MatMul", ["n", "w"], ["m"], name="mm"),
+        helper.make_node("Relu", ["m"], ["y"], name="relu"),
+    ]
+    if reverse:
+        nodes.reverse()
+    inits = [
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, 8).astype(np.float32), "g"),
+        numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b"),
+        numpy_helper.from_array(rng.standard_normal((8, 5)).astype(np.float32), "w"),
+    ]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 5] if out_shape else None)
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8])], [out], inits
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def conv_bn_relu(opset: int = 17, ir_version: int | None = None) -> onnx.ModelProto:
+    rng = np.random.default_rng(RNG_SEED)
+    c = 3
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((c, 2, 3, 3)).astype(np.float32), "W"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, c).astype(np.float32), "s"),
+        numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "bb"),
+        numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "mu"),
+        numpy_helper.from_array(rng.uniform(0.1, 1, c).astype(np.float32), "var"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "s", "bb", "mu", "var"], ["n"], name="bn"),
+        helper.make_node("Relu", ["n"], ["y"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 5, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, c, 5, 3])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    if ir_version is not None:
+        model.ir_version = ir_version
+    return model
+
+
+def feeds_for(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(RNG_SEED + 1)
+    inits = {t.name for t in model.graph.initializer}
+    return {
+        v.name: rng.standard_normal([d.dim_value for d in v.type.tensor_type.shape.dim]).astype(
+            np.float32
+        )
+        for v in model.graph.input
+        if v.name not in inits
+    }
+
+
+def assert_fused_equal(original: onnx.ModelProto, result: fuser.FusionResult) -> None:
+    """The fused model runs in onnxruntime (fuser's plugin) and equals the original there."""
+    feeds = feeds_for(original)
+    check = fuser.validate(original, result, inputs=feeds, runs=1, kernel="reference")
+    assert check.ok, check.to_dict()
+
+
+def checker_refuses(model: onnx.ModelProto) -> str | None:
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        return str(exc)
+    return None
+
+
+# -- 9: not topologically sorted ---------------------------------------------------------------
+
+
+def test_unsorted_nodes_are_sorted_and_fused() -> None:
+    model = layernorm_matmul(reverse=True)
+    assert "topologically sorted" in (checker_refuses(model) or "")
+    before = model.SerializeToString()
+    result = fuser.fuse(model, cache=False)
+    assert result.report.summary["layernorm_matmul"] == 1
+    assert any("sorted topologically" in n for n in result.report.normalized)
+    onnx.checker.check_model(result.model, full_check=True)
+    assert_fused_equal(layernorm_matmul(), result)
+    assert model.SerializeToString() == before  # the caller's model is untouched
+
+
+def test_unsorted_subgraph_is_sorted() -> None:
+    then = helper.make_graph(
+        [
+            helper.make_node("Relu", ["t"], ["o"], name="late"),
+            helper.make_node("Neg", ["x"], ["t"], name="early"),
+        ],
+        "then",
+        [],
+        [helper.make_tensor_value_info("o", TensorProto.FLOAT, [3])],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["e"], name="id")],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [3])],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], name="if", then_branch=then, else_branch=other)],
+        "g",
+        [
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert checker_refuses(model) is not None
+    result = fuser.fuse(model, cache=False)
+    notes = result.report.normalized
+    assert len(notes) == 1 and notes[0].startswith("subgraph if.then_branch: nodes sorted"), notes
+    onnx.checker.check_model(result.model, full_check=True)
+    x = np.array([-1.0, 0.5, 2.0], np.float32)
+    expected = np.maximum(-x, 0)
+    got = run_ort(result.model, {"c": np.array(True), "x": x})[0]
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "expected"),
+    [
+        (
+            [
+                helper.make_node("Neg", ["b"], ["a"], name="n1"),
+                helper.make_node("Relu", ["a"], ["b"], name="n2"),
+            ],
+            "cycle through node 'n1'",
+        ),
+        ([helper.make_node("Neg", ["ghost"], ["a"], name="n1")], "reads 'ghost'"),
+    ],
+    ids=["cycle", "dangling"],
+)
+def test_cycles_and_dangling_inputs_are_still_refused(
+    nodes: list[onnx.NodeProto], expected: str
+) -> None:
+    graph = helper.make_graph(
+        nodes, "g", [], [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1])]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ModelLoadError, match=expected) as caught:
+        fuser.fuse(model, cache=False)
+    assert str(caught.value).startswith("<model>: ")
+
+
+# -- 9: LayerNormalization below opset 17 ------------------------------------------------------
+
+
+@pytest.mark.parametrize("opset", [11, 13, 16])
+def test_layernorm_below_opset_17_fuses_as_onnxruntime_runs_it(opset: int) -> None:
+    model = layernorm_matmul(opset)
+    assert "No Op registered for LayerNormalization" in (checker_refuses(model) or "")
+    run_ort(model, feeds_for(model))  # onnxruntime runs it
+    result = fuser.fuse(model, cache=False)
+    assert result.report.summary["layernorm_matmul"] == 1
+    assert [n.op_type for n in result.model.graph.node] == ["LayerNormMatMul", "Relu"]
+    assert any(f"at opset {opset}" in n for n in result.report.normalized)
+    onnx.checker.check_model(result.model, full_check=True)  # more valid than the input
+    assert_fused_equal(model, result)
+
+
+def test_unfused_layernorm_below_opset_17_is_written_as_it_was() -> None:
+    model = layernorm_matmul(13)
+    del model.graph.node[1:]  # LayerNormalization alone: nothing to fuse
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("n", TensorProto.FLOAT, [2, 3, 8]))
+    del model.graph.initializer[2:]
+    result = fuser.fuse(model, cache=False)
+    assert result.report.fusions == ()
+    assert result.model.SerializeToString() == model.SerializeToString()
+
+
+# -- 9: IR version below 4 with initializers that are not inputs --------------------------------
+
+
+def test_ir3_initializers_not_listed_as_inputs() -> None:
+    model = conv_bn_relu(opset=8, ir_version=3)
+    assert "not in graph input" in (checker_refuses(model) or "")
+    result = fuser.fuse(model, cache=False)
+    assert result.model.ir_version == 4
+    assert result.report.summary["conv_bn_relu"] == 1  # the weights are constants, as in ORT
+    assert any("IR version 3 -> 4" in n for n in result.report.normalized)
+    onnx.checker.check_model(result.model, full_check=True)
+    assert_fused_equal(model, result)
+
+
+# -- 9/10: graph inputs and outputs without shape or type --------------------------------------
+
+
+def test_output_without_shape_gets_the_inferred_one() -> None:
+    model = layernorm_matmul(out_shape=False)
+    assert "Field 'shape'" in (checker_refuses(model) or "")
+    result = fuser.fuse(model, cache=False)
+    assert result.warnings == ()
+    assert "graph output 'y' had no shape: inferred" in result.report.normalized
+    dims = result.model.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims] == [2, 3, 5]
+    onnx.checker.check_model(result.model, full_check=True)
+
+
+def test_output_without_type_and_input_without_type() -> None:
+    model = conv_bn_relu()
+    model.graph.output[0].ClearField("type")
+    model.graph.input.append(onnx.ValueInfoProto(name="W"))  # typed by its initializer
+    model.ir_version = 8
+    assert checker_refuses(model) is not None
+    result = fuser.fuse(model, cache=False)
+    assert "graph output 'y' had no type: inferred" in result.report.normalized
+    assert "graph input 'W' had no type: taken from its initializer" in result.report.normalized
+    onnx.checker.check_model(result.model, full_check=True)
+
+
+def test_uninferable_output_shape_is_a_warning_and_the_rest_still_fuses() -> None:
+    """An output only onnxruntime can type (a com.microsoft op): the checker's complaint is a
+    warning naming the value; the Conv chain is fused; the output keeps its unknown shape."""
+    model = conv_bn_relu()
+    model.graph.node.append(
+        helper.make_node("Gelu", ["y"], ["z"], name="gelu", domain="com.microsoft")
+    )
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    assert "Field 'shape' of 'type' is required" in (checker_refuses(model) or "")
+    result = fuser.fuse(model, cache=False)
+    assert result.report.summary["conv_bn_relu"] == 1
+    (warning,) = result.warnings
+    assert "graph output 'z'" in warning and "Field 'shape' of 'type'" in warning
+    assert "\n" not in warning
+    assert not result.model.graph.output[0].type.tensor_type.HasField("shape")
+    # no less valid than the input: the same single complaint, nothing new
+    assert checker_refuses(result.model) == checker_refuses(model)
+
+
+# -- 10: refused as onnxruntime refuses ---------------------------------------------------------
+
+
+def test_opset_newer_than_onnxruntime_knows_is_refused() -> None:
+    model = conv_bn_relu(opset=99)
+    with pytest.raises(ModelLoadError, match=r"<model>: imports opset 99 of ai\.onnx"):
+        fuser.fuse(model, cache=False)
+
+
+def test_normalized_output_fuses_again_to_the_same_bytes() -> None:
+    once = fuser.fuse(layernorm_matmul(13, reverse=True, out_shape=False), cache=False)
+    assert len(once.report.normalized) == 3  # sorted, output shape inferred, opset-13 LN
+    twice = fuser.fuse(once.model, cache=False)
+    assert twice.report.normalized == ()
+    assert twice.model.SerializeToString() == once.model.SerializeToString()
+
+
+# -- 10: the API's errors -----------------------------------------------------------------------
+
+
+def test_patterns_as_a_string() -> None:
+    model = conv_bn_relu()
+    result = fuser.fuse(model, patterns="conv_bn_relu", cache=False)
+    assert result.report.patterns == ("conv_bn_relu",)
+    assert result.report.summary == {"conv_bn_relu": 1}
+    assert fuser.fuse(model, disable="conv_bn_relu", cache=False).report.fusions == ()
+    with pytest.raises(UsageError, match="unknown pattern 'nope'; known patterns: conv_bn_relu"):
+        fuser.fuse(model, patterns="conv_bn_relu, nope", cache=False)
+
+
+def test_unknown_example_is_a_usage_error_listing_the_known_ones() -> None:
+    from fuser.models import EXAMPLES, get_example
+
+    with pytest.raises(UsageError) as caught:
+        get_example("nope")
+    message = str(caught.value)
+    assert message.startswith("unknown example model 'nope'; known: ")
+    assert all(name in message for name in EXAMPLES)
+    assert isinstance(caught.value, FuserError) and isinstance(caught.value, KeyError)
