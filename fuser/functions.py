@@ -75,7 +75,7 @@ def attach(model: onnx.ModelProto, elem_types: ElemTypes) -> int:
     for node in fused_nodes(model):
         op = fusedop.registered().get(node.op_type)
         if op is None or op.body is None:
-            node.overload = ""
+            node.ClearField("overload")
             continue
         request = BodyRequest(
             op=op,
@@ -148,15 +148,23 @@ def strip(model: onnx.ModelProto) -> None:
     del model.functions[:]
     model.functions.extend(kept)
     for node in fused_nodes(model):
-        node.overload = ""
+        node.ClearField("overload")
 
 
-def inline(model: onnx.ModelProto, elem_types: ElemTypes) -> onnx.ModelProto:
+def inline(model: onnx.ModelProto, tables: Mapping[str, Mapping[str, Any]]) -> onnx.ModelProto:
     """A copy of `model` with every fused node replaced by its body: plain ONNX, no `fuser`
-    node, no fuser function, no fuser opset import. Other model-local functions stay."""
+    node, no fuser function, no fuser opset import. Other model-local functions stay.
+
+    `tables`: the per-graph types of `engine.infer_types`. A collective fused op's omitted
+    optional outputs are named and typed first (by the op's own inference): its body computes
+    them with an op onnx has no schema for (com.microsoft AllGather), whose output would
+    otherwise have no known type once inlined.
+    """
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    attach(copy, elem_types)
+    for graph in graphs(copy.graph):
+        _name_omitted_outputs(graph, tables)
+    attach(copy, elem_types_from(tables))
     bodies = {(f.name, f.overload): f for f in copy.functions if f.domain == DOMAIN}
     nodes = list(fused_nodes(copy))
     missing = sorted({n.op_type for n in nodes if (n.op_type, n.overload) not in bodies})
@@ -178,6 +186,43 @@ def inline(model: onnx.ModelProto, elem_types: ElemTypes) -> onnx.ModelProto:
     if left:
         raise FusionError(f"fused nodes left after inlining: {', '.join(left[:5])}")
     return inlined
+
+
+def _name_omitted_outputs(graph: onnx.GraphProto, tables: Mapping[str, Mapping[str, Any]]) -> None:
+    """Give each collective fused node's omitted optional outputs a fresh name and a
+    value_info with the type its op infers."""
+    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+    for node in graph.node:
+        op = fusedop.registered().get(node.op_type) if node.domain == DOMAIN else None
+        if op is None or op.collective_input is None:
+            continue
+        infos = [_tensor_info(name, tables) if name else None for name in node.input]
+        inferred = op.infer(infos, op.attribute_values(node))
+        while len(node.output) < len(op.outputs):
+            node.output.append("")
+        for position, param in enumerate(op.outputs):
+            if node.output[position]:
+                continue
+            name = f"{node.name or node.op_type}/{param.name}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            node.output[position] = name
+            info = inferred[position] if position < len(inferred) else None
+            if info is not None and info.elem_type:
+                shape = None if info.shape is None else list(info.shape)
+                graph.value_info.append(helper.make_tensor_value_info(name, info.elem_type, shape))
+
+
+def _tensor_info(name: str, tables: Mapping[str, Mapping[str, Any]]) -> fusedop.TensorInfo | None:
+    for table in tables.values():
+        if name in table:
+            try:
+                found = table[name]
+            except KeyError:
+                continue
+            return fusedop.TensorInfo(found.elem_type, found.shape)
+    return None
 
 
 def _fill_defaults(node: onnx.NodeProto, function: onnx.FunctionProto) -> None:

@@ -50,6 +50,6 @@ def unfuse(model: ModelSource | FusionResult) -> UnfuseResult:
     engine.check_structure(loaded)
     counts = Counter(n.op_type for n in functions.fused_nodes(loaded.model))
     types = engine.infer_types(loaded.model)
-    plain = functions.inline(loaded.model, functions.elem_types_from(types))
+    plain = functions.inline(loaded.model, types)
     engine.verify(plain, loaded.label, external=loaded.external)
     return UnfuseResult(plain, loaded, dict(sorted(counts.items())))
