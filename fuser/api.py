@@ -85,6 +85,7 @@ def fuse(
         functions_mod.elem_types_from(types),
         FuseOptions(target, tuple(p.name for p in chosen), force, functions),
     )
+    seconds["finish"] = next(clock)
     if log.fusions:
         engine.verify(loaded.model, loaded.label, external=loaded.external)
     seconds["verify"] = next(clock)

@@ -72,42 +72,59 @@ def attach(model: onnx.ModelProto, elem_types: ElemTypes) -> int:
     imports = {o.domain or "": o.version for o in model.opset_import}
     opset = imports.get("", imports.get("ai.onnx", 0))
     found: dict[tuple[str, str], onnx.FunctionProto] = {}
+    # Nodes of one model share a handful of bodies: build each (op, request) once.
+    built: dict[tuple[Any, ...], Body] = {}
     for node in fused_nodes(model):
         op = fusedop.registered().get(node.op_type)
         if op is None or op.body is None:
             node.ClearField("overload")
             continue
+        attributes = op.attribute_values(node)
         request = BodyRequest(
             op=op,
-            attributes=op.attribute_values(node),
+            attributes=attributes,
             inputs=tuple(bool(n) for n in node.input),
             outputs=tuple(bool(n) for n in node.output),
             input_types=tuple(elem_types(n) if n else 0 for n in node.input),
             opset=opset,
             domains={d: v for d, v in imports.items() if d},
         )
-        try:
-            body = op.body(request)
-        except BodyError as exc:
-            raise FusionError(
-                f"node '{node.name}' ({node.op_type}): no function body at opset {opset}: {exc}; "
-                "fuse with --no-functions (functions=False) to write the bare op"
-            ) from exc
-        node.overload = body.variant
-        key = (op.name, body.variant)
-        function = function_proto(op, body, opset)
-        if key in found and found[key] != function:
-            raise FusionError(
-                f"{op.name}: two different bodies named '{body.variant}' (node '{node.name}'). "
-                "This is a bug in fuser: please report it with the model"
-            )
-        found[key] = function
-        for domain, version in body.domains:
-            if imports.setdefault(domain, version) != version:
+        memo = (
+            op.name,
+            # tiling (tile_*) is the kernel's business: bodies ignore it
+            tuple(
+                (k, repr(v))
+                for k, v in sorted(attributes.items())
+                if not k.startswith(op.tiling_prefix)
+            ),
+            request.inputs,
+            request.outputs,
+            request.input_types,
+        )
+        body = built.get(memo)
+        if body is None:
+            try:
+                body = built[memo] = op.body(request)
+            except BodyError as exc:
                 raise FusionError(
-                    f"{op.name}'s body uses {domain} version {version}, the model imports "
-                    f"version {imports[domain]}"
+                    f"node '{node.name}' ({node.op_type}): no function body at opset {opset}: "
+                    f"{exc}; fuse with --no-functions (functions=False) to write the bare op"
+                ) from exc
+            key = (op.name, body.variant)
+            function = function_proto(op, body, opset)
+            if key in found and found[key] != function:
+                raise FusionError(
+                    f"{op.name}: two different bodies named '{body.variant}' (node "
+                    f"'{node.name}'). This is a bug in fuser: please report it with the model"
                 )
+            found[key] = function
+            for domain, version in body.domains:
+                if imports.setdefault(domain, version) != version:
+                    raise FusionError(
+                        f"{op.name}'s body uses {domain} version {version}, the model imports "
+                        f"version {imports[domain]}"
+                    )
+        node.overload = body.variant
     kept = [f for f in model.functions if f.domain != DOMAIN]
     del model.functions[:]
     model.functions.extend([*kept, *(found[k] for k in sorted(found))])
