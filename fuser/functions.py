@@ -51,15 +51,22 @@ def elem_types_from(tables: Mapping[str, Mapping[str, Any]]) -> ElemTypes:
     """A lookup of element types over the per-graph type tables of `engine.infer_types`."""
 
     def lookup(name: str) -> int:
-        for table in tables.values():
-            if name in table:
-                try:
-                    return int(table[name].elem_type)
-                except KeyError:
-                    continue
-        return 0
+        info = tensor_info(name, tables)
+        return int(info.elem_type) if info is not None else 0
 
     return lookup
+
+
+def tensor_info(name: str, tables: Mapping[str, Mapping[str, Any]]) -> fusedop.TensorInfo | None:
+    """What the type tables know of `name` (any graph's table: names are unique in practice)."""
+    for table in tables.values():
+        if name in table:
+            try:
+                found = table[name]
+            except KeyError:  # a value whose proto carries no type
+                continue
+            return fusedop.TensorInfo(found.elem_type, found.shape)
+    return None
 
 
 def attach(model: onnx.ModelProto, elem_types: ElemTypes) -> int:
@@ -213,7 +220,7 @@ def _name_omitted_outputs(graph: onnx.GraphProto, tables: Mapping[str, Mapping[s
         op = fusedop.registered().get(node.op_type) if node.domain == DOMAIN else None
         if op is None or op.collective_input is None:
             continue
-        infos = [_tensor_info(name, tables) if name else None for name in node.input]
+        infos = [tensor_info(name, tables) if name else None for name in node.input]
         inferred = op.infer(infos, op.attribute_values(node))
         while len(node.output) < len(op.outputs):
             node.output.append("")
@@ -229,17 +236,6 @@ def _name_omitted_outputs(graph: onnx.GraphProto, tables: Mapping[str, Mapping[s
             if info is not None and info.elem_type:
                 shape = None if info.shape is None else list(info.shape)
                 graph.value_info.append(helper.make_tensor_value_info(name, info.elem_type, shape))
-
-
-def _tensor_info(name: str, tables: Mapping[str, Mapping[str, Any]]) -> fusedop.TensorInfo | None:
-    for table in tables.values():
-        if name in table:
-            try:
-                found = table[name]
-            except KeyError:
-                continue
-            return fusedop.TensorInfo(found.elem_type, found.shape)
-    return None
 
 
 def _fill_defaults(node: onnx.NodeProto, function: onnx.FunctionProto) -> None:
