@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .api import FusionResult, Inspection, fuse, inspect, validate
     from .errors import FuserError
-    from .unfuse import UnfuseResult, unfuse
+    from .unfused import UnfuseResult, unfuse
 
 __all__ = [
     "FuserError",
@@ -38,8 +38,8 @@ _PUBLIC = {
     "inspect": "api",
     "validate": "api",
     "FuserError": "errors",
-    "UnfuseResult": "unfuse",
-    "unfuse": "unfuse",
+    "UnfuseResult": "unfused",
+    "unfuse": "unfused",
 }
 
 
