@@ -15,8 +15,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .api import FusionResult, Inspection, fuse, inspect, validate
     from .errors import FuserError
+    from .unfused import UnfuseResult, unfuse
 
-__all__ = ["FuserError", "FusionResult", "Inspection", "fuse", "inspect", "validate"]
+__all__ = [
+    "FuserError",
+    "FusionResult",
+    "Inspection",
+    "UnfuseResult",
+    "fuse",
+    "inspect",
+    "unfuse",
+    "validate",
+]
 __version__ = "0.1.0"
 
 # Where each public name lives. They load on first use (PEP 562), so `import fuser` and
@@ -28,6 +38,8 @@ _PUBLIC = {
     "inspect": "api",
     "validate": "api",
     "FuserError": "errors",
+    "UnfuseResult": "unfused",
+    "unfuse": "unfused",
 }
 
 
