@@ -330,7 +330,7 @@ def _dispatch(*arrays: np.ndarray, **kwargs: Any) -> Any:
         _ERRORS.setdefault(packed["__context__"], []).append(error)
         ctx = _CONTEXTS.get(packed["__context__"])
         if ctx is not None and ctx.communicator is not None:
-            ctx.communicator.abort()  # the other ranks must not wait for this one forever
+            ctx.communicator.abort(str(error), rank=ctx.rank)  # the others must not wait forever
         empty = [np.zeros((0,), dtype=_wire_dtype(d)) for d in packed["__out_dtypes__"]]
         return empty[0] if len(empty) == 1 else tuple(empty)
 
