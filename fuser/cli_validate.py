@@ -33,8 +33,20 @@ def validate(
     target: Annotated[str, typer.Option(help="NPU target for --kernel npu")] = "ascend910b",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Run both models in onnxruntime on the same inputs; exit 0 only if every output matches."""
+    """Run both models in onnxruntime on the same inputs; exit 0 only if every output matches.
+
+    Under `mpiexec -n P` (P > 1) every process validates one rank (`{rank}` in ORIGINAL,
+    FUSED or an --input file names that rank's own), with collectives over MPI.
+    """
     from .api import validate as run_validate
+    from .mpi import launched_world_size
+
+    if launched_world_size() > 1:
+        from .cli_validate_ranks import run
+        from .validate_ranks import RankOptions
+
+        options = (runs, seed, rtol, atol, tuple(input or ()), dim_size, kernel, target)
+        run(RankOptions(original, fused, *options), as_json=as_json)
 
     try:
         source, _ = resolve_input(original)
@@ -57,7 +69,7 @@ def validate(
             f"{fused}: onnxruntime failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"
         ) from None
     if as_json:
-        print_json(result.to_dict())
+        print_json(result.to_dict() | {"transport": "threads"})
     else:
         print_validation(result)
     if not result.ok:

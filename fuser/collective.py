@@ -126,23 +126,28 @@ def sum_in_rank_order(shards: Sequence[np.ndarray]) -> np.ndarray:
 
 
 class ThreadTransport:
-    """All ranks in this process, each in its own thread, meeting at a barrier."""
+    """All ranks in this process, each in its own thread, meeting at a barrier.
+
+    Collectives and `exchange` meet at different barriers: `abort` breaks the collectives'
+    barrier (a failed collective can never complete) but every rank still reaches, and
+    completes, the exchanges that report what happened.
+    """
 
     name = "threads"
 
     def __init__(self, group_size: int, timeout: float = BARRIER_TIMEOUT_S) -> None:
         self.group_size = group_size
-        self._slots: list[Any] = [None] * group_size
         self._timeout = timeout
-        self._barrier = threading.Barrier(group_size, timeout=timeout)
+        self._data = _Meeting(group_size, timeout)
+        self._control = _Meeting(group_size, timeout)
         self._reason = ""
 
     def local_ranks(self, group_size: int) -> tuple[int, ...]:
         return tuple(range(group_size))
 
-    def _wait(self) -> None:
+    def _meet(self, meeting: _Meeting, rank: int, value: Any) -> list[Any]:
         try:
-            self._barrier.wait()
+            return meeting.meet(rank, value)
         except threading.BrokenBarrierError:
             if self._reason:
                 raise RankFailedError(self._reason) from None
@@ -151,23 +156,34 @@ class ThreadTransport:
             ) from None
 
     def exchange(self, rank: int, value: Any) -> list[Any]:
-        self._slots[rank] = value
-        self._wait()
-        values = list(self._slots)
-        # Second barrier: nobody overwrites a slot before every rank has read them all.
-        self._wait()
-        return values
+        return self._meet(self._control, rank, value)
 
     def all_gather(self, rank: int, array: np.ndarray) -> list[np.ndarray]:
-        return self.exchange(rank, array)
+        return self._meet(self._data, rank, array)
 
     def all_reduce(self, rank: int, array: np.ndarray) -> np.ndarray:
-        return sum_in_rank_order(self.exchange(rank, array))
+        return sum_in_rank_order(self._meet(self._data, rank, array))
 
     def abort(self, reason: str) -> None:
         if not self._reason:
             self._reason = reason
-        self._barrier.abort()
+        self._data.barrier.abort()
+
+
+class _Meeting:
+    """Slots and a barrier: every rank leaves its value, then every rank reads all of them."""
+
+    def __init__(self, group_size: int, timeout: float) -> None:
+        self.slots: list[Any] = [None] * group_size
+        self.barrier = threading.Barrier(group_size, timeout=timeout)
+
+    def meet(self, rank: int, value: Any) -> list[Any]:
+        self.slots[rank] = value
+        self.barrier.wait()
+        values = list(self.slots)
+        # Second wait: nobody overwrites a slot before every rank has read them all.
+        self.barrier.wait()
+        return values
 
 
 def normalize_axis(axis: int, rank: int, where: str) -> int:

@@ -1,0 +1,66 @@
+"""`mpiexec -n P fuser validate ...`: one rank per process; rank 0 prints for every rank.
+
+`fuser validate` comes here when the launcher started more than one process (see
+`fuser.mpi.launched_world_size`). Every rank exits with the same status; only rank 0 prints
+(the per-rank table, or the JSON, and the one-line error of the rank that failed).
+"""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from .cli_common import err, fail, out, parse_inputs, print_json, resolve_input
+from .errors import FuserError
+from .validate_ranks import RankOptions, RanksResult, validate_in_threads
+
+
+def run(options: RankOptions, *, as_json: bool) -> None:
+    """Validate this process's rank over MPI; raise typer.Exit with the job-wide status."""
+    from . import mpi
+
+    try:
+        communicator = mpi.communicator()
+    except FuserError as exc:
+        raise fail(str(exc)) from None
+    result = validate_in_threads(
+        communicator,
+        options,
+        resolve=lambda spec: resolve_input(spec)[0],
+        load_inputs=parse_inputs,
+    )
+    if communicator.local_ranks[0] == 0:
+        if as_json:
+            print_json(result.to_dict())
+        elif result.per_rank and not result.error:
+            print_ranks(result)
+        if result.error:
+            err.print(f"[bold red]error:[/] {result.error}", highlight=False, soft_wrap=True)
+    raise typer.Exit(result.exit_code)
+
+
+def print_ranks(result: RanksResult) -> None:
+    """Every rank's comparisons as one table (rank, host, output, errors, tolerance, ok)."""
+    opts = result.options
+    table = Table(
+        title=f"validation ({opts.runs} runs x {result.ranks} rank(s) over {result.transport}, "
+        f"seed {opts.seed}, kernel {opts.kernel})",
+        title_justify="left",
+    )
+    for column in ("rank", "host", "output", "dtype", "max abs", "max rel", "tolerance", "ok"):
+        right = column.startswith(("max", "tol", "rank"))
+        table.add_column(column, justify="right" if right else "left")
+    for outcome in result.per_rank:
+        for o in outcome.outputs:
+            table.add_row(
+                str(outcome.rank),
+                outcome.host,
+                o.name,
+                o.dtype,
+                f"{o.max_abs:.3g}",
+                f"{o.max_rel:.3g}",
+                f"{o.tolerance:.0e}",
+                ("[green]yes[/]" if o.ok else "[red]NO[/]")
+                + (f" ({o.detail})" if o.detail else ""),
+            )
+    out.print(table)
