@@ -7,12 +7,15 @@
 
 from __future__ import annotations
 
+import socket
+import sys
+
 import typer
 from rich.table import Table
 
 from .cli_common import err, fail, out, parse_inputs, print_json, resolve_input
 from .errors import FuserError
-from .validate_ranks import RankOptions, RanksResult, validate_in_threads
+from .validate_ranks import EXIT_ERROR, RankOptions, RanksResult, one_line, validate_in_threads
 
 
 def run(options: RankOptions, *, as_json: bool) -> None:
@@ -23,12 +26,21 @@ def run(options: RankOptions, *, as_json: bool) -> None:
         communicator = mpi.communicator()
     except FuserError as exc:
         raise fail(str(exc)) from None
-    result = validate_in_threads(
-        communicator,
-        options,
-        resolve=lambda spec: resolve_input(spec)[0],
-        load_inputs=parse_inputs,
-    )
+    try:
+        result = validate_in_threads(
+            communicator,
+            options,
+            resolve=lambda spec: resolve_input(spec)[0],
+            load_inputs=parse_inputs,
+        )
+    except Exception as exc:  # an exchange timed out: some rank hangs, nobody knows the result
+        why = one_line(exc)
+        if not why.startswith("rank "):
+            why = f"rank {communicator.local_ranks[0]} ({socket.gethostname()}): {why}"
+        fail(why)
+        sys.stderr.flush()
+        mpi.abort_job(EXIT_ERROR)
+        raise typer.Exit(EXIT_ERROR) from None  # if the launcher has not ended us yet
     if communicator.local_ranks[0] == 0:
         if as_json:
             print_json(result.to_dict())

@@ -91,6 +91,12 @@ def communicator(comm: MPI.Comm | None = None, *, timeout: float | None = None) 
     return Communicator(transport.size, transport)
 
 
+def abort_job(code: int) -> None:
+    """End every process of the job with `code` (for a rank that cannot report: the others may
+    be stuck where no notice reaches them, e.g. a rank that hangs)."""
+    mpi_module().COMM_WORLD.Abort(code)
+
+
 class MPITransport:
     """One rank per MPI process; see the module docstring for how failures travel."""
 

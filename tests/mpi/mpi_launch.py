@@ -30,10 +30,10 @@ def mpiexec() -> str:
 
 @dataclass(frozen=True)
 class Launch:
-    """One `mpiexec` run: the job's status, every rank's own status, its output."""
+    """One `mpiexec` run: the job's status, every rank's own status (None: it was killed)."""
 
     returncode: int
-    rank_codes: tuple[int, ...]
+    rank_codes: tuple[int | None, ...]
     stdout: str
     stderr: str
 
@@ -55,7 +55,8 @@ def launch(ranks: int, folder: Path, *args: str, env: dict[str, str] | None = No
         env={**os.environ, **(env or {})},
         check=False,
     )
-    rank_codes = tuple(int((codes / f"rc.{r}").read_text()) for r in range(ranks))
+    files = [codes / f"rc.{r}" for r in range(ranks)]
+    rank_codes = tuple(int(f.read_text()) if f.exists() else None for f in files)
     return Launch(done.returncode, rank_codes, done.stdout, done.stderr)
 
 

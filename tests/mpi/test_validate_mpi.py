@@ -6,6 +6,7 @@ compared the wrong shard, or gathered in the wrong order, shows up as a mismatch
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -109,3 +110,13 @@ def test_a_world_size_other_than_the_group_size_is_an_error_naming_both(tmp_path
     assert done.rank_codes == (2, 2)
     (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
     assert "group_size=4" in line and "world size is 2" in line and "orig0.onnx" in line
+
+
+def test_a_rank_that_hangs_ends_the_job_after_the_timeout_with_the_reason(tmp_path: Path) -> None:
+    original, fused = write_shards(tmp_path, tp_mlp, 2)
+    (tmp_path / "fused1.onnx").unlink()
+    os.mkfifo(tmp_path / "fused1.onnx")  # rank 1 blocks reading it, as on a stuck file system
+    done = launch(2, tmp_path, "validate", original, fused, env={"FUSER_COLLECTIVE_TIMEOUT": "2"})
+    assert done.returncode == 2 and done.rank_codes[1] is None  # rank 1 was ended by the abort
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith("error: rank 0 (") and "waited 2 s for the other ranks" in line
