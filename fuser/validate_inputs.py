@@ -44,6 +44,7 @@ class InputSpec:
     shape: tuple[int, ...]
     dtype: np.dtype
     high: int | None = None  # integers: drawn from [0, high)
+    fixed: tuple[bool, ...] = ()  # per axis: whether the model fixes its size
 
     def describe(self) -> str:
         return f"{self.name}{list(self.shape)} {self.dtype.name}"
@@ -114,7 +115,11 @@ def input_specs(model: onnx.ModelProto, dims: Mapping[str, int], dim_size: int) 
             high = 2
         elif np.issubdtype(dtype, np.integer):
             high = min(INT_RANGE, bounds.get(value.name, INT_RANGE))
-        specs.append(InputSpec(value.name, concrete_shape(value, dims, dim_size), dtype, high))
+        shape = concrete_shape(value, dims, dim_size)
+        fixed = tuple(
+            d.HasField("dim_value") and d.dim_value > 0 for d in value.type.tensor_type.shape.dim
+        )
+        specs.append(InputSpec(value.name, shape, dtype, high, fixed))
     return specs
 
 
@@ -147,6 +152,13 @@ def _checked(spec: InputSpec, array: np.ndarray) -> np.ndarray:
     if array.ndim != len(spec.shape):
         raise ValidationInputError(
             f"--input {spec.name}: rank {array.ndim} given, the model takes rank {len(spec.shape)}"
+        )
+    fixed = [d for d, f in zip(spec.shape, spec.fixed, strict=True) if f]
+    given = [d for d, f in zip(array.shape, spec.fixed, strict=True) if f]
+    if fixed != given:
+        raise ValidationInputError(
+            f"--input {spec.name}: shape {list(array.shape)} given, the model takes "
+            f"{[d if f else '?' for d, f in zip(spec.shape, spec.fixed, strict=True)]}"
         )
     if array.dtype != spec.dtype:
         if not np.can_cast(array.dtype, spec.dtype, casting="same_kind"):
