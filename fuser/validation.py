@@ -58,6 +58,7 @@ __all__ = [
 ]
 
 Progress = Callable[[int, int], None]  # (steps done, steps in all)
+MAX_NARROWED = 6  # op types of the float64 copy that may fall back to float32 kernels
 
 
 @dataclass(frozen=True)
@@ -426,6 +427,7 @@ class RankSessions:
     fused: Any
     stock: Any | None
     communicator: Any | None = None
+    truth: Any | None = None  # the original in float64 (None: too large, or it does not load)
 
 
 def _needs_plugin(model: onnx.ModelProto) -> bool:
@@ -545,7 +547,42 @@ def open_sessions(
         raise ValidationRunError(
             f"{plan.fused.label}: onnxruntime cannot load the fused model: {_first_line(exc)}"
         ) from exc
-    return RankSessions(original, fused, stock, communicator)
+    return RankSessions(
+        original, fused, stock, communicator, _truth_session(plan, rank, target, communicator)
+    )
+
+
+def _truth_session(
+    plan: ValidationPlan, rank: int, target: str, communicator: Any | None
+) -> Any | None:
+    """The original in float64, or None where that copy is too large or does not load."""
+    from .float64 import MAX_BYTES, as_float64, float_bytes, in_float32, missing_kernel
+
+    if float_bytes(plan.original.model) > MAX_BYTES:
+        return None
+    try:
+        copy = as_float64(plan.original)
+    except Exception:  # a tensor that does not convert: the last-bit spread serves alone
+        return None
+    loaded = LoadedModel(copy, plan.original.base_dir, plan.original.label)
+    narrowed: set[str] = set()
+    for _ in range(MAX_NARROWED):
+        try:
+            return _session(
+                loaded,
+                plan.expose_original,
+                kernel="reference",
+                target=target,
+                rank=rank,
+                communicator=communicator,
+            )
+        except Exception as exc:
+            op = missing_kernel(str(exc))
+            if op is None or op in narrowed:
+                return None
+            in_float32(copy, op)  # no float64 kernel: this op runs in float32
+            narrowed.add(op)
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -556,6 +593,13 @@ def _first_line(exc: BaseException) -> str:
 def _run(sess: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(None, dict(feeds)), strict=True))
+
+
+def _as_float64(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {
+        k: v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v
+        for k, v in feeds.items()
+    }
 
 
 def _perturbed(feeds: Mapping[str, np.ndarray], seed: int, run: int, rank: int) -> dict[str, Any]:
@@ -624,6 +668,12 @@ def validate_rank(
             raise
         except Exception as exc:
             raise _original_failed(plan, feeds, exc) from exc
+        truth: dict[str, np.ndarray] = {}
+        if sessions.truth is not None:
+            try:
+                truth = _run(sessions.truth, _as_float64(feeds))
+            except Exception:  # a float64 kernel missing at run time: spread alone
+                sessions.truth = None
         noise = {
             k: np.abs(moved[k].astype(np.float64) - v.astype(np.float64))
             for k, v in expected.items()
@@ -631,7 +681,7 @@ def validate_rank(
         }
         actual = _run_fused(plan, sessions.fused, feeds)
         tick()
-        judge = _Judge(plan, expected, moved, noise, rtol, atol, run, rank)
+        judge = _Judge(plan, expected, moved, noise, truth, rtol, atol, run, rank)
         for name in plan.outputs:
             for c in judge.value(name, actual, mode="model"):
                 keep(c)
@@ -728,12 +778,14 @@ class _Judge:
         expected: Mapping[str, np.ndarray],
         moved: Mapping[str, np.ndarray],
         noise: Mapping[str, np.ndarray],
+        truth: Mapping[str, np.ndarray],
         rtol: float | None,
         atol: float | None,
         run: int,
         rank: int,
     ) -> None:
         self.plan, self.expected, self.moved, self.noise = plan, expected, moved, noise
+        self.truth = truth
         self.rtol, self.atol, self.run, self.rank = rtol, atol, run, rank
 
     def value(
@@ -772,6 +824,7 @@ class _Judge:
             atol=self.atol,
             precision=self.plan.precision.get(name),
             noise=self.noise.get(name),
+            truth=self.truth.get(name),
         )
         return [_as_output(name, found, **base)]
 
