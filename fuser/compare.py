@@ -85,7 +85,7 @@ def compare_values(
     scale = max(1.0, float(finite_e.max()) if finite_e.size else 1.0)
     if rtol is not None or atol is not None:
         r, t = rtol or 0.0, atol or 0.0
-        allowed = t + r * np.abs(np.where(finite, e, 0.0))
+        allowed: np.ndarray = t + r * np.abs(np.where(finite, e, 0.0))
         tolerance = r
     else:
         tolerance = tolerance_for(dtype, precision)
