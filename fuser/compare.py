@@ -90,7 +90,7 @@ def compare_values(
     else:
         tolerance = tolerance_for(dtype, precision)
         allowed = np.full(e.shape, tolerance * scale)
-    spread = np.zeros(e.shape)
+    spread: np.ndarray = np.zeros(e.shape)
     if noise is not None and noise.shape == e.shape:
         spread = np.where(np.isfinite(noise), noise, np.inf)
     excess = np.maximum(err, nan_err) - (allowed + NOISE_FACTOR * spread)
