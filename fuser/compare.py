@@ -95,10 +95,10 @@ def compare_values(
         spread = np.where(np.isfinite(noise), noise, np.inf)
     excess = np.maximum(err, nan_err) - (allowed + NOISE_FACTOR * spread)
     if truth is not None and truth.shape == e.shape and excess.size and excess.max() > 0:
-        t = truth.astype(np.float64)
+        exact = truth.astype(np.float64)
         with np.errstate(invalid="ignore"):
-            own = np.abs(e - t)  # the original's own rounding error on this input
-            off = np.where(finite & np.isfinite(t), np.abs(a - t), np.inf)
+            own = np.abs(e - exact)  # the original's own rounding error on this input
+            off = np.where(finite & np.isfinite(exact), np.abs(a - exact), np.inf)
             by_truth = off - (allowed + NOISE_FACTOR * (spread + np.nan_to_num(own, nan=np.inf)))
         excess = np.minimum(excess, np.maximum(by_truth, nan_err))
     max_abs = float(err.max()) if err.size else 0.0
