@@ -84,21 +84,13 @@ def symbolic_dims(model: onnx.ModelProto) -> list[str]:
     return found
 
 
-def parse_dims(specs: list[str] | tuple[str, ...]) -> dict[str, int]:
-    """`NAME=SIZE` strings (the `--dim` flag) as a mapping; ValidationInputError on a bad one."""
-    dims: dict[str, int] = {}
-    for spec in specs:
-        name, sep, size = spec.partition("=")
-        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
-            raise ValidationInputError(f"--dim '{spec}': expected NAME=SIZE with SIZE >= 1")
-        dims[name.strip()] = int(size)
-    return dims
-
-
 def input_specs(model: onnx.ModelProto, dims: Mapping[str, int], dim_size: int) -> list[InputSpec]:
     """How each runtime input of `model` is drawn."""
     if dim_size < 1:
         raise ValidationInputError(f"--dim-size {dim_size}: must be at least 1")
+    for name, size in dims.items():
+        if size < 1:
+            raise ValidationInputError(f"--dim {name}={size}: sizes must be at least 1")
     bounds = _integer_bounds(model)
     specs: list[InputSpec] = []
     for value in runtime_inputs(model):
