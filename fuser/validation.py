@@ -38,7 +38,7 @@ from .errors import FuserError, ValidationInputError, ValidationRunError
 from .fusedop import DOMAIN
 from .graph import node_subgraphs
 from .modelio import LoadedModel, read_tensor
-from .validate_inputs import InputSpec, input_specs, make_feeds, symbolic_dims
+from .validate_inputs import InputSpec, input_specs, make_feeds, runtime_inputs, symbolic_dims
 
 __all__ = [
     "DEFAULT_TOLERANCE",
@@ -336,6 +336,17 @@ def plan_validation(
     if missing:
         raise ValidationInputError(
             f"{fused.label}: lacks output '{missing[0]}' of {original.label}"
+        )
+    ins_o = {v.name for v in runtime_inputs(original.model)}
+    ins_f = {v.name for v in runtime_inputs(fused.model)}
+    if ins_o != ins_f:
+        extra = sorted(ins_f - ins_o)
+        what = f"takes input '{extra[0]}'" if extra else f"lacks input '{sorted(ins_o - ins_f)[0]}'"
+        raise ValidationInputError(
+            f"{fused.label}: {what} of {original.label}; is it a fusion of that model?"
+            if not extra
+            else f"{fused.label}: {what}, which {original.label} does not; is it a fusion of "
+            "that model?"
         )
     produced_o = _produced(original.model.graph)
     produced_f = _produced(fused.model.graph)
