@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from fuser.models import get_example
 from onnx import numpy_helper
 
 from fuser.api import validate
 from fuser.errors import FuserError, ValidationInputError
-from fuser.models import get_example
 from fuser.testing import fuse_all
 
 
@@ -61,7 +61,7 @@ def test_wrong_input_shape_is_a_fuser_error_never_onnxruntimes() -> None:
 
 
 def test_models_that_do_not_belong_together_are_refused_in_one_line() -> None:
-    with pytest.raises(FuserError, match="lacks input|takes input|lacks output") as info:
+    with pytest.raises(FuserError, match=r"lacks input|takes input|lacks output") as info:
         validate(get_example("cnn-edge"), fuse_all(get_example("bert")), kernel="reference")
     assert "\n" not in str(info.value)
 
