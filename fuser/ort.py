@@ -28,7 +28,7 @@ from onnx import helper
 from . import fusedop
 from .engine import infer_types
 from .errors import UsageError
-from .graph import ValueType
+from .graph import TypeTable, ValueType
 from .modelio import LoadedModel, ModelSource, has_external_data, load_model, save_model
 from .registry import ensure_fused_ops_registered
 
@@ -93,8 +93,15 @@ def session(
     rank: int = 0,
     communicator: Communicator | None = None,
     options: onnxruntime.SessionOptions | None = None,
+    fused_ops: bool = True,
+    extra_outputs: Sequence[str] = (),
 ) -> onnxruntime.InferenceSession:
     """An onnxruntime session that runs `model`, fused ops and collectives included.
+
+    `fused_ops=False` leaves fused nodes to onnxruntime itself (their ONNX function bodies, when
+    the model has them) and runs only the collectives onnxruntime's CPU package lacks.
+    `extra_outputs` names values of the main graph the session also returns (validation
+    compares them).
 
     >>> sess = session("model.fused.onnx")              # doctest: +SKIP
     >>> sess.run(None, {"x": x})                        # doctest: +SKIP
@@ -113,9 +120,18 @@ def session(
     context = RunContext(kernel, target, rank, communicator)
     context_id = f"ctx{len(_CONTEXTS)}"
     _CONTEXTS[context_id] = context
-    types = infer_types(copy)
-    if _remap_graph(copy.graph, "", types, context_id):
-        kept = [o for o in copy.opset_import if o.domain not in (fusedop.DOMAIN, CONTRIB)]
+    types = _typed(copy)
+    table: Mapping[str, ValueType] = types.get("") or {}
+    for name in extra_outputs:
+        known = table.get(name)
+        copy.graph.output.append(
+            helper.make_tensor_value_info(name, known.elem_type, None)
+            if known is not None and known.elem_type
+            else onnx.ValueInfoProto(name=name)
+        )
+    if _remap_graph(copy.graph, "", types, context_id, fused_ops):
+        dropped = (fusedop.DOMAIN, CONTRIB) if fused_ops else (CONTRIB,)
+        kept = [o for o in copy.opset_import if o.domain not in dropped]
         del copy.opset_import[:]
         copy.opset_import.extend([*kept, helper.make_opsetid(CONTRIB, 1)])
     session_class = _session_class()
@@ -154,10 +170,42 @@ def _session_class() -> type[onnxruntime.InferenceSession]:
     return FuserSession
 
 
+def _typed(model: onnx.ModelProto) -> dict[str, TypeTable]:
+    """Types of every value, with what shape inference cannot know filled in.
+
+    onnx has no schema for com.microsoft collectives, so inference stops at an AllGather whose
+    output no value_info declares; its output has its input's element type (a concatenation),
+    which is declared on the copy and inference rerun, once per level of such nodes.
+    """
+    types = infer_types(model)
+    for _ in range(8):
+        table: Mapping[str, ValueType] = types.get("") or {}
+        added = False
+        for node in model.graph.node:
+            if node.domain == fusedop.DOMAIN or (node.domain, node.op_type) not in _HANDLERS:
+                continue
+            source = table.get(node.input[0]) if node.input else None
+            for out in node.output:
+                known = table.get(out)
+                if out and (known is None or not known.elem_type) and source and source.elem_type:
+                    model.graph.value_info.append(
+                        helper.make_tensor_value_info(out, source.elem_type, None)
+                    )
+                    added = True
+        if not added:
+            break
+        types = infer_types(model)
+    return types
+
+
 def _remap_graph(
-    graph: onnx.GraphProto, path: str, types: Mapping[str, Mapping[str, ValueType]], context_id: str
+    graph: onnx.GraphProto,
+    path: str,
+    types: Mapping[str, Mapping[str, ValueType]],
+    context_id: str,
+    fused_ops: bool = True,
 ) -> bool:
-    from .engine import _sub_path
+    from .engine import sub_path
 
     changed = False
     table: Mapping[str, ValueType] = types.get(path) or {}
@@ -167,9 +215,11 @@ def _remap_graph(
             subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
             for i, sub in enumerate(subs):
                 changed |= _remap_graph(
-                    sub, _sub_path(path, node, attr.name, i, len(subs)), types, context_id
+                    sub, sub_path(path, node, attr.name, i, len(subs)), types, context_id, fused_ops
                 )
-        if node.domain == fusedop.DOMAIN or (node.domain, node.op_type) in _HANDLERS:
+        if (fused_ops and node.domain == fusedop.DOMAIN) or (
+            node.domain != fusedop.DOMAIN and (node.domain, node.op_type) in _HANDLERS
+        ):
             rebuilt.extend(_remap_node(node, table, types, context_id))
             changed = True
         else:
@@ -186,8 +236,8 @@ def _elem_type(
     found = table.get(name)
     if found is None:
         for other in types.values():  # outer scopes
-            if name in other:
-                found = other[name]
+            found = other.get(name)
+            if found is not None:
                 break
     if found is None or found.elem_type == 0:
         raise UsageError(f"cannot run: element type of '{name}' is unknown to shape inference")
@@ -221,6 +271,45 @@ _EXACT_ON_WIRE = {
 }
 
 
+def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    """A node's attributes as plain Python values (strings decoded), as handlers receive them."""
+    attrs: dict[str, Any] = {}
+    for attr in node.attribute:
+        value = helper.get_attribute_value(attr)
+        attrs[attr.name] = value.decode() if isinstance(value, bytes) else value
+        if isinstance(attrs[attr.name], list | tuple):
+            attrs[attr.name] = [v.decode() if isinstance(v, bytes) else v for v in attrs[attr.name]]
+    return attrs
+
+
+def run_node(
+    node: onnx.NodeProto,
+    inputs: Sequence[np.ndarray | None],
+    *,
+    kernel: str = "npu",
+    target: str = "ascend910b",
+    rank: int = 0,
+    communicator: Communicator | None = None,
+) -> list[np.ndarray | None]:
+    """One fused node (or handled collective) run alone, as a plugin session would run it.
+
+    `inputs` follow `node.input` (None where the name is empty); the result follows
+    `node.output` (None where the name is empty). Validation feeds a fused node the original
+    model's own values this way, so a broken node shows whatever lies around it.
+    """
+    if kernel not in KERNELS:
+        raise UsageError(f"unknown kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
+    ensure_fused_ops_registered()
+    _ensure_builtin_handlers()
+    ctx = RunContext(kernel, target, rank, communicator)
+    attrs = {"__op__": node.op_type, "__name__": node.name, **node_attributes(node)}
+    if node.domain == fusedop.DOMAIN:
+        results = _fused_handler(inputs, attrs, ctx)
+    else:
+        results = _HANDLERS[(node.domain, node.op_type)](inputs, attrs, ctx)
+    return [np.asarray(results[i]) if name else None for i, name in enumerate(node.output)]
+
+
 def _remap_node(
     node: onnx.NodeProto,
     table: Mapping[str, ValueType],
@@ -231,12 +320,7 @@ def _remap_node(
     out_pos = [i for i, n in enumerate(node.output) if n]
     in_types = [_elem_type(node.input[i], table, types) for i in in_pos]
     out_types = [_elem_type(node.output[i], table, types) for i in out_pos]
-    attrs: dict[str, Any] = {}
-    for attr in node.attribute:
-        value = helper.get_attribute_value(attr)
-        attrs[attr.name] = value.decode() if isinstance(value, bytes) else value
-        if isinstance(attrs[attr.name], list | tuple):
-            attrs[attr.name] = [v.decode() if isinstance(v, bytes) else v for v in attrs[attr.name]]
+    attrs = node_attributes(node)
     packed = {
         "__op__": node.op_type,
         "__domain__": node.domain,
