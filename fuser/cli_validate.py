@@ -70,7 +70,11 @@ def validate(
         from .cli_validate_ranks import run
         from .validate_ranks import RankOptions
 
-        options = (runs, seed, rtol, atol, tuple(input or ()), dim_size, kernel, target)
+        try:
+            dims = tuple(parse_dims(dim or []).items())
+        except FuserError as exc:
+            raise fail(str(exc)) from None
+        options = (runs, seed, rtol, atol, tuple(input or ()), dim_size, kernel, target, dims)
         run(RankOptions(original, fused, *options), as_json=as_json)
 
     try:

@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 from .cli_common import err, fail, out, parse_inputs, print_json, resolve_input
+from .cli_validate import print_validation
 from .errors import FuserError
 from .validate_ranks import EXIT_ERROR, RankOptions, RanksResult, one_line, validate_in_threads
 
@@ -44,7 +45,9 @@ def run(options: RankOptions, *, as_json: bool) -> None:
     if communicator.local_ranks[0] == 0:
         if as_json:
             print_json(result.to_dict())
-        elif result.per_rank and not result.error:
+        else:
+            if result.merged is not None:
+                print_validation(result.merged)
             print_ranks(result)
         if result.error:
             err.print(f"[bold red]error:[/] {result.error}", highlight=False, soft_wrap=True)
@@ -52,27 +55,20 @@ def run(options: RankOptions, *, as_json: bool) -> None:
 
 
 def print_ranks(result: RanksResult) -> None:
-    """Every rank's comparisons as one table (rank, host, output, errors, tolerance, ok)."""
-    opts = result.options
-    table = Table(
-        title=f"validation ({opts.runs} runs x {result.ranks} rank(s) over {result.transport}, "
-        f"seed {opts.seed}, kernel {opts.kernel})",
-        title_justify="left",
-    )
-    for column in ("rank", "host", "output", "dtype", "max abs", "max rel", "tolerance", "ok"):
-        right = column.startswith(("max", "tol", "rank"))
-        table.add_column(column, justify="right" if right else "left")
-    for outcome in result.per_rank:
-        for o in outcome.outputs:
-            table.add_row(
-                str(outcome.rank),
-                outcome.host,
-                o.name,
-                o.dtype,
-                f"{o.max_abs:.3g}",
-                f"{o.max_rel:.3g}",
-                f"{o.tolerance:.0e}",
-                ("[green]yes[/]" if o.ok else "[red]NO[/]")
-                + (f" ({o.detail})" if o.detail else ""),
-            )
+    """One row per rank: where it ran, how long, its peak memory, and its verdict."""
+    table = Table(title=f"ranks ({result.transport})", title_justify="left")
+    for column in ("rank", "host", "seconds", "peak RSS MB", "ok"):
+        table.add_column(column, justify="left" if column in ("host", "ok") else "right")
+    for o in result.per_rank:
+        failed = sum(1 for c in o.comparisons if not c.ok)
+        verdict = (
+            "[green]yes[/]"
+            if o.ok
+            else f"[red]NO[/] ({failed} mismatches)"
+            if not o.error
+            else "[red]stopped[/] (another rank failed)"
+            if o.stopped_by
+            else f"[red]failed[/]: {o.error}"
+        )
+        table.add_row(str(o.rank), o.host, f"{o.seconds:.2f}", f"{o.peak_rss_mb:.0f}", verdict)
     out.print(table)

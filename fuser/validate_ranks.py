@@ -20,14 +20,19 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from .collective import Communicator, RankFailedError
 from .errors import ValidationInputError
-from .validation import OutputComparison, compare, group_size, lowest_float_upstream, make_inputs
+from .validation import (
+    OutputComparison,
+    ValidationResult,
+    merge_ranks,
+    open_sessions,
+    plan_validation,
+    validate_rank,
+)
 
 RANK_FIELD = "{rank}"
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
@@ -47,32 +52,50 @@ class RankOptions:
     dim_size: int = 3
     kernel: str = "npu"
     target: str = "ascend910b"
+    dims: tuple[tuple[str, int], ...] = ()  # symbolic dim sizes by name
 
 
 @dataclass(frozen=True)
 class RankOutcome:
-    """One rank's result: its worst comparison per output, or the one-line error that stopped it.
-
-    `stopped_by` is set when this rank gave up because another rank failed (not its own fault).
-    """
+    """One rank's result: its comparisons (worst case per compared value over its runs), or
+    the one-line error that stopped it. `stopped_by` is set when this rank gave up because
+    another rank failed (not its own fault)."""
 
     rank: int
     host: str
     ok: bool
-    outputs: tuple[OutputComparison, ...] = ()
+    comparisons: tuple[OutputComparison, ...] = ()
     error: str = ""
     stopped_by: str = ""
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "ok": self.ok,
+            "error": self.error,
+            "stopped_by": self.stopped_by,
+            "seconds": round(self.seconds, 4),
+            "peak_rss_mb": round(self.peak_rss_mb, 1),
+            "outputs": [c.to_dict() for c in self.comparisons if c.where == "output"],
+            "failures": [c.message() for c in self.comparisons if not c.ok],
+        }
+
 
 @dataclass(frozen=True)
 class RanksResult:
-    """Every rank's outcome, as every rank knows it after the final exchange."""
+    """Every rank's outcome, as every rank knows it after the final exchange.
+
+    `merged` is the one `ValidationResult` over every rank (`fuser.validation.merge_ranks`, as
+    the threads validation makes it); None when a rank failed before comparing.
+    """
 
     transport: str
     options: RankOptions
-    per_rank: tuple[RankOutcome, ...] = field(default_factory=tuple)
+    per_rank: tuple[RankOutcome, ...]
+    merged: ValidationResult | None = None
 
     @property
     def ranks(self) -> int:
@@ -81,17 +104,13 @@ class RanksResult:
     @property
     def error(self) -> str:
         """The first rank's own error, as one line naming the rank ("" if none failed)."""
-        for o in self.per_rank:
-            if o.error and not o.stopped_by:
-                return f"rank {o.rank} ({o.host}): {o.error}"
-        for o in self.per_rank:  # only knock-on failures: report the first
-            if o.error:
-                return f"rank {o.rank} ({o.host}): {o.error}"
-        return ""
+        failed = [o for o in self.per_rank if o.error]
+        own = [o for o in failed if not o.stopped_by] or failed  # else knock-on failures only
+        return f"rank {own[0].rank} ({own[0].host}): {own[0].error}" if own else ""
 
     @property
     def ok(self) -> bool:
-        return all(o.ok for o in self.per_rank) and not self.error
+        return not self.error and all(o.ok for o in self.per_rank)
 
     @property
     def exit_code(self) -> int:
@@ -100,48 +119,22 @@ class RanksResult:
             return EXIT_ERROR
         return EXIT_OK if self.ok else EXIT_MISMATCH
 
-    @property
-    def outputs(self) -> tuple[OutputComparison, ...]:
-        """Per output, the worst comparison over every rank."""
-        worst: dict[str, OutputComparison] = {}
-        for outcome in self.per_rank:
-            for o in outcome.outputs:
-                worst[o.name] = _worse(worst.get(o.name), o)
-        return tuple(worst.values())
-
     def to_dict(self) -> dict[str, Any]:
+        """The threads validation's JSON (when every rank compared), plus `transport`,
+        `error` and `per_rank`."""
         opts = self.options
-        return {
+        base: dict[str, Any] = (
+            self.merged.to_dict()
+            if self.merged is not None
+            else {"runs": opts.runs, "seed": opts.seed, "kernel": opts.kernel}
+        )
+        return base | {
             "ok": self.ok,
             "transport": self.transport,
             "ranks": self.ranks,
-            "runs": opts.runs,
-            "seed": opts.seed,
-            "kernel": opts.kernel,
             "error": self.error,
-            "outputs": [asdict(o) for o in self.outputs],
-            "per_rank": [
-                {
-                    "rank": o.rank,
-                    "host": o.host,
-                    "ok": o.ok,
-                    "error": o.error,
-                    "stopped_by": o.stopped_by,
-                    "seconds": round(o.seconds, 4),
-                    "peak_rss_mb": round(o.peak_rss_mb, 1),
-                    "outputs": [asdict(c) for c in o.outputs],
-                }
-                for o in self.per_rank
-            ],
+            "per_rank": [o.to_dict() for o in self.per_rank],
         }
-
-
-def _worse(previous: OutputComparison | None, result: OutputComparison) -> OutputComparison:
-    if previous is None or (previous.ok and not result.ok):
-        return result
-    if previous.ok == result.ok and result.max_rel > previous.max_rel:
-        return result
-    return previous
 
 
 def for_rank(spec: str, rank: int) -> str:
@@ -173,7 +166,7 @@ InputLoader = Callable[[list[str]], Mapping[str, Any]]
 ModelResolver = Callable[[str], Any]
 
 
-def validate_rank(
+def run_rank(
     rank: int,
     communicator: Communicator,
     options: RankOptions,
@@ -198,10 +191,20 @@ def validate_rank(
         problem = exc
     # step 2: nobody runs unless everybody loaded (a collective would wait for the others)
     loaded = communicator.exchange(rank, one_line(problem) if problem else "")
-    outputs: tuple[OutputComparison, ...] = ()
+    comparisons: tuple[OutputComparison, ...] = ()
     if built is not None and not any(loaded):
         try:  # step 3
-            outputs = _compare_runs(rank, built, options)
+            comparisons = validate_rank(
+                built.plan,
+                built.sessions,
+                rank=rank,
+                runs=options.runs,
+                seed=options.seed,
+                rtol=options.rtol,
+                atol=options.atol,
+                kernel=options.kernel,
+                target=options.target,
+            )
         except Exception as exc:
             problem = exc
             communicator.abort(one_line(exc), rank=rank)
@@ -211,25 +214,32 @@ def validate_rank(
     outcome = RankOutcome(
         rank=rank,
         host=host,
-        ok=problem is None and all(o.ok for o in outputs),
-        outputs=outputs,
+        ok=problem is None and all(c.ok for c in comparisons),
+        comparisons=comparisons,
         error=one_line(problem) if problem else "",
         stopped_by=_stopped_by(problem) if problem else "",
         seconds=time.perf_counter() - start,
         peak_rss_mb=_peak_rss_mb(),
     )
-    every = communicator.exchange(rank, outcome)  # step 4
-    return RanksResult(communicator.transport_name, options, tuple(every))
+    every: list[RankOutcome] = communicator.exchange(rank, outcome)  # step 4
+    merged = None
+    if built is not None and not any(o.error for o in every):
+        merged = merge_ranks(
+            built.plan,
+            [o.comparisons for o in every],
+            runs=options.runs,
+            seed=options.seed,
+            kernel=options.kernel,
+        )
+    return RanksResult(communicator.transport_name, options, tuple(every), merged)
 
 
 @dataclass(frozen=True)
 class _Built:
     """What step 1 made for one rank."""
 
-    original: Any  # onnx.ModelProto
-    out_names: tuple[str, ...]
-    given: Mapping[str, np.ndarray]
-    sessions: tuple[Any, Any]  # original (reference kernels), fused
+    plan: Any  # fuser.validation.ValidationPlan
+    sessions: Any  # fuser.validation.RankSessions
 
 
 # Session building registers fused-op schemas and plugin ops process-wide, which is not
@@ -244,73 +254,31 @@ def _load_and_build(
     resolve: ModelResolver,
     load_inputs: InputLoader | None,
 ) -> _Built:
-    """Step 1: this rank's models, checked against the group, its inputs, both sessions."""
+    """Step 1: this rank's models and inputs, checked against the group, and its sessions."""
     from .modelio import load_model
-    from .ort import session
 
+    if options.runs < 1:
+        raise ValidationInputError("runs must be at least 1")
     original = load_model(resolve(for_rank(options.original, rank)))
     fused = load_model(resolve(for_rank(options.fused, rank)))
-    needed = max(group_size(original.model), group_size(fused.model))
-    if needed not in (1, communicator.group_size):
-        raise ValidationInputError(
-            f"{original.label}: its collectives need group_size={needed} ranks but the "
-            f"world size is {communicator.group_size} ({communicator.transport_name})"
-        )
-    out_names = [o.name for o in original.model.graph.output]
-    missing = [n for n in out_names if n not in {o.name for o in fused.model.graph.output}]
-    if missing:
-        raise ValidationInputError(
-            f"{fused.label}: lacks output '{missing[0]}' of {original.label}"
-        )
     specs = [for_rank(s, rank) for s in options.inputs]
     given = dict(load_inputs(specs)) if load_inputs and specs else {}
-    sessions = tuple(
-        session(
-            model,
-            kernel=kernel,
-            target=options.target,
-            rank=rank,
-            communicator=communicator,
-            options=_quiet(),
-        )
-        for model, kernel in ((original, "reference"), (fused, options.kernel))
+    plan = plan_validation(
+        original, fused, inputs=given, dims=dict(options.dims), dim_size=options.dim_size
     )
-    return _Built(original.model, tuple(out_names), given, (sessions[0], sessions[1]))
-
-
-def _quiet() -> Any:
-    """Session options that keep onnxruntime's own error log off stderr: after a rank fails,
-    its placeholder outputs make later nodes fail too, and those lines would bury the one
-    error that matters (which the result reports)."""
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 4  # fatal only
-    return options
-
-
-def _compare_runs(rank: int, built: _Built, options: RankOptions) -> tuple[OutputComparison, ...]:
-    """This rank's worst comparison per output over `options.runs` input sets."""
-    original_model, out_names, sessions = built.original, list(built.out_names), built.sessions
-    precision = lowest_float_upstream(original_model, out_names)
-    worst: dict[str, OutputComparison] = {}
-    for run in range(options.runs):
-        feeds = make_inputs(
-            original_model,
-            run=run,
-            rank=rank,
-            seed=options.seed,
-            dim_size=options.dim_size,
-            given=built.given,
+    if plan.ranks not in (1, communicator.group_size):
+        raise ValidationInputError(
+            f"{original.label}: its collectives need group_size={plan.ranks} ranks but the "
+            f"world size is {communicator.group_size} ({communicator.transport_name})"
         )
-        expected = dict(zip(out_names, sessions[0].run(out_names, feeds), strict=True))
-        actual = dict(zip(out_names, sessions[1].run(out_names, feeds), strict=True))
-        for name in out_names:
-            result = compare(
-                name, expected[name], actual[name], options.rtol, options.atol, precision[name]
-            )
-            worst[name] = _worse(worst.get(name), result)
-    return tuple(worst[n] for n in out_names)
+    sessions = open_sessions(
+        plan,
+        rank=rank,
+        kernel=options.kernel,
+        target=options.target,
+        communicator=communicator,
+    )
+    return _Built(plan, sessions)
 
 
 def validate_in_threads(
@@ -326,7 +294,7 @@ def validate_in_threads(
 
     def work(i: int) -> None:
         try:
-            results[i] = validate_rank(
+            results[i] = run_rank(
                 ranks[i], communicator, options, resolve=resolve, load_inputs=load_inputs
             )
         except BaseException as exc:  # a bug in fuser: surface it, do not leave a None

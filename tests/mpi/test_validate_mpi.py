@@ -54,9 +54,12 @@ def test_every_rank_validates_its_own_shard_and_rank_0_reports_all(
         RankOptions(str(tmp_path / original), str(tmp_path / fused), runs=int(RUNS)),
     )
     assert threads.transport == "threads" and threads.ok
-    assert [o.outputs[0].max_abs for o in threads.per_rank] == [
-        r["outputs"][0]["max_abs"] for r in report["per_rank"]
+    by_threads = [
+        [c.max_abs for c in o.comparisons if c.where == "output"] for o in threads.per_rank
     ]
+    assert by_threads == [[c["max_abs"] for c in r["outputs"]] for r in report["per_rank"]]
+    # and the fused node was checked on every rank, in the model and alone
+    assert {(n["mode"], n["ok"]) for n in report["nodes"]} == {("model", True), ("isolated", True)}
 
 
 def test_a_mismatch_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
@@ -74,6 +77,7 @@ def test_a_mismatch_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
     assert report["ok"] is False and report["error"] == ""
     assert [r["ok"] for r in report["per_rank"]] == [True, False, True]
     assert report["outputs"][0]["ok"] is False  # the summary is the worst rank's
+    assert report["failures"] and all(", rank 1" in line for line in report["failures"])
 
 
 def test_a_kernel_that_raises_on_one_rank_fails_every_rank_at_once(tmp_path: Path) -> None:
