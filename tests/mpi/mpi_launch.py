@@ -63,13 +63,31 @@ def launch(ranks: int, folder: Path, *args: str, env: dict[str, str] | None = No
 def write_shards(
     folder: Path, build: Callable[..., onnx.ModelProto], ranks: int, **kwargs: Any
 ) -> tuple[str, str]:
-    """Rank r's original (seed r: its own weight shard) and its fused model, as `{rank}` specs."""
+    """Rank r's original (seed r: its own weight shard) and its fused model, as `{rank}` specs;
+    `all_reduce=True` appends a com.microsoft AllReduce of the partial sums."""
     from fuser.api import fuse
 
+    all_reduce = bool(kwargs.pop("all_reduce", False))
     for rank in range(ranks):
         model = build(group_size=ranks, seed=rank, **kwargs)
+        if all_reduce:
+            model = with_all_reduce(model, ranks)
         onnx.save(model, folder / f"orig{rank}.onnx")
         result = fuse(model, force=True, cache=False)
         assert result.report.summary["allgather_matmul"] == 1  # the gather is inside a fused op
         result.save(folder / f"fused{rank}.onnx")
     return "orig{rank}.onnx", "fused{rank}.onnx"
+
+
+def with_all_reduce(model: onnx.ModelProto, group_size: int) -> onnx.ModelProto:
+    """The row-parallel partial sums all-reduced, as a real tensor-parallel MLP does."""
+    (out,) = model.graph.output
+    partial = out.name + "_partial"
+    for node in model.graph.node:
+        node.output[:] = [partial if o == out.name else o for o in node.output]
+    model.graph.node.append(
+        onnx.helper.make_node(
+            "AllReduce", [partial], [out.name], domain="com.microsoft", group_size=group_size
+        )
+    )
+    return model

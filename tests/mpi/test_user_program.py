@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("mpi4py", reason="the 'mpi' extra is not installed: pip install '.[mpi]'")
 
 from fuser.models import tp_mlp
-from mpi_launch import HERE, LAUNCH_TIMEOUT_S, mpiexec
+from mpi_launch import HERE, LAUNCH_TIMEOUT_S, mpiexec, with_all_reduce
 
 from fuser.api import fuse
 
@@ -34,25 +34,11 @@ def _shards(folder: Path, ranks: int, dtype: str = "float32") -> None:
     for rank in range(ranks):
         model = tp_mlp(group_size=ranks, hidden=12 * ranks, intermediate=8 * ranks, seed=rank,
                        dtype=dtype)  # fmt: skip
-        model = _with_all_reduce(model, ranks)
+        model = with_all_reduce(model, ranks)
         onnx.save(model, folder / f"orig{rank}.onnx")
         result = fuse(model, force=True, cache=False)
         assert result.report.summary["allgather_matmul"] == 1
         result.save(folder / f"fused{rank}.onnx")
-
-
-def _with_all_reduce(model: onnx.ModelProto, group_size: int) -> onnx.ModelProto:
-    """The row-parallel partial sums all-reduced, as a real tensor-parallel MLP does."""
-    (out,) = model.graph.output
-    partial = out.name + "_partial"
-    for node in model.graph.node:
-        node.output[:] = [partial if o == out.name else o for o in node.output]
-    model.graph.node.append(
-        onnx.helper.make_node(
-            "AllReduce", [partial], [out.name], domain="com.microsoft", group_size=group_size
-        )
-    )
-    return model
 
 
 @pytest.mark.parametrize(("ranks", "dtype"), [(2, "float32"), (3, "float16")])

@@ -32,8 +32,9 @@ RUNS = "2"
         (tp_mlp, 4, "float16", {}),
         (sp_mlp, 2, "float16", {}),
         (sp_mlp, 4, "float32", {"seq": 12, "layout": "bsh"}),
+        (tp_mlp, 3, "float16", {"hidden": 24, "intermediate": 48, "all_reduce": True}),
     ],
-    ids=["tp-fp32-2", "tp-fp16-4", "sp-fp16-2", "sp-bsh-fp32-4"],
+    ids=["tp-fp32-2", "tp-fp16-4", "sp-fp16-2", "sp-bsh-fp32-4", "tp-allreduce-fp16-3"],
 )
 def test_every_rank_validates_its_own_shard_and_rank_0_reports_all(
     tmp_path: Path, build: object, ranks: int, dtype: str, extra: dict[str, object]
