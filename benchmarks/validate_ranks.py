@@ -3,7 +3,7 @@
 For each model size, writes 4 shards of `fuser.models.tp_mlp` (rank r's weights seeded r) and
 their fused models, then validates them the same way on both transports of the communicator
 (`fuser.validate_ranks`, the code `mpiexec -n 4 fuser validate` runs):
-  threads  one process, `validate_in_threads(Communicator(4), ...)`: the 4 ranks as threads
+  threads  one process, `validate_local_ranks(Communicator(4), ...)`: the 4 ranks as threads
   mpi      `mpiexec -n 4 fuser validate 'orig{rank}.onnx' 'fused{rank}.onnx' --json`
 Wall time is the whole command (interpreter start and imports included); per-rank time is
 from loading to the final exchange; peak RSS is per process (so for threads, the one process
@@ -37,11 +37,11 @@ RANKS = 4
 THREADS_SCRIPT = """
 import json, resource, sys
 from fuser.collective import Communicator
-from fuser.validate_ranks import RankOptions, validate_in_threads
+from fuser.validate_ranks import RankOptions, validate_local_ranks
 folder, runs, kernel = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 options = RankOptions(f"{folder}/orig{{rank}}.onnx", f"{folder}/fused{{rank}}.onnx", runs=runs,
                       kernel=kernel)
-result = validate_in_threads(Communicator(int(sys.argv[4])), options)
+result = validate_local_ranks(Communicator(int(sys.argv[4])), options)
 print(json.dumps(result.to_dict()))
 """
 

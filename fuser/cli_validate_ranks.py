@@ -16,7 +16,7 @@ from rich.table import Table
 from .cli_common import err, fail, out, parse_inputs, print_json, resolve_input
 from .cli_validate import print_validation
 from .errors import FuserError
-from .validate_ranks import EXIT_ERROR, RankOptions, RanksResult, one_line, validate_in_threads
+from .validate_ranks import EXIT_ERROR, RankOptions, RanksResult, one_line, validate_local_ranks
 
 
 def run(options: RankOptions, *, as_json: bool) -> None:
@@ -28,7 +28,7 @@ def run(options: RankOptions, *, as_json: bool) -> None:
     except FuserError as exc:
         raise fail(str(exc)) from None
     try:
-        result = validate_in_threads(
+        result = validate_local_ranks(
             communicator,
             options,
             resolve=lambda spec: resolve_input(spec)[0],

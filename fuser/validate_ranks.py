@@ -6,9 +6,9 @@ per rank, or one thread per rank in this process), so the two transports are one
 1. load its ORIGINAL and FUSED (`{rank}` in a path or an `--input` file names this rank's own
    shard) and build both sessions; check the world size against the models' `group_size`;
 2. agree (`exchange`): if any rank failed to load, every rank stops here with that error;
-3. run both models on this rank's inputs (the same seeded inputs `fuser validate` draws for
-   this rank in threads), collectives over the communicator, and compare its own outputs;
-   a rank that fails aborts the communicator, so no other rank waits for it;
+3. validate its own rank (`fuser.validation.validate_rank`: graph outputs and every fused
+   node, on the same seeded inputs the threads validation draws for this rank), collectives
+   over the communicator; a rank that fails aborts the communicator, so no other rank waits;
 4. exchange every rank's outcome: each rank then knows the whole result, so every rank exits
    with the same status (0 only if every rank matched), and rank 0 prints the table or JSON.
 """
@@ -281,14 +281,15 @@ def _load_and_build(
     return _Built(plan, sessions)
 
 
-def validate_in_threads(
+def validate_local_ranks(
     communicator: Communicator,
     options: RankOptions,
     *,
     resolve: ModelResolver | None = None,
     load_inputs: InputLoader | None = None,
 ) -> RanksResult:
-    """Every rank of `communicator` that runs in this process, one thread each (same steps)."""
+    """`run_rank` for every rank of `communicator` that lives in this process, one thread
+    each: all of them for the threads transport, this process's one rank for MPI."""
     ranks = communicator.local_ranks
     results: list[RanksResult | BaseException | None] = [None] * len(ranks)
 

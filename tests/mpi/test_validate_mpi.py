@@ -19,7 +19,7 @@ from fuser.models import sp_mlp, tp_mlp
 from mpi_launch import launch, write_shards
 
 from fuser.collective import Communicator
-from fuser.validate_ranks import RankOptions, validate_in_threads
+from fuser.validate_ranks import RankOptions, validate_local_ranks
 
 # Quick on 2 cores: one run per input set kind would miss the zero-variance run; keep 2.
 RUNS = "2"
@@ -50,7 +50,7 @@ def test_every_rank_validates_its_own_shard_and_rank_0_reports_all(
         assert rank["ok"] and rank["host"] and out["dtype"] == dtype and out["ok"]
         assert rank["peak_rss_mb"] > 0
     # The same shards, the same inputs, the same steps on the threads transport: same numbers.
-    threads = validate_in_threads(
+    threads = validate_local_ranks(
         Communicator(ranks),
         RankOptions(str(tmp_path / original), str(tmp_path / fused), runs=int(RUNS)),
     )
