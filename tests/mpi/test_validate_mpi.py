@@ -96,17 +96,26 @@ def test_a_kernel_that_raises_on_one_rank_fails_every_rank_at_once(tmp_path: Pat
     assert "AllGatherMatMul" in line
 
 
-def test_a_missing_input_file_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
-    original, fused = write_shards(tmp_path, tp_mlp, 2)
+def test_a_missing_input_file_or_a_session_that_cannot_be_built_fails_every_rank(
+    tmp_path: Path,
+) -> None:
+    original, fused = write_shards(tmp_path, tp_mlp, 3, hidden=24, intermediate=48)
     rng = np.random.default_rng(0)
-    np.save(tmp_path / "x0.npy", rng.standard_normal((2, 3, 16)).astype(np.float32))
-    # no x1.npy: rank 1's input is missing
+    for rank in (0, 2):  # no x1.npy: rank 1's input is missing
+        np.save(tmp_path / f"x{rank}.npy", rng.standard_normal((2, 3, 8)).astype(np.float32))
+    unbuildable = onnx.load(tmp_path / "fused2.onnx")
+    (relu,) = [n for n in unbuildable.graph.node if n.op_type == "Relu"]
+    relu.op_type = "NoSuchOp"  # rank 2's fused model: onnxruntime cannot make a session
+    onnx.save(unbuildable, tmp_path / "fused2.onnx")
     spec = "x_shard=x{rank}.npy"
-    done = launch(2, tmp_path, "validate", original, fused, "--input", spec, "--json")
-    assert done.rank_codes == (2, 2)
+    done = launch(3, tmp_path, "validate", original, fused, "--input", spec, "--json")
+    assert done.rank_codes == (2, 2, 2)
     report = done.json()
+    assert report["ok"] is False
     assert report["error"].startswith("rank 1 (") and "x1.npy" in report["error"]
-    assert report["per_rank"][0]["stopped_by"].startswith("rank 1: ")
+    zero, one, two = report["per_rank"]
+    assert zero["stopped_by"].startswith("rank 1: ") and not one["stopped_by"]
+    assert "cannot load the fused model" in two["error"] and "NoSuchOp" in two["error"]
 
 
 def test_a_world_size_other_than_the_group_size_is_an_error_naming_both(tmp_path: Path) -> None:
