@@ -14,6 +14,7 @@ com.microsoft AllGather runs on an in-process communicator (one session per rank
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +30,14 @@ from . import fusedop
 from .engine import infer_types
 from .errors import UsageError
 from .graph import TypeTable, ValueType
-from .modelio import LoadedModel, ModelSource, has_external_data, load_model, save_model
+from .modelio import (
+    LoadedModel,
+    ModelSource,
+    has_external_data,
+    load_model,
+    read_tensor,
+    save_model,
+)
 from .registry import ensure_fused_ops_registered
 
 if TYPE_CHECKING:
@@ -57,6 +65,7 @@ Handler = Callable[
 ]
 _HANDLERS: dict[tuple[str, str], Handler] = {}
 _CONTEXTS: dict[str, RunContext] = {}
+_CONTEXT_IDS = itertools.count()
 
 
 def register_handler(domain: str, op_type: str, handler: Handler) -> None:
@@ -119,7 +128,7 @@ def session(
     copy = onnx.ModelProto()
     copy.CopyFrom(loaded.model)
     context = RunContext(kernel, target, rank, communicator)
-    context_id = f"ctx{len(_CONTEXTS)}"
+    context_id = f"ctx{next(_CONTEXT_IDS)}"
     _CONTEXTS[context_id] = context
     types = _typed(copy)
     table: Mapping[str, ValueType] = types.get("") or {}
@@ -130,7 +139,9 @@ def session(
             if known is not None and known.elem_type
             else onnx.ValueInfoProto(name=name)
         )
-    if _remap_graph(copy.graph, "", types, context_id, fused_ops):
+    constants = _main_constants(copy.graph)
+    if _remap_graph(copy.graph, "", types, context_id, fused_ops, constants):
+        _hold_constants(copy.graph, loaded, context_id, constants)
         dropped = (fusedop.DOMAIN, CONTRIB) if fused_ops else (CONTRIB,)
         kept = [o for o in copy.opset_import if o.domain not in dropped]
         del copy.opset_import[:]
@@ -157,6 +168,14 @@ def _session_class() -> type[onnxruntime.InferenceSession]:
 
     class FuserSession(onnxruntime.InferenceSession):
         fuser_context = ""
+
+        def __del__(self) -> None:
+            # the session's constants (weights) and context live as long as the session
+            _CONSTANTS.pop(self.fuser_context, None)
+            _CONTEXTS.pop(self.fuser_context, None)
+            parent = getattr(super(), "__del__", None)
+            if parent is not None:
+                parent()
 
         def run(self, output_names: Any, input_feed: Any, run_options: Any = None) -> Any:
             _ERRORS.pop(self.fuser_context, None)
@@ -199,12 +218,57 @@ def _typed(model: onnx.ModelProto) -> dict[str, TypeTable]:
     return types
 
 
+# Constant inputs of plugin nodes (weights) never cross the bridge: the handler reads them from
+# here, loaded once per session in their own dtype, and onnxruntime's copy of the model drops
+# them. So a fused model's weights are held once, not once in onnxruntime plus a float64 copy
+# made on every run (a 2.5 GB model took 17 GB that way).
+_CONSTANTS: dict[str, dict[str, np.ndarray]] = {}
+
+
+def _main_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Initializers of the main graph a caller cannot override (not also graph inputs)."""
+    inputs = {v.name for v in graph.input}
+    return {t.name: t for t in graph.initializer if t.name not in inputs}
+
+
+def _hold_constants(
+    graph: onnx.GraphProto,
+    loaded: LoadedModel,
+    context_id: str,
+    constants: Mapping[str, onnx.TensorProto],
+) -> None:
+    """Load the constants plugin nodes read; drop those nothing else in the graph reads."""
+    from .graph import subgraph_free_names
+
+    wanted: set[str] = set()
+    for node in graph.node:
+        if node.domain == CONTRIB:
+            for attr in node.attribute:
+                if attr.name == _PACKED:
+                    wanted.update(json.loads(attr.s)["__const__"].values())
+    if not wanted:
+        return
+    _CONSTANTS[context_id] = {name: read_tensor(loaded, constants[name]) for name in wanted}
+    used = {o.name for o in graph.output}
+    for node in graph.node:
+        used.update(node.input)
+        for attr in node.attribute:
+            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subs:
+                used |= subgraph_free_names(sub)
+    kept = [t for t in graph.initializer if t.name not in wanted or t.name in used]
+    if len(kept) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+
+
 def _remap_graph(
     graph: onnx.GraphProto,
     path: str,
     types: Mapping[str, Mapping[str, ValueType]],
     context_id: str,
     fused_ops: bool = True,
+    constants: Mapping[str, onnx.TensorProto] | None = None,
 ) -> bool:
     from .engine import sub_path
 
@@ -221,7 +285,7 @@ def _remap_graph(
         if (fused_ops and node.domain == fusedop.DOMAIN) or (
             node.domain != fusedop.DOMAIN and (node.domain, node.op_type) in _HANDLERS
         ):
-            rebuilt.extend(_remap_node(node, table, types, context_id))
+            rebuilt.extend(_remap_node(node, table, types, context_id, constants or {}))
             changed = True
         else:
             rebuilt.append(node)
@@ -316,8 +380,13 @@ def _remap_node(
     table: Mapping[str, ValueType],
     types: Mapping[str, Mapping[str, ValueType]],
     context_id: str,
+    constants: Mapping[str, onnx.TensorProto],
 ) -> list[onnx.NodeProto]:
-    in_pos = [i for i, n in enumerate(node.input) if n]
+    present = [i for i, n in enumerate(node.input) if n]
+    held = {i: node.input[i] for i in present if node.input[i] in constants}
+    if len(held) == len(present) and present:
+        held.pop(present[0])  # a contrib op takes at least one input over the wire
+    in_pos = [i for i in present if i not in held]
     out_pos = [i for i, n in enumerate(node.output) if n]
     in_types = [_elem_type(node.input[i], table, types) for i in in_pos]
     out_types = [_elem_type(node.output[i], table, types) for i in out_pos]
@@ -331,6 +400,7 @@ def _remap_node(
         "__outputs__": out_pos,
         "__name__": node.name,
         "__in_dtypes__": [helper.tensor_dtype_to_np_dtype(t).name for t in in_types],
+        "__const__": {str(i): name for i, name in held.items()},
         "__out_dtypes__": [helper.tensor_dtype_to_np_dtype(t).name for t in out_types],
         **attrs,
     }
@@ -461,6 +531,9 @@ def _compute(arrays: Sequence[np.ndarray], packed: dict[str, Any]) -> Any:
         packed["__inputs__"], arrays, packed["__in_dtypes__"], strict=True
     ):
         inputs[position] = array.astype(dtype, copy=False)
+    held = _CONSTANTS.get(packed["__context__"], {})
+    for position_text, name in packed.get("__const__", {}).items():
+        inputs[int(position_text)] = held[name]
     ctx = _CONTEXTS[packed["__context__"]]
     domain, op_type = packed["__domain__"], packed["__op__"]
     handler = _fused_handler if domain == fusedop.DOMAIN else _HANDLERS[(domain, op_type)]
