@@ -150,7 +150,14 @@ def session(
     opts = options or onnxruntime.SessionOptions()
     opts.register_custom_ops_library(get_library_path())
     providers = ["CPUExecutionProvider"]
-    if has_external_data(copy):
+    if has_external_data(copy) and loaded.base_dir is not None:
+        # onnxruntime reads the external tensors from the model's own folder (locations were
+        # checked at load): no staged copy of gigabytes of weights.
+        opts.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(loaded.base_dir)
+        )
+        sess = session_class(copy.SerializeToString(), opts, providers=providers)
+    elif has_external_data(copy):
         # Big models cannot pass through one protobuf: stage them (data streamed) in a folder.
         with tempfile.TemporaryDirectory(prefix="fuser-ort-") as folder:
             path = Path(folder) / "model.onnx"

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -147,6 +148,7 @@ class ValidationResult:
     nodes: tuple[OutputComparison, ...] = ()
     stock: str = "not applicable: the fused model has no function bodies"
     stock_outputs: tuple[OutputComparison, ...] = ()
+    seconds: Mapping[str, float] = field(default_factory=dict)  # where the time went
 
     @property
     def failures(self) -> tuple[OutputComparison, ...]:
@@ -168,6 +170,7 @@ class ValidationResult:
             "stock": self.stock,
             "stock_outputs": [o.to_dict() for o in self.stock_outputs],
             "failures": [c.message() for c in self.failures],
+            "seconds": dict(self.seconds),
         }
 
 
@@ -638,6 +641,7 @@ def validate_rank(
     kernel: str = "npu",
     target: str = "ascend910b",
     progress: Progress | None = None,
+    seconds: dict[str, float] | None = None,
 ) -> tuple[OutputComparison, ...]:
     """Every comparison of one rank over `runs` input sets, worst case per compared value.
 
@@ -649,14 +653,20 @@ def validate_rank(
 
     worst: dict[tuple[str, str, str], OutputComparison] = {}
     init_f = {t.name: t for t in plan.fused.model.graph.initializer}
-    steps = runs * (3 + len(plan.nodes) + (1 if sessions.stock is not None else 0))
+    steps = runs * (4 + len(plan.nodes) + (1 if sessions.stock is not None else 0))
     done = 0
+    clock = {"at": time.perf_counter()}
+    spent = seconds if seconds is not None else {}
 
-    def tick() -> None:
+    def tick(what: str = "") -> None:
         nonlocal done
         done += 1
         if progress is not None:
             progress(done, steps)
+        if what:
+            now = time.perf_counter()
+            spent[what] = spent.get(what, 0.0) + now - clock["at"]
+            clock["at"] = now
 
     def keep(c: OutputComparison) -> None:
         key = (c.mode, c.node, c.name)
@@ -671,10 +681,11 @@ def validate_rank(
     for run in range(runs):
         feeds = make_feeds(list(plan.specs), run=run, rank=rank, seed=seed, given=plan.given)
         try:
+            clock["at"] = time.perf_counter()
             expected = _run(sessions.original, feeds)
-            tick()
+            tick("original")
             moved = _run(sessions.original, _perturbed(feeds, seed, run, rank))
-            tick()
+            tick("original perturbed")
         except FuserError:
             raise
         except Exception as exc:
@@ -685,13 +696,15 @@ def validate_rank(
                 truth = _run(sessions.truth, _as_float64(feeds))
             except Exception:  # a float64 kernel missing at run time: spread alone
                 sessions.truth = None
+        tick("original float64")
         noise = {
             k: np.abs(moved[k].astype(np.float64) - v.astype(np.float64))
             for k, v in expected.items()
             if np.issubdtype(v.dtype, np.floating) and moved[k].shape == v.shape
         }
+        clock["at"] = time.perf_counter()
         actual = _run_fused(plan, sessions.fused, feeds)
-        tick()
+        tick("fused")
         judge = _Judge(plan, expected, moved, noise, truth, rtol, atol, run, rank)
         for name in plan.outputs:
             for c in judge.value(name, actual, mode="model"):
@@ -733,7 +746,7 @@ def validate_rank(
             }
             for c in judge.node(info, alone, mode="isolated"):
                 keep(c)
-            tick()
+            tick("isolated nodes and comparisons")
         if sessions.stock is not None:
             stock = _run_fused(plan, sessions.stock, feeds)
             for name in plan.outputs:
@@ -742,7 +755,7 @@ def validate_rank(
             for info in plan.nodes:
                 for c in judge.node(info, stock, mode="stock"):
                     keep(c)
-            tick()
+            tick("stock")
     return tuple(worst.values())
 
 
@@ -923,11 +936,14 @@ def validate_models(
         raise ValidationInputError("runs must be at least 1")
     if kernel not in KERNELS:
         raise ValidationInputError(f"unknown kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
+    start = time.perf_counter()
     plan = plan_validation(
         original, fused, inputs=inputs, dims=dims, dim_size=dim_size, replaced=replaced, types=types
     )
+    planned = time.perf_counter()
     if plan.ranks == 1:
         sessions = open_sessions(plan, kernel=kernel, target=target)
+        seconds = {"plan": planned - start, "sessions": time.perf_counter() - planned}
         found = validate_rank(
             plan,
             sessions,
@@ -938,8 +954,10 @@ def validate_models(
             kernel=kernel,
             target=target,
             progress=progress,
+            seconds=seconds,
         )
-        return merge_ranks(plan, [found], runs=runs, seed=seed, kernel=kernel)
+        merged = merge_ranks(plan, [found], runs=runs, seed=seed, kernel=kernel)
+        return replace(merged, seconds=seconds)
     return _validate_threads(plan, runs, seed, rtol, atol, kernel, target, progress)
 
 
