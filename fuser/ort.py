@@ -197,6 +197,47 @@ def _session_class() -> type[onnxruntime.InferenceSession]:
     return FuserSession
 
 
+SKELETON_BYTES = 4096  # initializers larger than this are left out of type inference
+
+
+def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` without its large initializers' data, for shape inference.
+
+    onnx's shape inference serializes the whole model (twice); for a large model that costs
+    more than everything else validation does before running. Large initializers become graph
+    inputs of the same type and shape (inference needs values only of small shape tensors).
+    """
+    graph = model.graph
+    big = [
+        t
+        for t in graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        or int(np.prod(t.dims, dtype=np.int64)) * 8 > SKELETON_BYTES  # no ByteSize: it is slow
+    ]
+    if not big:
+        return model
+    big_names = {t.name for t in big}
+    light = onnx.GraphProto(name=graph.name)
+    light.node.extend(graph.node)
+    light.input.extend(graph.input)
+    listed = {v.name for v in graph.input}
+    light.input.extend(
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in big
+        if t.name not in listed
+    )
+    light.output.extend(graph.output)
+    light.value_info.extend(graph.value_info)
+    light.initializer.extend(t for t in graph.initializer if t.name not in big_names)
+    light.sparse_initializer.extend(graph.sparse_initializer)
+    copy = onnx.ModelProto(
+        ir_version=model.ir_version, producer_name=model.producer_name, graph=light
+    )
+    copy.opset_import.extend(model.opset_import)
+    copy.functions.extend(model.functions)
+    return copy
+
+
 def _typed(model: onnx.ModelProto) -> dict[str, TypeTable]:
     """Types of every value, with what shape inference cannot know filled in.
 
@@ -204,7 +245,7 @@ def _typed(model: onnx.ModelProto) -> dict[str, TypeTable]:
     output no value_info declares; its output has its input's element type (a concatenation),
     which is declared on the copy and inference rerun, once per level of such nodes.
     """
-    types = infer_types(model)
+    types = infer_types(skeleton(model))
     for _ in range(8):
         table: Mapping[str, ValueType] = types.get("") or {}
         added = False
@@ -221,7 +262,7 @@ def _typed(model: onnx.ModelProto) -> dict[str, TypeTable]:
                     added = True
         if not added:
             break
-        types = infer_types(model)
+        types = infer_types(skeleton(model))
     return types
 
 
