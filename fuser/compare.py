@@ -20,9 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Max error relative to output scale, per dtype: fp32 1e-4 (the product's bar); fp16 keeps ~3
-# decimal digits and accumulates over a reduction, so 1e-2.
-DEFAULT_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
+# Max error relative to output scale, per dtype: fp32 1e-4 (the product's bar). fp16 keeps ~3
+# decimal digits (unit roundoff 4.9e-4) and a fused chain rounds at other points than the
+# original: correct fusions of the fixtures differ by up to 1.3e-3 of scale, so 3e-3, which
+# still catches a weight changed by 2% (1e-2 did not); where the original's own rounding is
+# larger than that, the noise allowance covers it.
+DEFAULT_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 3e-3, "bfloat16": 3e-2}
 # The original's spread under a last-bit perturbation of its inputs is one sample of its
 # rounding noise; allow a few times it.
 NOISE_FACTOR = 4.0

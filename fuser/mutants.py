@@ -89,7 +89,10 @@ def _mutate(
         _set_attribute(model.graph.node[index], onnx.helper.make_attribute("epsilon", new))
         return model, f"epsilon {old:g} -> {new:g}"
     if family == "attribute":
+        order = attrs["order"].s.decode() if "order" in attrs else ""
         for switch in _SWITCHES:
+            if switch == "renormalize" and order == "topk_softmax":
+                continue  # a softmax over the k values sums to 1 already: no change
             if switch in {a.name for a in fusedop.get(node.op_type).attributes}:
                 old_i = attrs[switch].i if switch in attrs else 0
                 model = _copy(fused)

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -147,6 +148,7 @@ class ValidationResult:
     nodes: tuple[OutputComparison, ...] = ()
     stock: str = "not applicable: the fused model has no function bodies"
     stock_outputs: tuple[OutputComparison, ...] = ()
+    seconds: Mapping[str, float] = field(default_factory=dict)  # where the time went
 
     @property
     def failures(self) -> tuple[OutputComparison, ...]:
@@ -168,6 +170,7 @@ class ValidationResult:
             "stock": self.stock,
             "stock_outputs": [o.to_dict() for o in self.stock_outputs],
             "failures": [c.message() for c in self.failures],
+            "seconds": dict(self.seconds),
         }
 
 
@@ -381,7 +384,9 @@ def plan_validation(
     expose_o = tuple(dict.fromkeys(n for n in wanted_o if n not in outputs))
     expose_f = tuple(dict.fromkeys(n for n in wanted_f if n in produced_f and n not in outputs))
     if types is None:
-        types = infer_types(original.model)
+        from .ort import skeleton
+
+        types = infer_types(skeleton(original.model))
     precision = lowest_float_upstream(original.model, [*outputs, *expose_o], types)
     specs = tuple(input_specs(original.model, dims or {}, dim_size))
     given = {k: np.asarray(v) for k, v in (inputs or {}).items()}
@@ -442,7 +447,22 @@ class RankSessions:
     fused: Any
     stock: Any | None
     communicator: Any | None = None
-    truth: Any | None = None  # the original in float64 (None: too large, or it does not load)
+    # The original in float64, made on first need (`float64_values`); None once known to be
+    # unavailable (too large, or it does not load).
+    truth: Any | None = None
+    make_truth: Callable[[], Any | None] | None = None
+
+    def float64_values(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The original's values in float64 on `feeds`; empty where that copy is unavailable."""
+        if self.truth is None and self.make_truth is not None:
+            self.truth, self.make_truth = self.make_truth(), None
+        if self.truth is None:
+            return {}
+        try:
+            return _run(self.truth, _as_float64(feeds))
+        except Exception:  # a float64 kernel missing at run time: the spread serves alone
+            self.truth = None
+            return {}
 
 
 def _needs_plugin(model: onnx.ModelProto) -> bool:
@@ -562,16 +582,27 @@ def open_sessions(
         raise ValidationRunError(
             f"{plan.fused.label}: onnxruntime cannot load the fused model: {_first_line(exc)}"
         ) from exc
-    return RankSessions(
-        original, fused, stock, communicator, _truth_session(plan, rank, target, communicator)
-    )
+
+    def make_truth() -> Any | None:
+        return _truth_session(plan, rank, target, communicator)
+
+    if plan.ranks > 1:  # every rank must run the same collectives: made now, on all of them
+        return RankSessions(original, fused, stock, communicator, make_truth())
+    return RankSessions(original, fused, stock, communicator, None, make_truth)
 
 
 def _truth_session(
     plan: ValidationPlan, rank: int, target: str, communicator: Any | None
 ) -> Any | None:
     """The original in float64, or None where that copy is too large or does not load."""
-    from .float64 import MAX_BYTES, as_float64, float_bytes, in_float32, missing_kernel
+    from .float64 import (
+        MAX_BYTES,
+        NO_FLOAT64_KERNEL,
+        as_float64,
+        float_bytes,
+        in_float32,
+        missing_kernel,
+    )
 
     if float_bytes(plan.original.model) > MAX_BYTES:
         return None
@@ -580,7 +611,9 @@ def _truth_session(
     except Exception:  # a tensor that does not convert: the last-bit spread serves alone
         return None
     loaded = LoadedModel(copy, plan.original.base_dir, plan.original.label)
-    narrowed: set[str] = set()
+    narrowed = {n.op_type for n in copy.graph.node if n.op_type in NO_FLOAT64_KERNEL}
+    if narrowed:
+        in_float32(copy, narrowed)
     for _ in range(MAX_NARROWED):
         try:
             return _session(
@@ -595,7 +628,7 @@ def _truth_session(
             op = missing_kernel(str(exc))
             if op is None or op in narrowed:
                 return None
-            in_float32(copy, op)  # no float64 kernel: this op runs in float32
+            in_float32(copy, {op})  # no float64 kernel: this op runs in float32
             narrowed.add(op)
     return None
 
@@ -642,6 +675,7 @@ def validate_rank(
     kernel: str = "npu",
     target: str = "ascend910b",
     progress: Progress | None = None,
+    seconds: dict[str, float] | None = None,
 ) -> tuple[OutputComparison, ...]:
     """Every comparison of one rank over `runs` input sets, worst case per compared value.
 
@@ -655,12 +689,18 @@ def validate_rank(
     init_f = {t.name: t for t in plan.fused.model.graph.initializer}
     steps = runs * (3 + len(plan.nodes) + (1 if sessions.stock is not None else 0))
     done = 0
+    clock = {"at": time.perf_counter()}
+    spent = seconds if seconds is not None else {}
 
-    def tick() -> None:
+    def tick(what: str = "") -> None:
         nonlocal done
         done += 1
         if progress is not None:
             progress(done, steps)
+        if what:
+            now = time.perf_counter()
+            spent[what] = spent.get(what, 0.0) + now - clock["at"]
+            clock["at"] = now
 
     def keep(c: OutputComparison) -> None:
         key = (c.mode, c.node, c.name)
@@ -675,35 +715,26 @@ def validate_rank(
     for run in range(runs):
         feeds = make_feeds(list(plan.specs), run=run, rank=rank, seed=seed, given=plan.given)
         try:
+            clock["at"] = time.perf_counter()
             expected = _run(sessions.original, feeds)
-            tick()
+            tick("original")
             moved = _run(sessions.original, _perturbed(feeds, seed, run, rank))
-            tick()
+            tick("original perturbed")
         except FuserError:
             raise
         except Exception as exc:
             raise _original_failed(plan, feeds, exc) from exc
-        truth: dict[str, np.ndarray] = {}
-        if sessions.truth is not None:
-            try:
-                truth = _run(sessions.truth, _as_float64(feeds))
-            except Exception:  # a float64 kernel missing at run time: spread alone
-                sessions.truth = None
         noise = {
             k: np.abs(moved[k].astype(np.float64) - v.astype(np.float64))
             for k, v in expected.items()
             if np.issubdtype(v.dtype, np.floating) and moved[k].shape == v.shape
         }
+        clock["at"] = time.perf_counter()
         actual = _run_fused(plan, sessions.fused, feeds)
-        tick()
-        judge = _Judge(plan, expected, moved, noise, truth, rtol, atol, run, rank)
-        for name in plan.outputs:
-            for c in judge.value(name, actual, mode="model"):
-                keep(c)
+        tick("fused")
         values = {**feeds, **expected}
+        alone: dict[str, dict[str, np.ndarray]] = {}
         for info in plan.nodes:
-            for c in judge.node(info, actual, mode="model"):
-                keep(c)
             args = [
                 None
                 if not n
@@ -730,24 +761,55 @@ def validate_rank(
                     f"{plan.fused.label}: fused node '{info.name}' ({info.op}) failed on the "
                     f"original's values: {_first_line(exc)}"
                 ) from exc
-            alone = {
+            alone[info.name] = {
                 n: o.astype(expected[n].dtype, copy=False)
                 for n, o in zip(info.node.output, outs, strict=True)
                 if n and o is not None and n in expected
             }
-            for c in judge.node(info, alone, mode="isolated"):
-                keep(c)
-            tick()
-        if sessions.stock is not None:
-            stock = _run_fused(plan, sessions.stock, feeds)
-            for name in plan.outputs:
-                for c in judge.value(name, stock, mode="stock"):
-                    keep(c)
-            for info in plan.nodes:
-                for c in judge.node(info, stock, mode="stock"):
-                    keep(c)
-            tick()
+            tick("isolated nodes")
+        stock = _run_fused(plan, sessions.stock, feeds) if sessions.stock is not None else None
+        if stock is not None:
+            tick("stock")
+
+        run_values = (expected, moved, noise)
+        computed = (actual, stock, alone)
+
+        # Ranks run their collectives together: with several, every rank asks every run.
+        together = plan.ranks > 1
+        truth = sessions.float64_values(feeds) if together else {}
+        found = _judge_run(plan, _Judge(plan, *run_values, truth, rtol, atol, run, rank), *computed)
+        if not together and any(not c.ok for c in found):
+            # Something differs beyond tolerance and last-bit spread: is the original itself
+            # far from real arithmetic there? Ask its float64 copy (made on first need).
+            truth = sessions.float64_values(feeds)
+            if truth:
+                judge = _Judge(plan, *run_values, truth, rtol, atol, run, rank)
+                found = _judge_run(plan, judge, *computed)
+            tick("original float64")
+        for c in found:
+            keep(c)
     return tuple(worst.values())
+
+
+def _judge_run(
+    plan: ValidationPlan,
+    judge: _Judge,
+    actual: Mapping[str, np.ndarray],
+    stock: Mapping[str, np.ndarray] | None,
+    alone: Mapping[str, Mapping[str, np.ndarray]],
+) -> list[OutputComparison]:
+    """Every comparison of one run: outputs and fused nodes, in model, stock and isolated."""
+    found: list[OutputComparison] = []
+    for mode, computed in (("model", actual), ("stock", stock)):
+        if computed is None:
+            continue
+        for name in plan.outputs:
+            found.extend(judge.value(name, computed, mode=mode))
+        for info in plan.nodes:
+            found.extend(judge.node(info, computed, mode=mode))
+    for info in plan.nodes:
+        found.extend(judge.node(info, alone[info.name], mode="isolated"))
+    return found
 
 
 def _run_fused(
@@ -927,11 +989,14 @@ def validate_models(
         raise ValidationInputError("runs must be at least 1")
     if kernel not in KERNELS:
         raise ValidationInputError(f"unknown kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
+    start = time.perf_counter()
     plan = plan_validation(
         original, fused, inputs=inputs, dims=dims, dim_size=dim_size, replaced=replaced, types=types
     )
+    planned = time.perf_counter()
     if plan.ranks == 1:
         sessions = open_sessions(plan, kernel=kernel, target=target)
+        seconds = {"plan": planned - start, "sessions": time.perf_counter() - planned}
         found = validate_rank(
             plan,
             sessions,
@@ -942,8 +1007,10 @@ def validate_models(
             kernel=kernel,
             target=target,
             progress=progress,
+            seconds=seconds,
         )
-        return merge_ranks(plan, [found], runs=runs, seed=seed, kernel=kernel)
+        merged = merge_ranks(plan, [found], runs=runs, seed=seed, kernel=kernel)
+        return replace(merged, seconds=seconds)
     return _validate_threads(plan, runs, seed, rtol, atol, kernel, target, progress)
 
 
