@@ -66,8 +66,9 @@ class Transport(Protocol):
 class Communicator:
     """`group_size` ranks exchanging tensors; `transport` says where the ranks run.
 
-    >>> comm = Communicator(4)                      # four ranks as threads of this process
-    >>> from fuser import mpi; comm = mpi.communicator()   # doctest: +SKIP (one rank per process)
+    >>> comm = Communicator(4)  # four ranks, as threads of this process
+    >>> from fuser import mpi  # or one rank per MPI process:
+    >>> comm = mpi.communicator()  # doctest: +SKIP
     """
 
     def __init__(self, group_size: int, transport: Transport | None = None) -> None:
