@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from fuser.collective import Communicator, RankFailedError, ThreadTransport
 from fuser.ort import session
+from fuser.validate_ranks import RankOptions, validate_local_ranks
 
 ALL_REDUCE = """
 <ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
@@ -87,3 +89,34 @@ def test_a_timeout_fails_every_waiting_rank() -> None:
 def test_a_rank_outside_the_process_is_refused() -> None:
     with pytest.raises(ValueError, match=r"rank 4 does not run in this process"):
         Communicator(4).all_gather(4, np.zeros(1))
+
+
+def _shards(folder: Path, ranks: int) -> RankOptions:
+    from fuser.models import tp_mlp
+
+    from fuser.api import fuse
+
+    for rank in range(ranks):
+        model = tp_mlp(group_size=ranks, hidden=8 * ranks, intermediate=8 * ranks, seed=rank)
+        onnx.save(model, folder / f"orig{rank}.onnx")
+        fuse(model, force=True, cache=False).save(folder / f"fused{rank}.onnx")
+    return RankOptions(str(folder / "orig{rank}.onnx"), str(folder / "fused{rank}.onnx"), runs=1)
+
+
+def test_per_rank_validation_on_threads_matches_and_names_every_rank(tmp_path: Path) -> None:
+    result = validate_local_ranks(Communicator(3), _shards(tmp_path, 3))
+    assert result.transport == "threads" and result.exit_code == 0 and result.merged is not None
+    assert [o.rank for o in result.per_rank] == [0, 1, 2] and all(o.ok for o in result.per_rank)
+
+
+def test_per_rank_validation_on_threads_stops_every_rank_on_one_failure(tmp_path: Path) -> None:
+    options = _shards(tmp_path, 3)
+    broken = onnx.load(tmp_path / "fused2.onnx")
+    (node,) = [n for n in broken.graph.node if n.op_type == "AllGatherMatMul"]
+    node.attribute.append(onnx.helper.make_attribute("tile_tile_m", 8))  # the kernel refuses it
+    onnx.save(broken, tmp_path / "fused2.onnx")
+    result = validate_local_ranks(Communicator(3), options)
+    assert result.exit_code == 2 and result.merged is None
+    assert result.error.startswith("rank 2 (") and "tiling attributes missing" in result.error
+    for other in result.per_rank[:2]:
+        assert other.stopped_by.startswith("rank 2: ") and not other.ok
