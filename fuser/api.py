@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -199,14 +199,27 @@ def validate(
     dim_size: int = 3,
     kernel: str = "npu",
     target: str = DEFAULT_TARGET,
+    dims: Mapping[str, int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ValidationResult:
-    """Run both models in onnxruntime on the same inputs and compare every output.
+    """Run both models in onnxruntime on the same inputs; compare every output and fused node.
 
-    A `FusionResult` or `UnfuseResult` may be passed as is: its external tensors are found
-    next to its input.
+    Symbolic dims take `dims[name]`, else `dim_size`. A `FusionResult` or `UnfuseResult` may be
+    passed as is (its external tensors are found next to its input; a fusion report names the
+    nodes each fused node replaced). Raises only fuser's errors (`ValidationInputError`, `ValidationRunError`,
+    `UsageError`, `ModelLoadError`), never a raw onnxruntime or numpy exception.
+
+    >>> result = validate("model.onnx", "model.fused.onnx", kernel="reference")  # doctest: +SKIP
+    >>> result.ok, [c.message() for c in result.failures]                       # doctest: +SKIP
     """
     from .validation import validate_models
 
+    replaced = {
+        f.node: f.replaced
+        for r in (original, fused)
+        if isinstance(r, FusionResult)
+        for f in r.report.fusions
+    }
     return validate_models(
         as_loaded(original),
         as_loaded(fused),
@@ -216,8 +229,11 @@ def validate(
         atol=atol,
         inputs=inputs,
         dim_size=dim_size,
+        dims=dims,
         kernel=kernel,
         target=target,
+        replaced=replaced,
+        progress=progress,
     )
 
 

@@ -10,7 +10,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -86,3 +86,13 @@ def parse_dims(specs: list[str]) -> dict[str, int]:
             raise UsageError(f"--dim '{spec}': expected NAME=SIZE with an integer size")
         dims[name.strip()] = int(size)
     return dims
+
+
+# The shape flags, one definition for every command that needs sizes for symbolic dims.
+DimOption = Annotated[
+    list[str] | None,
+    typer.Option("--dim", help="NAME=SIZE for a symbolic dim (its dim_param), repeatable"),
+]
+DimSizeOption = Annotated[
+    int, typer.Option("--dim-size", help="size of the symbolic dims not given by --dim")
+]

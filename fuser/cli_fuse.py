@@ -10,8 +10,20 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from .cli_common import err, fail, out, print_json, resolve_input, same_file, split_names
-from .cli_validate import print_validation
+from .cli_common import (
+    DimOption,
+    DimSizeOption,
+    err,
+    fail,
+    out,
+    parse_dims,
+    parse_inputs,
+    print_json,
+    resolve_input,
+    same_file,
+    split_names,
+)
+from .cli_validate import InputOption, KernelOption, RunsOption, print_validation, progress_bar
 from .errors import FuserError, UsageError
 
 
@@ -50,6 +62,11 @@ def fuse(
             "plugin or an NPU backend runs the model)",
         ),
     ] = False,
+    input_: InputOption = None,
+    kernel: KernelOption = "npu",
+    runs: RunsOption = 3,
+    dim: DimOption = None,
+    dim_size: DimSizeOption = 3,
 ) -> None:
     """Fuse a model: prints what was fused, what was not and why, and writes OUTPUT."""
     from .api import fuse as run_fuse
@@ -77,8 +94,19 @@ def fuse(
                 functions=not no_functions,
             )
         validation = None
-        if validate:
-            validation = run_validate(source, result, target=target)
+        if validate:  # --input, --kernel, --runs, --dim, --dim-size: as `fuser validate`
+            with progress_bar("validating") as progress:
+                validation = run_validate(
+                    source,
+                    result,
+                    target=target,
+                    kernel=kernel,
+                    runs=runs,
+                    inputs=parse_inputs(input_ or []),
+                    dims=parse_dims(dim or []),
+                    dim_size=dim_size,
+                    progress=progress,
+                )
         if validation is not None and not validation.ok:
             print_validation(validation)
             raise fail(f"{label}: the fused model does not match the original; nothing written", 1)

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .cli_common import fail, out, parse_dims, print_json, resolve_input
+from .cli_common import DimOption, DimSizeOption, fail, out, parse_dims, print_json, resolve_input
 from .errors import FuserError
 
 
@@ -31,10 +31,8 @@ def profile(
         Path | None, typer.Option(help="write a Chrome trace (Perfetto) of the whole model here")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the profile as JSON")] = False,
-    dim: Annotated[
-        list[str] | None, typer.Option("--dim", help="NAME=SIZE for a symbolic dim, repeatable")
-    ] = None,
-    dim_size: Annotated[int, typer.Option(help="size of symbolic dims not given by --dim")] = 1,
+    dim: DimOption = None,
+    dim_size: DimSizeOption = 1,
     tuned: Annotated[
         bool,
         typer.Option(

@@ -1,14 +1,35 @@
-"""`fuser validate ORIGINAL FUSED`: both models in onnxruntime on the same inputs, compared."""
+"""`fuser validate ORIGINAL FUSED`: both models in onnxruntime on the same inputs, compared.
+
+Exit 0 when every graph output and every fused node matches, 1 when something differs (each
+failure printed as one line naming the node, its pattern, the run and the worst element), 2 on
+an error a user can fix (one line: inputs the model does not accept, a file that does not load).
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from .cli_common import fail, out, parse_inputs, print_json, resolve_input
+from .cli_common import (
+    DimOption,
+    DimSizeOption,
+    err,
+    fail,
+    out,
+    parse_dims,
+    parse_inputs,
+    print_json,
+    resolve_input,
+)
 from .errors import FuserError
+
+SHOWN_FAILURES = 10  # failure lines printed; --json has all
+PROGRESS_AFTER_S = 1.0  # a progress bar appears only on validations that take longer
 
 
 def register(app: typer.Typer) -> None:
@@ -16,56 +37,105 @@ def register(app: typer.Typer) -> None:
     app.command()(validate)
 
 
+RunsOption = Annotated[int, typer.Option(help="input sets to try")]
+KernelOption = Annotated[str, typer.Option(help="how fused ops run: reference or npu")]
+InputOption = Annotated[list[str] | None, typer.Option("--input", help="name=file.npy, repeatable")]
+
+
 def validate(
     original: Annotated[str, typer.Argument(help="the original ONNX file (or example:NAME)")],
     fused: Annotated[str, typer.Argument(help="the fused ONNX file")],
-    runs: Annotated[int, typer.Option(help="input sets to try")] = 3,
+    runs: RunsOption = 3,
     seed: Annotated[int, typer.Option(help="seed of the random inputs")] = 0,
     rtol: Annotated[
         float | None, typer.Option(help="relative tolerance (overrides the dtype default)")
     ] = None,
     atol: Annotated[float | None, typer.Option(help="absolute tolerance")] = None,
-    input: Annotated[
-        list[str] | None, typer.Option("--input", help="name=file.npy, repeatable")
-    ] = None,
-    dim_size: Annotated[int, typer.Option(help="size given to symbolic dims")] = 3,
-    kernel: Annotated[str, typer.Option(help="how fused ops run: reference or npu")] = "npu",
+    input: InputOption = None,
+    dim: DimOption = None,
+    dim_size: DimSizeOption = 3,
+    kernel: KernelOption = "npu",
     target: Annotated[str, typer.Option(help="NPU target for --kernel npu")] = "ascend910b",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Run both models in onnxruntime on the same inputs; exit 0 only if every output matches."""
+    """Run both models in onnxruntime on the same inputs; exit 0 only if everything matches.
+
+    Under `mpiexec -n P` (P > 1) every process validates one rank (`{rank}` in ORIGINAL,
+    FUSED or an --input file names that rank's own), with collectives over MPI.
+    """
     from .api import validate as run_validate
+    from .mpi import launched_world_size
+
+    if launched_world_size() > 1:
+        from .cli_validate_ranks import run
+        from .validate_ranks import RankOptions
+
+        try:
+            dims = tuple(parse_dims(dim or []).items())
+        except FuserError as exc:
+            raise fail(str(exc)) from None
+        options = (runs, seed, rtol, atol, tuple(input or ()), dim_size, kernel, target, dims)
+        run(RankOptions(original, fused, *options), as_json=as_json)
 
     try:
         source, _ = resolve_input(original)
-        result = run_validate(
-            source,
-            fused,
-            runs=runs,
-            seed=seed,
-            rtol=rtol,
-            atol=atol,
-            inputs=parse_inputs(input or []),
-            dim_size=dim_size,
-            kernel=kernel,
-            target=target,
-        )
+        with progress_bar("validating") as progress:
+            result = run_validate(
+                source,
+                fused,
+                runs=runs,
+                seed=seed,
+                rtol=rtol,
+                atol=atol,
+                inputs=parse_inputs(input or []),
+                dims=parse_dims(dim or []),
+                dim_size=dim_size,
+                kernel=kernel,
+                target=target,
+                progress=progress,
+            )
     except FuserError as exc:
         raise fail(str(exc)) from None
-    except Exception as exc:  # onnxruntime's own errors: keep them to one line
-        raise fail(
-            f"{fused}: onnxruntime failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"
-        ) from None
     if as_json:
-        print_json(result.to_dict())
+        print_json(result.to_dict() | {"transport": "threads"})
     else:
         print_validation(result)
     if not result.ok:
         raise typer.Exit(1)
 
 
+@contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress callback drawing a bar on stderr once the work has taken over a second
+    (terminals only: nothing in pipes, files and CI logs)."""
+    if not err.is_terminal:
+        yield None
+        return
+    from rich.progress import Progress
+
+    start = time.monotonic()
+    bar: Progress | None = None
+    task: Any = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar, task
+        if bar is None:
+            if time.monotonic() - start < PROGRESS_AFTER_S:
+                return
+            bar = Progress(console=err, transient=True)
+            bar.start()
+            task = bar.add_task(label, total=total)
+        bar.update(task, completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
 def print_validation(result: Any) -> None:
-    """Print a validation result as a table of outputs."""
+    """Print a validation result: graph outputs, a line per fused-node check, the failures."""
     table = Table(
         title=f"validation ({result.runs} runs x {result.ranks} rank(s), seed {result.seed}, "
         f"kernel {result.kernel})",
@@ -83,3 +153,16 @@ def print_validation(result: Any) -> None:
             ("[green]yes[/]" if o.ok else "[red]NO[/]") + (f" ({o.detail})" if o.detail else ""),
         )
     out.print(table)
+    nodes = {c.node for c in result.nodes}
+    bad_nodes = {c.node for c in result.nodes if not c.ok}
+    out.print(
+        f"fused nodes: {len(nodes) - len(bad_nodes)} of {len(nodes)} match, in the model and "
+        f"run alone on the original's values",
+        highlight=False,
+    )
+    out.print(f"stock onnxruntime (function bodies): {result.stock}", highlight=False)
+    failures = result.failures
+    for c in failures[:SHOWN_FAILURES]:
+        out.print(f"[red]mismatch:[/] {c.message()}", highlight=False, soft_wrap=True)
+    if len(failures) > SHOWN_FAILURES:
+        out.print(f"... and {len(failures) - SHOWN_FAILURES} more (--json lists all)")

@@ -99,6 +99,9 @@ def _sub_path(path: str, node: onnx.NodeProto, attr: str, i: int, n: int) -> str
     return f"{path}/{name}.{suffix}" if path else f"{name}.{suffix}"
 
 
+sub_path = _sub_path  # public: how type tables name a subgraph (the plugin walks them too)
+
+
 def run_passes(
     loaded: LoadedModel,
     patterns: Sequence[Pattern],

@@ -38,3 +38,7 @@ class UnknownExampleError(UsageError, KeyError):
 
 class ValidationInputError(FuserError):
     """Inputs given for validation do not fit the model."""
+
+
+class ValidationRunError(FuserError):
+    """A model under validation could not run on its inputs (the original, or a fused node)."""

@@ -86,6 +86,9 @@ def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
             yield from attr.graphs
 
 
+node_subgraphs = _node_subgraphs  # public: the subgraphs held in a node's attributes
+
+
 def _constant_node_value(node: onnx.NodeProto, source: LoadedModel) -> np.ndarray | None:
     """The value of a Constant node, whichever of its attributes holds it."""
     for attr in node.attribute:

@@ -1,39 +1,75 @@
 """Proof that a fused model computes what the original computed, in onnxruntime.
 
-Both models run on the same inputs: seeded random ones (symbolic dims given a size), or the
-user's. Run 0 draws normal values, run 1 makes every row along the last axis constant (zero
-variance: where a normalization that lost its epsilon shows), later runs draw wider values.
-A model with com.microsoft AllGather runs as `group_size` ranks, one session per rank in its
-own thread, each rank with distinct inputs, and every rank's outputs are compared.
+Both models run on the same inputs (seeded random ones a model accepts, see
+`fuser.validate_inputs`, or the user's), both with onnxruntime's graph optimizations off, so
+neither session rewrites the maths under comparison. What is compared, on every run and rank:
 
-Tolerance is relative to the output's scale (max(1, max|reference|)) and depends on the dtype;
-integer and boolean outputs (TopK indices) must match exactly.
+- every graph output;
+- every fused node's outputs, against the original's values of the same names (exposed as extra
+  outputs of the original): once as the fused model computed them ("in model"), and once with
+  the fused node run alone on the original's own values of its inputs ("isolated"), so a broken
+  node shows whatever lies downstream of it (a ReLU, an argmax) or upstream;
+- with ONNX function bodies in the fused model (FunctionProtos in domain `fuser`), the same
+  values from plain onnxruntime running the bodies ("stock"), nothing of fuser's registered
+  (but the collectives onnxruntime's CPU package lacks).
+
+Each value is judged against the original within the dtype tolerance plus the original's own
+rounding noise on that input, measured by rerunning it on inputs moved by one unit in the last
+place (`fuser.compare`).
+
+A model with com.microsoft AllGather runs as `group_size` ranks, one session per rank in its own
+thread, each rank with distinct inputs. `validate_rank` validates one rank given its sessions and
+communicator, so another transport (MPI) can run the ranks in separate processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import onnx
 
-from .errors import ValidationInputError
+from .compare import DEFAULT_TOLERANCE, Comparison, compare_topk, compare_values
+from .errors import FuserError, ValidationInputError, ValidationRunError
 from .fusedop import DOMAIN
-from .graph import _node_subgraphs
-from .modelio import LoadedModel
+from .graph import node_subgraphs
+from .modelio import LoadedModel, read_tensor
+from .validate_inputs import InputSpec, input_specs, make_feeds, runtime_inputs, symbolic_dims
 
-# Max error relative to output scale, per dtype: fp32 1e-4 (the product's bar); fp16 keeps ~3
-# decimal digits and accumulates over a reduction, so 1e-2.
-DEFAULT_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
-INT_RANGE = 4  # random integer inputs are drawn from [0, INT_RANGE): safe as small indices
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "FusedNodeInfo",
+    "OutputComparison",
+    "RankSessions",
+    "ValidationPlan",
+    "ValidationResult",
+    "compare",
+    "group_size",
+    "lowest_float_upstream",
+    "merge_ranks",
+    "open_sessions",
+    "plan_validation",
+    "validate_models",
+    "validate_rank",
+]
+
+Progress = Callable[[int, int], None]  # (steps done, steps in all)
+MAX_NARROWED = 6  # op types of the float64 copy that may fall back to float32 kernels
 
 
 @dataclass(frozen=True)
 class OutputComparison:
-    """Worst case over all runs and ranks for one output."""
+    """The worst case over all runs and ranks for one compared value.
+
+    `where` is "output" (a graph output) or "node" (an output of fused node `node`); `mode` is
+    how the fused side was computed: "model" (the fused model run whole), "isolated" (the node
+    alone, fed the original's values) or "stock" (plain onnxruntime, function bodies).
+    """
 
     name: str
     dtype: str
@@ -42,11 +78,66 @@ class OutputComparison:
     tolerance: float
     ok: bool
     detail: str = ""
+    where: str = "output"
+    mode: str = "model"
+    node: str = ""
+    op: str = ""
+    pattern: str = ""
+    replaced: tuple[str, ...] = ()
+    run: int = 0
+    rank: int = 0
+    worst_index: tuple[int, ...] = ()
+    expected: float = 0.0
+    actual: float = 0.0
+
+    def message(self) -> str:
+        """One line naming what differs, where it came from, the run and the worst element."""
+        if self.where == "node":
+            what = f"fused node '{self.node}' ({self.op}"
+            what += f", pattern {self.pattern}" if self.pattern else ""
+            what += f", replaced {', '.join(self.replaced)}" if self.replaced else ""
+            what += f") output '{self.name}'"
+        else:
+            what = f"output '{self.name}'"
+        how = {"isolated": " run alone on the original's inputs", "stock": " in stock onnxruntime"}
+        worst = (
+            f" at {list(self.worst_index)}: original {self.expected:.6g}, fused {self.actual:.6g}"
+            if self.max_abs != float("inf")
+            else ""
+        )
+        detail = f" ({self.detail})" if self.detail else ""
+        return (
+            f"{what}{how.get(self.mode, '')} differs on run {self.run}, rank {self.rank}{worst}; "
+            f"max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}, tolerance "
+            f"{self.tolerance:.0e}{detail}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "tolerance": self.tolerance,
+            "ok": self.ok,
+            "detail": self.detail,
+            "where": self.where,
+            "mode": self.mode,
+            "node": self.node,
+            "op": self.op,
+            "pattern": self.pattern,
+            "replaced": list(self.replaced),
+            "run": self.run,
+            "rank": self.rank,
+            "worst_index": list(self.worst_index),
+            "expected": self.expected,
+            "actual": self.actual,
+        }
 
 
 @dataclass(frozen=True)
 class ValidationResult:
-    """Outcome of comparing two models output by output."""
+    """Outcome of comparing two models: graph outputs, fused nodes, and the stock run."""
 
     ok: bool
     outputs: tuple[OutputComparison, ...]
@@ -54,6 +145,18 @@ class ValidationResult:
     ranks: int
     seed: int
     kernel: str
+    nodes: tuple[OutputComparison, ...] = ()
+    stock: str = "not applicable: the fused model has no function bodies"
+    stock_outputs: tuple[OutputComparison, ...] = ()
+    seconds: Mapping[str, float] = field(default_factory=dict)  # where the time went
+
+    @property
+    def failures(self) -> tuple[OutputComparison, ...]:
+        """Every failed comparison, fused nodes first (the cause), then graph outputs."""
+        every = (*self.nodes, *self.outputs, *self.stock_outputs)
+        order = {"isolated": 0, "model": 1, "stock": 2}
+        bad = [c for c in every if not c.ok]
+        return tuple(sorted(bad, key=lambda c: (c.where != "node", order.get(c.mode, 3))))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,156 +165,13 @@ class ValidationResult:
             "ranks": self.ranks,
             "seed": self.seed,
             "kernel": self.kernel,
-            "outputs": [
-                {
-                    "name": o.name,
-                    "dtype": o.dtype,
-                    "max_abs": o.max_abs,
-                    "max_rel": o.max_rel,
-                    "tolerance": o.tolerance,
-                    "ok": o.ok,
-                    "detail": o.detail,
-                }
-                for o in self.outputs
-            ],
+            "outputs": [o.to_dict() for o in self.outputs],
+            "nodes": [o.to_dict() for o in self.nodes],
+            "stock": self.stock,
+            "stock_outputs": [o.to_dict() for o in self.stock_outputs],
+            "failures": [c.message() for c in self.failures],
+            "seconds": dict(self.seconds),
         }
-
-
-def group_size(model: onnx.ModelProto) -> int:
-    """Ranks a model needs: the group_size of its collectives (1 if it has none)."""
-    sizes: set[int] = set()
-
-    def visit(graph: onnx.GraphProto) -> None:
-        for node in graph.node:
-            if (node.domain, node.op_type) == ("com.microsoft", "AllGather") or (
-                node.domain == DOMAIN and any(a.name == "group_size" for a in node.attribute)
-            ):
-                sizes.update(a.i for a in node.attribute if a.name == "group_size")
-            for sub in _node_subgraphs(node):
-                visit(sub)
-
-    visit(model.graph)
-    if len(sizes) > 1:
-        raise ValidationInputError(f"collectives disagree on group_size: {sorted(sizes)}")
-    return sizes.pop() if sizes else 1
-
-
-def _runtime_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
-    inits = {t.name for t in model.graph.initializer}
-    return [v for v in model.graph.input if v.name not in inits]
-
-
-def _concrete_shape(value: onnx.ValueInfoProto, dim_size: int) -> tuple[int, ...]:
-    dims = value.type.tensor_type.shape.dim
-    return tuple(d.dim_value if d.HasField("dim_value") else dim_size for d in dims)
-
-
-def make_inputs(
-    model: onnx.ModelProto,
-    *,
-    run: int,
-    rank: int,
-    seed: int,
-    dim_size: int,
-    given: Mapping[str, np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
-    """Inputs for one run on one rank: `given` ones as they are, the rest seeded random."""
-    rng = np.random.default_rng([seed, run, rank])
-    feeds: dict[str, np.ndarray] = {}
-    for value in _runtime_inputs(model):
-        if given and value.name in given:
-            feeds[value.name] = np.asarray(given[value.name])
-            continue
-        if not value.type.HasField("tensor_type"):
-            raise ValidationInputError(
-                f"input '{value.name}' is not a tensor; pass it with --input"
-            )
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
-        shape = _concrete_shape(value, dim_size)
-        feeds[value.name] = _random(rng, shape, dtype, run)
-    if given:
-        unknown = set(given) - {v.name for v in _runtime_inputs(model)}
-        if unknown:
-            raise ValidationInputError(f"no model input named '{sorted(unknown)[0]}'")
-    return feeds
-
-
-def _random(
-    rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype, run: int
-) -> np.ndarray:
-    if np.issubdtype(dtype, np.floating):
-        x = rng.standard_normal(shape) * (1.0 if run != 2 else 4.0)
-        if run == 1 and len(shape) >= 1 and shape[-1] > 0:
-            x = np.broadcast_to(x[..., :1], shape).copy()
-        return x.astype(dtype)
-    if dtype == np.bool_:
-        return rng.integers(0, 2, shape).astype(np.bool_)
-    return rng.integers(0, INT_RANGE, shape).astype(dtype)
-
-
-def _needs_plugin(model: onnx.ModelProto) -> bool:
-    def visit(graph: onnx.GraphProto) -> bool:
-        return any(
-            n.domain in (DOMAIN, "com.microsoft") or any(visit(g) for g in _node_subgraphs(n))
-            for n in graph.node
-        )
-
-    return visit(model.graph)
-
-
-def _sessions(loaded: LoadedModel, ranks: int, kernel: str, target: str) -> list[Any]:
-    from .collective import Communicator
-    from .ort import session
-
-    if not _needs_plugin(loaded.model):
-        import onnxruntime
-
-        if ranks == 1:
-            return [
-                onnxruntime.InferenceSession(
-                    loaded.model.SerializeToString(), providers=["CPUExecutionProvider"]
-                )
-                if not _has_external(loaded)
-                else session(loaded)
-            ]
-    communicator = Communicator(ranks) if ranks > 1 else None
-    return [
-        session(loaded, kernel=kernel, target=target, rank=r, communicator=communicator)
-        for r in range(ranks)
-    ]
-
-
-def _has_external(loaded: LoadedModel) -> bool:
-    from .modelio import has_external_data
-
-    return has_external_data(loaded.model)
-
-
-def _run_ranks(
-    sessions: Sequence[Any], feeds: Sequence[dict[str, np.ndarray]]
-) -> list[dict[str, np.ndarray]]:
-    """Run every rank's session at once (collectives meet at a barrier)."""
-    results: list[dict[str, np.ndarray] | None] = [None] * len(sessions)
-    errors: list[BaseException] = []
-
-    def work(rank: int) -> None:
-        try:
-            names = [o.name for o in sessions[rank].get_outputs()]
-            results[rank] = dict(zip(names, sessions[rank].run(None, feeds[rank]), strict=True))
-        except BaseException as exc:
-            errors.append(exc)
-
-    if len(sessions) == 1:
-        work(0)
-    else:
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(len(sessions))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    if errors:
-        raise errors[0]
-    return [r for r in results if r is not None]
 
 
 def compare(
@@ -221,68 +181,55 @@ def compare(
     rtol: float | None,
     atol: float | None,
     precision: str | None = None,
+    noise: np.ndarray | None = None,
 ) -> OutputComparison:
-    """Compare one output; `rtol`/`atol` (numpy allclose) override the dtype's default."""
-    dtype = expected.dtype.name
-    if expected.shape != actual.shape:
-        return OutputComparison(
-            name,
-            dtype,
-            float("inf"),
-            float("inf"),
-            0.0,
-            False,
-            f"shape {list(actual.shape)} != {list(expected.shape)}",
-        )
-    if actual.dtype != expected.dtype:
-        return OutputComparison(
-            name,
-            dtype,
-            float("inf"),
-            float("inf"),
-            0.0,
-            False,
-            f"dtype {actual.dtype.name} != {dtype}",
-        )
-    if not np.issubdtype(expected.dtype, np.floating):
-        mismatches = int(np.count_nonzero(expected != actual))
-        diff = (
-            float(np.max(np.abs(expected.astype(np.int64) - actual.astype(np.int64))))
-            if expected.size
-            else 0.0
-        )
-        return OutputComparison(
-            name,
-            dtype,
-            diff,
-            diff,
-            0.0,
-            mismatches == 0,
-            f"{mismatches} elements differ" if mismatches else "",
-        )
-    e, a = expected.astype(np.float64), actual.astype(np.float64)
-    same_nan = np.isnan(e) == np.isnan(a)
-    finite = ~np.isnan(e) & ~np.isnan(a)
-    err = np.where(finite, np.abs(e - a), 0.0)
-    err = np.where(np.isinf(e) & (e == a), 0.0, err)
-    max_abs = float(err.max()) if err.size else 0.0
-    finite_e = np.abs(e[np.isfinite(e)])
-    scale = max(1.0, float(finite_e.max()) if finite_e.size else 1.0)
-    max_rel = max_abs / scale
-    if rtol is not None or atol is not None:
-        r, t = rtol or 0.0, atol or 0.0
-        ok = bool(np.all(err <= t + r * np.abs(np.where(finite, e, 0.0)))) and bool(same_nan.all())
-        tolerance = r
-    else:
-        tolerance = max(
-            DEFAULT_TOLERANCE.get(dtype, 1e-4), DEFAULT_TOLERANCE.get(precision or dtype, 1e-4)
-        )
-        ok = max_rel <= tolerance and bool(same_nan.all())
-    detail = "" if same_nan.all() else "NaN positions differ"
-    return OutputComparison(name, dtype, max_abs, max_rel, tolerance, ok, detail)
+    """Compare one value; `rtol`/`atol` (numpy allclose) override the dtype's default."""
+    found = compare_values(expected, actual, rtol=rtol, atol=atol, precision=precision, noise=noise)
+    return _as_output(name, found)
 
 
-def lowest_float_upstream(model: onnx.ModelProto, outputs: Sequence[str]) -> dict[str, str | None]:
+def _as_output(name: str, c: Comparison, **where: Any) -> OutputComparison:
+    return OutputComparison(
+        name,
+        c.dtype,
+        c.max_abs,
+        c.max_rel,
+        c.tolerance,
+        c.ok,
+        c.detail,
+        worst_index=c.worst_index,
+        expected=c.expected,
+        actual=c.actual,
+        **where,
+    )
+
+
+# The com.microsoft collectives (fuser.collective runs them): their group_size is the rank count.
+COLLECTIVE_OPS = (("com.microsoft", "AllGather"), ("com.microsoft", "AllReduce"))
+
+
+def group_size(model: onnx.ModelProto) -> int:
+    """Ranks a model needs: the group_size of its collectives (1 if it has none)."""
+    sizes: set[int] = set()
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            if (node.domain, node.op_type) in COLLECTIVE_OPS or (
+                node.domain == DOMAIN and any(a.name == "group_size" for a in node.attribute)
+            ):
+                sizes.update(a.i for a in node.attribute if a.name == "group_size")
+            for sub in node_subgraphs(node):
+                visit(sub)
+
+    visit(model.graph)
+    if len(sizes) > 1:
+        raise ValidationInputError(f"collectives disagree on group_size: {sorted(sizes)}")
+    return sizes.pop() if sizes else 1
+
+
+def lowest_float_upstream(
+    model: onnx.ModelProto, outputs: Sequence[str], types: Mapping[str, Any] | None = None
+) -> dict[str, str | None]:
     """Per output, the least precise float dtype among the values it is computed from.
 
     A float32 output computed from float16 values carries float16 error (onnxruntime's CPU
@@ -292,29 +239,725 @@ def lowest_float_upstream(model: onnx.ModelProto, outputs: Sequence[str]) -> dic
     from .engine import infer_types
     from .graph import TypeTable
 
-    types = infer_types(model).get("") or TypeTable()
+    table = (types if types is not None else infer_types(model)).get("") or TypeTable()
     producer = {out: node for node in model.graph.node for out in node.output if out}
     rank = {"float64": 0, "float32": 1, "float16": 2, "bfloat16": 3}  # bfloat16: 8-bit mantissa
-    result: dict[str, str | None] = {}
+    lowest_of: dict[str, str | None] = {}
+
+    def own(value: str) -> str | None:
+        vt = table.get(value)
+        if vt is None or not vt.elem_type:
+            return None
+        name = onnx.helper.tensor_dtype_to_np_dtype(vt.elem_type).name
+        return name if name in rank else None
+
+    def lower(a: str | None, b: str | None) -> str | None:
+        if a is None or b is None:
+            return a or b
+        return a if rank[a] >= rank[b] else b
+
+    # Iterative post-order walk with memo: large graphs share most of their upstream.
     for output in outputs:
-        lowest: str | None = None
-        seen: set[str] = set()
-        stack = [output]
+        stack: list[tuple[str, bool]] = [(output, False)]
         while stack:
-            value = stack.pop()
-            if value in seen:
+            value, expanded = stack.pop()
+            if value in lowest_of:
                 continue
-            seen.add(value)
-            vt = types.get(value)
-            if vt is not None and vt.elem_type:
-                name = onnx.helper.tensor_dtype_to_np_dtype(vt.elem_type).name
-                if name in rank and (lowest is None or rank[name] > rank[lowest]):
-                    lowest = name
             node = producer.get(value)
-            if node is not None:
-                stack.extend(i for i in node.input if i)
-        result[output] = lowest
-    return result
+            if node is None:
+                lowest_of[value] = own(value)
+                continue
+            if not expanded:
+                stack.append((value, True))
+                stack.extend((i, False) for i in node.input if i and i not in lowest_of)
+                continue
+            found = own(value)
+            for i in node.input:
+                if i:
+                    found = lower(found, lowest_of.get(i))
+            lowest_of[value] = found
+    return {o: lowest_of.get(o) for o in outputs}
+
+
+@dataclass(frozen=True)
+class FusedNodeInfo:
+    """A fused node of the fused model's main graph, and what messages say about it."""
+
+    node: onnx.NodeProto = field(compare=False)
+    name: str
+    op: str
+    pattern: str
+    replaced: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TopKPair:
+    """The (values, indices) outputs of a TopK-like node: compared together."""
+
+    values: str
+    indices: str
+    axis: int
+    is_sorted: bool
+
+
+@dataclass(frozen=True)
+class ValidationPlan:
+    """What to run and compare, worked out once from the two models (shared by every rank)."""
+
+    original: LoadedModel = field(compare=False)
+    fused: LoadedModel = field(compare=False)
+    specs: tuple[InputSpec, ...]
+    outputs: tuple[str, ...]
+    nodes: tuple[FusedNodeInfo, ...]
+    expose_original: tuple[str, ...]  # values of the original made graph outputs
+    expose_fused: tuple[str, ...]  # values of the fused model made graph outputs
+    topk: Mapping[str, TopKPair]  # by values name and by indices name
+    precision: Mapping[str, str | None]
+    ranks: int
+    has_functions: bool
+    given: Mapping[str, np.ndarray] = field(default_factory=dict, compare=False)
+
+
+def plan_validation(
+    original: LoadedModel,
+    fused: LoadedModel,
+    *,
+    inputs: Mapping[str, Any] | None = None,
+    dims: Mapping[str, int] | None = None,
+    dim_size: int = 3,
+    replaced: Mapping[str, Sequence[str]] | None = None,
+    types: Mapping[str, Any] | None = None,
+) -> ValidationPlan:
+    """Work out the inputs, the fused nodes and the values to expose on each side.
+
+    `replaced` maps a fused node's name to the original nodes it replaced (a FusionResult's
+    report knows them; otherwise the node's doc_string is quoted). `types` is the original's
+    inferred type table (`engine.infer_types`), if already computed.
+    """
+    from .engine import infer_types
+
+    ranks = max(group_size(original.model), group_size(fused.model))
+    outputs = tuple(o.name for o in original.model.graph.output)
+    fused_outputs = {o.name for o in fused.model.graph.output}
+    missing = [n for n in outputs if n not in fused_outputs]
+    if missing:
+        raise ValidationInputError(
+            f"{fused.label}: lacks output '{missing[0]}' of {original.label}"
+        )
+    ins_o = {v.name for v in runtime_inputs(original.model)}
+    ins_f = {v.name for v in runtime_inputs(fused.model)}
+    if ins_o != ins_f:
+        extra = sorted(ins_f - ins_o)
+        what = f"takes input '{extra[0]}'" if extra else f"lacks input '{sorted(ins_o - ins_f)[0]}'"
+        raise ValidationInputError(
+            f"{fused.label}: {what} of {original.label}; is it a fusion of that model?"
+            if not extra
+            else f"{fused.label}: {what}, which {original.label} does not; is it a fusion of "
+            "that model?"
+        )
+    produced_o = _produced(original.model.graph)
+    produced_f = _produced(fused.model.graph)
+    init_f = {t.name for t in fused.model.graph.initializer}
+    inputs_o = {v.name for v in original.model.graph.input}
+    nodes = tuple(
+        _node_info(n, replaced or {}) for n in fused.model.graph.node if n.domain == DOMAIN
+    )
+    wanted_o: list[str] = []
+    wanted_f: list[str] = []
+    for info in nodes:
+        for name in info.node.output:
+            if name and name in produced_o:
+                wanted_o.append(name)
+                wanted_f.append(name)
+        for name in info.node.input:
+            if not name or name in init_f or name in inputs_o:
+                continue
+            (wanted_o if name in produced_o else wanted_f).append(name)
+    topk = _topk_pairs(original.model.graph) | _topk_pairs(fused.model.graph)
+    for pair in list(topk.values()):
+        for name in (pair.values, pair.indices):
+            if name in produced_o and (name in wanted_o or name in outputs):
+                for partner in (pair.values, pair.indices):
+                    if partner in produced_o and partner in produced_f:
+                        wanted_o.append(partner)
+                        wanted_f.append(partner)
+    expose_o = tuple(dict.fromkeys(n for n in wanted_o if n not in outputs))
+    expose_f = tuple(dict.fromkeys(n for n in wanted_f if n in produced_f and n not in outputs))
+    if types is None:
+        from .ort import skeleton
+
+        types = infer_types(skeleton(original.model))
+    precision = lowest_float_upstream(original.model, [*outputs, *expose_o], types)
+    specs = tuple(input_specs(original.model, dims or {}, dim_size))
+    given = {k: np.asarray(v) for k, v in (inputs or {}).items()}
+    has_functions = any(f.domain == DOMAIN for f in fused.model.functions)
+    return ValidationPlan(
+        original,
+        fused,
+        specs,
+        outputs,
+        nodes,
+        expose_o,
+        expose_f,
+        topk,
+        precision,
+        ranks,
+        has_functions,
+        given,
+    )
+
+
+def _produced(graph: onnx.GraphProto) -> set[str]:
+    return {o for n in graph.node for o in n.output if o}
+
+
+def _node_info(node: onnx.NodeProto, replaced: Mapping[str, Sequence[str]]) -> FusedNodeInfo:
+    from .registry import all_patterns
+
+    patterns = [p.name for p in all_patterns() if any(op.name == node.op_type for op in p.ops)]
+    known = tuple(replaced.get(node.name, ()))
+    if not known and node.doc_string:
+        known = (node.doc_string.splitlines()[0][:200],)
+    return FusedNodeInfo(node, node.name, node.op_type, "/".join(patterns), known)
+
+
+def _topk_pairs(graph: onnx.GraphProto) -> dict[str, TopKPair]:
+    pairs: dict[str, TopKPair] = {}
+    for node in graph.node:
+        attrs = {a.name: a for a in node.attribute}
+        topk = (node.domain in ("", "ai.onnx") and node.op_type == "TopK") or (
+            node.domain == DOMAIN and "sorted" in attrs
+        )
+        if topk and len(node.output) >= 2 and node.output[0] and node.output[1]:
+            axis = attrs["axis"].i if "axis" in attrs else -1
+            is_sorted = attrs["sorted"].i != 0 if "sorted" in attrs else True
+            previous = pairs.get(node.output[1])
+            if previous is not None:
+                is_sorted = is_sorted and previous.is_sorted
+            pair = TopKPair(node.output[0], node.output[1], axis, is_sorted)
+            pairs[node.output[0]] = pairs[node.output[1]] = pair
+    return pairs
+
+
+@dataclass
+class RankSessions:
+    """One rank's sessions: the original, the fused model through the plugin, and stock."""
+
+    original: Any
+    fused: Any
+    stock: Any | None
+    communicator: Any | None = None
+    # The original in float64, made on first need (`float64_values`); None once known to be
+    # unavailable (too large, or it does not load).
+    truth: Any | None = None
+    make_truth: Callable[[], Any | None] | None = None
+
+    def float64_values(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The original's values in float64 on `feeds`; empty where that copy is unavailable."""
+        if self.truth is None and self.make_truth is not None:
+            self.truth, self.make_truth = self.make_truth(), None
+        if self.truth is None:
+            return {}
+        try:
+            return _run(self.truth, _as_float64(feeds))
+        except Exception:  # a float64 kernel missing at run time: the spread serves alone
+            self.truth = None
+            return {}
+
+
+def _needs_plugin(model: onnx.ModelProto) -> bool:
+    def visit(graph: onnx.GraphProto) -> bool:
+        return any(
+            n.domain in (DOMAIN, "com.microsoft") or any(visit(g) for g in node_subgraphs(n))
+            for n in graph.node
+        )
+
+    return visit(model.graph)
+
+
+def _options() -> Any:
+    import onnxruntime
+
+    opts = onnxruntime.SessionOptions()
+    # Compare like with like: onnxruntime's optimizer replaces a decomposed LayerNorm by its own
+    # kernel in one session and not in the other; off, both compute what the graphs say.
+    opts.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    return opts
+
+
+@contextlib.contextmanager
+def _exposed(loaded: LoadedModel, names: Sequence[str]) -> Iterator[LoadedModel]:
+    """`loaded` with `names` as extra graph outputs, for as long as a session is being made."""
+    graph = loaded.model.graph
+    before = len(graph.output)
+    graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+    try:
+        yield loaded
+    finally:
+        del graph.output[before:]
+
+
+def _session(
+    loaded: LoadedModel,
+    names: Sequence[str],
+    *,
+    kernel: str,
+    target: str,
+    rank: int,
+    communicator: Any | None,
+    fused_ops: bool = True,
+) -> Any:
+    from .modelio import has_external_data
+    from .ort import session
+
+    if not _needs_plugin(loaded.model) and not has_external_data(loaded.model):
+        import onnxruntime
+
+        with _exposed(loaded, names) as model:
+            return onnxruntime.InferenceSession(
+                model.model.SerializeToString(), _options(), providers=["CPUExecutionProvider"]
+            )
+    return session(
+        loaded,
+        kernel=kernel,
+        target=target,
+        rank=rank,
+        communicator=communicator,
+        options=_options(),
+        fused_ops=fused_ops,
+        extra_outputs=names,
+    )
+
+
+def open_sessions(
+    plan: ValidationPlan,
+    *,
+    rank: int = 0,
+    kernel: str = "npu",
+    target: str = "ascend910b",
+    communicator: Any | None = None,
+) -> RankSessions:
+    """The sessions `validate_rank` runs on one rank (one communicator serves all three)."""
+    try:
+        original = _session(
+            plan.original,
+            plan.expose_original,
+            kernel="reference",
+            target=target,
+            rank=rank,
+            communicator=communicator,
+        )
+    except FuserError:
+        raise
+    except Exception as exc:
+        raise ValidationRunError(
+            f"{plan.original.label}: onnxruntime cannot load the original: {_first_line(exc)}"
+        ) from exc
+    try:
+        fused = _session(
+            plan.fused,
+            plan.expose_fused,
+            kernel=kernel,
+            target=target,
+            rank=rank,
+            communicator=communicator,
+        )
+        stock = (
+            _session(
+                plan.fused,
+                plan.expose_fused,
+                kernel=kernel,
+                target=target,
+                rank=rank,
+                communicator=communicator,
+                fused_ops=False,
+            )
+            if plan.has_functions
+            else None
+        )
+    except FuserError:
+        raise
+    except Exception as exc:
+        raise ValidationRunError(
+            f"{plan.fused.label}: onnxruntime cannot load the fused model: {_first_line(exc)}"
+        ) from exc
+
+    def make_truth() -> Any | None:
+        return _truth_session(plan, rank, target, communicator)
+
+    if plan.ranks > 1:  # every rank must run the same collectives: made now, on all of them
+        return RankSessions(original, fused, stock, communicator, make_truth())
+    return RankSessions(original, fused, stock, communicator, None, make_truth)
+
+
+def _truth_session(
+    plan: ValidationPlan, rank: int, target: str, communicator: Any | None
+) -> Any | None:
+    """The original in float64, or None where that copy is too large or does not load."""
+    from .float64 import (
+        MAX_BYTES,
+        NO_FLOAT64_KERNEL,
+        as_float64,
+        float_bytes,
+        in_float32,
+        missing_kernel,
+    )
+
+    if float_bytes(plan.original.model) > MAX_BYTES:
+        return None
+    try:
+        copy = as_float64(plan.original)
+    except Exception:  # a tensor that does not convert: the last-bit spread serves alone
+        return None
+    loaded = LoadedModel(copy, plan.original.base_dir, plan.original.label)
+    narrowed = {n.op_type for n in copy.graph.node if n.op_type in NO_FLOAT64_KERNEL}
+    if narrowed:
+        in_float32(copy, narrowed)
+    for _ in range(MAX_NARROWED):
+        try:
+            return _session(
+                loaded,
+                plan.expose_original,
+                kernel="reference",
+                target=target,
+                rank=rank,
+                communicator=communicator,
+            )
+        except Exception as exc:
+            op = missing_kernel(str(exc))
+            if op is None or op in narrowed:
+                return None
+            in_float32(copy, {op})  # no float64 kernel: this op runs in float32
+            narrowed.add(op)
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _run(sess: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(None, dict(feeds)), strict=True))
+
+
+def _as_float64(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {
+        k: v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v
+        for k, v in feeds.items()
+    }
+
+
+def _perturbed(feeds: Mapping[str, np.ndarray], seed: int, run: int, rank: int) -> dict[str, Any]:
+    """Float inputs moved by one unit in the last place, each element up or down at random."""
+    rng = np.random.default_rng([seed, run, rank, 1])
+    moved: dict[str, np.ndarray] = {}
+    for name, x in feeds.items():
+        if np.issubdtype(x.dtype, np.floating) and x.size:
+            step = np.where(rng.integers(0, 2, x.shape) == 1, np.inf, -np.inf).astype(x.dtype)
+            moved[name] = np.asarray(np.nextafter(x, step), dtype=x.dtype)
+        else:
+            moved[name] = x
+    return moved
+
+
+def validate_rank(
+    plan: ValidationPlan,
+    sessions: RankSessions,
+    *,
+    rank: int = 0,
+    runs: int = 3,
+    seed: int = 0,
+    rtol: float | None = None,
+    atol: float | None = None,
+    kernel: str = "npu",
+    target: str = "ascend910b",
+    progress: Progress | None = None,
+    seconds: dict[str, float] | None = None,
+) -> tuple[OutputComparison, ...]:
+    """Every comparison of one rank over `runs` input sets, worst case per compared value.
+
+    Every rank of a group must call this with the same plan and runs at the same time: the
+    models' collectives (and isolated runs of gathering fused nodes) meet in `sessions`'
+    communicator.
+    """
+    from .ort import run_node
+
+    worst: dict[tuple[str, str, str], OutputComparison] = {}
+    init_f = {t.name: t for t in plan.fused.model.graph.initializer}
+    steps = runs * (3 + len(plan.nodes) + (1 if sessions.stock is not None else 0))
+    done = 0
+    clock = {"at": time.perf_counter()}
+    spent = seconds if seconds is not None else {}
+
+    def tick(what: str = "") -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, steps)
+        if what:
+            now = time.perf_counter()
+            spent[what] = spent.get(what, 0.0) + now - clock["at"]
+            clock["at"] = now
+
+    def keep(c: OutputComparison) -> None:
+        key = (c.mode, c.node, c.name)
+        previous = worst.get(key)
+        if (
+            previous is None
+            or (previous.ok and not c.ok)
+            or (previous.ok == c.ok and c.max_rel > previous.max_rel)
+        ):
+            worst[key] = c
+
+    for run in range(runs):
+        feeds = make_feeds(list(plan.specs), run=run, rank=rank, seed=seed, given=plan.given)
+        try:
+            clock["at"] = time.perf_counter()
+            expected = _run(sessions.original, feeds)
+            tick("original")
+            moved = _run(sessions.original, _perturbed(feeds, seed, run, rank))
+            tick("original perturbed")
+        except FuserError:
+            raise
+        except Exception as exc:
+            raise _original_failed(plan, feeds, exc) from exc
+        noise = {
+            k: np.abs(moved[k].astype(np.float64) - v.astype(np.float64))
+            for k, v in expected.items()
+            if np.issubdtype(v.dtype, np.floating) and moved[k].shape == v.shape
+        }
+        clock["at"] = time.perf_counter()
+        actual = _run_fused(plan, sessions.fused, feeds)
+        tick("fused")
+        values = {**feeds, **expected}
+        alone: dict[str, dict[str, np.ndarray]] = {}
+        for info in plan.nodes:
+            args = [
+                None
+                if not n
+                else values[n]
+                if n in values
+                else read_tensor(plan.fused, init_f[n])
+                if n in init_f
+                else actual.get(n)
+                for n in info.node.input
+            ]
+            try:
+                outs = run_node(
+                    info.node,
+                    args,
+                    kernel=kernel,
+                    target=target,
+                    rank=rank,
+                    communicator=sessions.communicator,
+                )
+            except FuserError:
+                raise
+            except Exception as exc:
+                raise ValidationRunError(
+                    f"{plan.fused.label}: fused node '{info.name}' ({info.op}) failed on the "
+                    f"original's values: {_first_line(exc)}"
+                ) from exc
+            alone[info.name] = {
+                n: o.astype(expected[n].dtype, copy=False)
+                for n, o in zip(info.node.output, outs, strict=True)
+                if n and o is not None and n in expected
+            }
+            tick("isolated nodes")
+        stock = _run_fused(plan, sessions.stock, feeds) if sessions.stock is not None else None
+        if stock is not None:
+            tick("stock")
+
+        run_values = (expected, moved, noise)
+        computed = (actual, stock, alone)
+
+        # Ranks run their collectives together: with several, every rank asks every run.
+        together = plan.ranks > 1
+        truth = sessions.float64_values(feeds) if together else {}
+        found = _judge_run(plan, _Judge(plan, *run_values, truth, rtol, atol, run, rank), *computed)
+        if not together and any(not c.ok for c in found):
+            # Something differs beyond tolerance and last-bit spread: is the original itself
+            # far from real arithmetic there? Ask its float64 copy (made on first need).
+            truth = sessions.float64_values(feeds)
+            if truth:
+                judge = _Judge(plan, *run_values, truth, rtol, atol, run, rank)
+                found = _judge_run(plan, judge, *computed)
+            tick("original float64")
+        for c in found:
+            keep(c)
+    return tuple(worst.values())
+
+
+def _judge_run(
+    plan: ValidationPlan,
+    judge: _Judge,
+    actual: Mapping[str, np.ndarray],
+    stock: Mapping[str, np.ndarray] | None,
+    alone: Mapping[str, Mapping[str, np.ndarray]],
+) -> list[OutputComparison]:
+    """Every comparison of one run: outputs and fused nodes, in model, stock and isolated."""
+    found: list[OutputComparison] = []
+    for mode, computed in (("model", actual), ("stock", stock)):
+        if computed is None:
+            continue
+        for name in plan.outputs:
+            found.extend(judge.value(name, computed, mode=mode))
+        for info in plan.nodes:
+            found.extend(judge.node(info, computed, mode=mode))
+    for info in plan.nodes:
+        found.extend(judge.node(info, alone[info.name], mode="isolated"))
+    return found
+
+
+def _run_fused(
+    plan: ValidationPlan, sess: Any, feeds: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    from .ort import NodeFailedError
+
+    try:
+        return _run(sess, feeds)
+    except NodeFailedError as exc:  # names the node and what it said
+        raise ValidationRunError(f"{plan.fused.label}: {exc}") from exc
+    except FuserError:
+        raise
+    except Exception as exc:
+        raise ValidationRunError(
+            f"{plan.fused.label}: onnxruntime failed running the fused model on inputs the "
+            f"original accepts: {_first_line(exc)}"
+        ) from exc
+
+
+def _original_failed(
+    plan: ValidationPlan, feeds: Mapping[str, np.ndarray], exc: BaseException
+) -> ValidationInputError:
+    drawn = ", ".join(
+        f"{s.name}{list(s.shape)} {s.dtype.name}" + (f" in [0, {s.high})" if s.high else "")
+        for s in plan.specs
+    )
+    dims = symbolic_dims(plan.original.model)
+    hint = "give its inputs with --input NAME=FILE.npy"
+    hint += f" or sizes with --dim NAME=SIZE (symbolic dims: {', '.join(dims)})" if dims else ""
+    return ValidationInputError(
+        f"{plan.original.label}: the original model fails on the generated inputs "
+        f"({drawn}): {_first_line(exc)}; {hint}"
+    )
+
+
+class _Judge:
+    """Compares values of one run against the original's, noise and TopK pairs included."""
+
+    def __init__(
+        self,
+        plan: ValidationPlan,
+        expected: Mapping[str, np.ndarray],
+        moved: Mapping[str, np.ndarray],
+        noise: Mapping[str, np.ndarray],
+        truth: Mapping[str, np.ndarray],
+        rtol: float | None,
+        atol: float | None,
+        run: int,
+        rank: int,
+    ) -> None:
+        self.plan, self.expected, self.moved, self.noise = plan, expected, moved, noise
+        self.truth = truth
+        self.rtol, self.atol, self.run, self.rank = rtol, atol, run, rank
+
+    def value(
+        self, name: str, actual: Mapping[str, np.ndarray], *, mode: str, **where: Any
+    ) -> list[OutputComparison]:
+        if name not in self.expected:
+            return []
+        if name not in actual:
+            return [
+                OutputComparison(
+                    name, "", float("inf"), float("inf"), 0.0, False, "not computed",
+                    mode=mode, run=self.run, rank=self.rank, **where,
+                )
+            ]  # fmt: skip
+        base = dict(mode=mode, run=self.run, rank=self.rank, **where)
+        pair = self.plan.topk.get(name)
+        if pair is not None and all(
+            n in self.expected and n in actual for n in (pair.values, pair.indices)
+        ):
+            values, indices = compare_topk(
+                (self.expected[pair.values], actual[pair.values]),
+                (self.expected[pair.indices], actual[pair.indices]),
+                axis=pair.axis,
+                is_sorted=pair.is_sorted,
+                rtol=self.rtol,
+                atol=self.atol,
+                precision=self.plan.precision.get(pair.values),
+                noise=self.noise.get(pair.values),
+                perturbed_indices=self.moved.get(pair.indices),
+            )
+            return [_as_output(name, values if name == pair.values else indices, **base)]
+        found = compare_values(
+            self.expected[name],
+            actual[name],
+            rtol=self.rtol,
+            atol=self.atol,
+            precision=self.plan.precision.get(name),
+            noise=self.noise.get(name),
+            truth=self.truth.get(name),
+        )
+        return [_as_output(name, found, **base)]
+
+    def node(
+        self, info: FusedNodeInfo, actual: Mapping[str, np.ndarray], *, mode: str
+    ) -> list[OutputComparison]:
+        found: list[OutputComparison] = []
+        for name in info.node.output:
+            if name:
+                found.extend(
+                    self.value(
+                        name,
+                        actual,
+                        mode=mode,
+                        where="node",
+                        node=info.name,
+                        op=info.op,
+                        pattern=info.pattern,
+                        replaced=info.replaced,
+                    )
+                )
+        return found
+
+
+def merge_ranks(
+    plan: ValidationPlan,
+    per_rank: Sequence[Sequence[OutputComparison]],
+    *,
+    runs: int,
+    seed: int,
+    kernel: str,
+) -> ValidationResult:
+    """One result from every rank's comparisons: the worst case per compared value."""
+    worst: dict[tuple[str, str, str], OutputComparison] = {}
+    for comparisons in per_rank:
+        for c in comparisons:
+            key = (c.mode, c.node, c.name)
+            previous = worst.get(key)
+            if (
+                previous is None
+                or (previous.ok and not c.ok)
+                or (previous.ok == c.ok and c.max_rel > previous.max_rel)
+            ):
+                worst[key] = c
+    every = list(worst.values())
+    outputs = tuple(worst[("model", "", n)] for n in plan.outputs if ("model", "", n) in worst)
+    nodes = tuple(c for c in every if c.where == "node" and c.mode != "stock")
+    stock_outputs = tuple(c for c in every if c.mode == "stock")
+    if not plan.has_functions:
+        stock = "not applicable: the fused model has no function bodies"
+    else:
+        stock = "ok" if all(c.ok for c in stock_outputs) else "failed"
+    ok = all(c.ok for c in every)
+    return ValidationResult(
+        ok, outputs, runs, plan.ranks, seed, kernel, nodes, stock, stock_outputs
+    )
 
 
 def validate_models(
@@ -327,43 +970,99 @@ def validate_models(
     atol: float | None = None,
     inputs: Mapping[str, Any] | None = None,
     dim_size: int = 3,
+    dims: Mapping[str, int] | None = None,
     kernel: str = "reference",
     target: str = "ascend910b",
+    replaced: Mapping[str, Sequence[str]] | None = None,
+    types: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
 ) -> ValidationResult:
-    """Run both models on the same inputs; compare every output of every run and rank."""
+    """Run both models on the same inputs; compare outputs and fused nodes on every run and rank.
+
+    Raises only fuser's errors: ValidationInputError (inputs or sizes the models do not accept,
+    the original failing on them), ValidationRunError (the fused model failing to run),
+    UsageError (an unknown kernel or target).
+    """
+    from .ort import KERNELS
+
     if runs < 1:
         raise ValidationInputError("runs must be at least 1")
-    ranks = max(group_size(original.model), group_size(fused.model))
-    out_names = [o.name for o in original.model.graph.output]
-    precision = lowest_float_upstream(original.model, out_names)
-    fused_names = {o.name for o in fused.model.graph.output}
-    missing = [n for n in out_names if n not in fused_names]
-    if missing:
-        raise ValidationInputError(
-            f"{fused.label}: lacks output '{missing[0]}' of {original.label}"
+    if kernel not in KERNELS:
+        raise ValidationInputError(f"unknown kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
+    start = time.perf_counter()
+    plan = plan_validation(
+        original, fused, inputs=inputs, dims=dims, dim_size=dim_size, replaced=replaced, types=types
+    )
+    planned = time.perf_counter()
+    if plan.ranks == 1:
+        sessions = open_sessions(plan, kernel=kernel, target=target)
+        seconds = {"plan": planned - start, "sessions": time.perf_counter() - planned}
+        found = validate_rank(
+            plan,
+            sessions,
+            runs=runs,
+            seed=seed,
+            rtol=rtol,
+            atol=atol,
+            kernel=kernel,
+            target=target,
+            progress=progress,
+            seconds=seconds,
         )
-    given = {k: np.asarray(v) for k, v in (inputs or {}).items()}
-    sessions_a = _sessions(original, ranks, "reference", target)
-    sessions_b = _sessions(fused, ranks, kernel, target)
-    worst: dict[str, OutputComparison] = {}
-    for run in range(runs):
-        feeds = [
-            make_inputs(original.model, run=run, rank=r, seed=seed, dim_size=dim_size, given=given)
-            for r in range(ranks)
-        ]
-        expected = _run_ranks(sessions_a, feeds)
-        actual = _run_ranks(sessions_b, feeds)
-        for rank in range(ranks):
-            for name in out_names:
-                result = compare(
-                    name, expected[rank][name], actual[rank][name], rtol, atol, precision[name]
-                )
-                previous = worst.get(name)
-                if (
-                    previous is None
-                    or (previous.ok and not result.ok)
-                    or (previous.ok == result.ok and result.max_rel > previous.max_rel)
-                ):
-                    worst[name] = result
-    outputs = tuple(worst[n] for n in out_names)
-    return ValidationResult(all(o.ok for o in outputs), outputs, runs, ranks, seed, kernel)
+        merged = merge_ranks(plan, [found], runs=runs, seed=seed, kernel=kernel)
+        return replace(merged, seconds=seconds)
+    return _validate_threads(plan, runs, seed, rtol, atol, kernel, target, progress)
+
+
+def _validate_threads(
+    plan: ValidationPlan,
+    runs: int,
+    seed: int,
+    rtol: float | None,
+    atol: float | None,
+    kernel: str,
+    target: str,
+    progress: Progress | None,
+) -> ValidationResult:
+    """Every rank in its own thread of this process, on the in-process communicator."""
+    from .collective import Communicator
+
+    communicator = Communicator(plan.ranks)
+    sessions = [
+        open_sessions(plan, rank=r, kernel=kernel, target=target, communicator=communicator)
+        for r in range(plan.ranks)
+    ]
+    results: list[tuple[OutputComparison, ...] | None] = [None] * plan.ranks
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            results[rank] = validate_rank(
+                plan,
+                sessions[rank],
+                rank=rank,
+                runs=runs,
+                seed=seed,
+                rtol=rtol,
+                atol=atol,
+                kernel=kernel,
+                target=target,
+                progress=progress if rank == 0 else None,
+            )
+        except BaseException as exc:
+            errors.append(exc)
+            communicator.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(plan.ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        fuser_errors = [e for e in errors if isinstance(e, FuserError)]
+        if fuser_errors:
+            raise fuser_errors[0]
+        raise ValidationRunError(f"{plan.fused.label}: {_first_line(errors[0])}") from errors[0]
+    return merge_ranks(
+        plan, [r for r in results if r is not None], runs=runs, seed=seed, kernel=kernel
+    )
