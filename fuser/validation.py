@@ -703,14 +703,7 @@ def validate_rank(
             clock["at"] = now
 
     def keep(c: OutputComparison) -> None:
-        key = (c.mode, c.node, c.name)
-        previous = worst.get(key)
-        if (
-            previous is None
-            or (previous.ok and not c.ok)
-            or (previous.ok == c.ok and c.max_rel > previous.max_rel)
-        ):
-            worst[key] = c
+        keep_worst(worst, c)
 
     for run in range(runs):
         feeds = make_feeds(list(plan.specs), run=run, rank=rank, seed=seed, given=plan.given)
@@ -926,6 +919,18 @@ class _Judge:
         return found
 
 
+def keep_worst(worst: dict[tuple[str, str, str], OutputComparison], c: OutputComparison) -> None:
+    """Keep `c` if it is the worst seen of its value: a failure over a pass, then max_rel."""
+    key = (c.mode, c.node, c.name)
+    previous = worst.get(key)
+    if (
+        previous is None
+        or (previous.ok and not c.ok)
+        or (previous.ok == c.ok and c.max_rel > previous.max_rel)
+    ):
+        worst[key] = c
+
+
 def merge_ranks(
     plan: ValidationPlan,
     per_rank: Sequence[Sequence[OutputComparison]],
@@ -938,14 +943,7 @@ def merge_ranks(
     worst: dict[tuple[str, str, str], OutputComparison] = {}
     for comparisons in per_rank:
         for c in comparisons:
-            key = (c.mode, c.node, c.name)
-            previous = worst.get(key)
-            if (
-                previous is None
-                or (previous.ok and not c.ok)
-                or (previous.ok == c.ok and c.max_rel > previous.max_rel)
-            ):
-                worst[key] = c
+            keep_worst(worst, c)
     every = list(worst.values())
     outputs = tuple(worst[("model", "", n)] for n in plan.outputs if ("model", "", n) in worst)
     nodes = tuple(c for c in every if c.where == "node" and c.mode != "stock")
