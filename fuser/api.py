@@ -15,7 +15,7 @@ from .decide import Decider
 from .errors import UsageError
 from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
 from .registry import select
-from .report import FusionRecord, FusionReport, RejectionRecord
+from .report import FusionRecord, FusionReport, RejectionRecord, fusion_dict, near_miss_dict
 
 if TYPE_CHECKING:
     from .validation import ValidationResult
@@ -118,20 +118,10 @@ class Inspection:
     near_misses: tuple[RejectionRecord, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
+        """In the JSON vocabulary of `fuse`: `fusions` (the matches) and `near_misses`."""
         return {
-            "matches": [
-                {
-                    "pattern": m.pattern,
-                    "op": m.op,
-                    "nodes": list(m.replaced),
-                    "graph": m.graph,
-                    "notes": list(m.notes),
-                }
-                for m in self.matches
-            ],
-            "near_misses": [asdict(r) | {"nodes": list(r.nodes)} for r in self.near_misses],
+            "fusions": [fusion_dict(m) for m in self.matches],
+            "near_misses": [near_miss_dict(r) for r in self.near_misses],
         }
 
 
