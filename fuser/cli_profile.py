@@ -3,7 +3,7 @@
     fuser profile model.onnx --dim batch=1 --dim seq=128 --trace trace.json
     fuser profile example:resnet --json
 
-Registered on the main app by `fuser.cli` (one line), so the command lives in its own file.
+Registered on the main app by `fuser.cli`.
 """
 
 from __future__ import annotations
@@ -15,22 +15,14 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .errors import FuserError, UsageError
+from .cli_common import fail, out, parse_dims, print_json, resolve_input
+from .errors import FuserError
+from .modelio import atomic_write
 
 
 def register(app: typer.Typer) -> None:
     """Add the `profile` command to `app`."""
     app.command("profile")(profile)
-
-
-def _parse_dims(specs: list[str]) -> dict[str, int]:
-    dims: dict[str, int] = {}
-    for spec in specs:
-        name, sep, size = spec.partition("=")
-        if not sep or not name or not size.strip().lstrip("-").isdigit():
-            raise UsageError(f"--dim '{spec}': expected NAME=SIZE with an integer size")
-        dims[name.strip()] = int(size)
-    return dims
 
 
 def profile(
@@ -52,30 +44,27 @@ def profile(
     ] = False,
 ) -> None:
     """Run MODEL on the simulated NPU (timing only): cycles, GM bytes and bound per node."""
-    from .cli import _fail, _print_json, _resolve_input, out
     from .profile import profile_model
 
     try:
-        source, label = _resolve_input(model)
+        source, label = resolve_input(model)
         result = profile_model(
             source,
             target,
-            dims=_parse_dims(dim or []),
+            dims=parse_dims(dim or []),
             dim_size=dim_size,
             timeline=bool(trace),
             tuned=tuned,
         )
         if trace is not None:
-            from .modelio import _atomic_write
-
             trace.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write(trace, json.dumps(result.to_chrome_trace()).encode())
+            atomic_write(trace, json.dumps(result.to_chrome_trace()).encode())
     except FuserError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     except OSError as exc:
-        raise _fail(f"{trace}: cannot write the trace ({exc.strerror or exc})") from None
+        raise fail(f"{trace}: cannot write the trace ({exc.strerror or exc})") from None
     if as_json:
-        _print_json(result.to_dict())
+        print_json(result.to_dict())
         return
     total = result.total_cycles or 1.0
     table = Table(

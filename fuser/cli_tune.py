@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .cli_common import resolve_input
 from .errors import FuserError, UsageError
 
 
@@ -112,10 +113,9 @@ def _fused_model(spec: str, target: str) -> Any:
     import onnx
 
     from .api import fuse
-    from .cli import _resolve_input
     from .tune import fused_nodes
 
-    source, _ = _resolve_input(spec)
+    source, _ = resolve_input(spec)
     if isinstance(source, str):
         path = Path(source)
         if not path.is_file():

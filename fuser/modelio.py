@@ -218,7 +218,7 @@ def save_model(
         external = has_external_data(model) or model.ByteSize() > PROTOBUF_LIMIT_BYTES
     out.parent.mkdir(parents=True, exist_ok=True)
     if not external:
-        _atomic_write(out, model.SerializeToString(deterministic=True))
+        atomic_write(out, model.SerializeToString(deterministic=True))
         return [out]
 
     data_name = out.name + ".data"
@@ -231,7 +231,7 @@ def save_model(
                 _externalize(tensor, data_file, data_name, source)
             data_file.flush()
             os.fsync(data_file.fileno())
-        _atomic_write(out, staged.SerializeToString(deterministic=True))
+        atomic_write(out, staged.SerializeToString(deterministic=True))
         os.replace(data_tmp, out.parent / data_name)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -270,7 +270,7 @@ def _temp_path(folder: Path, name: str) -> Path:
     return Path(tmp)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     tmp = _temp_path(path.parent, path.name)
     try:
         with tmp.open("wb") as handle:
