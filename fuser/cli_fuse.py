@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from .cli_common import err, fail, out, print_json, resolve_input, same_file, split_names
+from .cli_report import write_report
 from .cli_validate import print_validation
 from .errors import FuserError, UsageError
 from .modelio import atomic_write
@@ -30,6 +31,10 @@ def fuse(
     disable: Annotated[str | None, typer.Option(help="comma-separated patterns to skip")] = None,
     target: Annotated[str, typer.Option(help="NPU target name or target JSON file")] = "ascend910b",
     report: Annotated[Path | None, typer.Option(help="write the JSON report here")] = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(metavar="FILE", help="write an HTML report here (see `fuser report`)"),
+    ] = None,
     validate: Annotated[
         bool, typer.Option("--validate", help="check the result in onnxruntime before writing")
     ] = False,
@@ -50,8 +55,9 @@ def fuse(
 
     try:
         source, label = resolve_input(input)
-        if isinstance(source, str) and same_file(source, output):
-            raise UsageError(f"{output}: output would overwrite the input; choose another path")
+        for path in (output, report, html):
+            if path is not None and isinstance(source, str) and same_file(source, path):
+                raise UsageError(f"{path}: output would overwrite the input; choose another path")
         with (
             err.status(f"fusing {label}", spinner="dots")
             if err.is_terminal
@@ -80,8 +86,12 @@ def fuse(
         if report is not None:
             report.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(report, json.dumps(data, indent=2).encode())
+        if html is not None:
+            written.append(write_report(html, source, result, label))
     except FuserError as exc:
         raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"{exc.filename or output}: cannot write ({exc.strerror or exc})") from None
     if as_json:
         print_json(data)
         return
