@@ -8,9 +8,20 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
-from .cli_common import err, fail, out, print_json, resolve_input, same_file, split_names
+from .cli_common import (
+    command_json,
+    err,
+    fail,
+    out,
+    print_items,
+    print_json,
+    print_table,
+    resolve_input,
+    same_file,
+    split_names,
+    table,
+)
 from .cli_report import write_report
 from .cli_validate import print_validation
 from .errors import FuserError, UsageError
@@ -80,7 +91,8 @@ def fuse(
         written = result.save(output)
         data: dict[str, Any] = {}
         if report is not None or as_json:  # only then: thousands of fusions take a while
-            data = result.report.to_dict()
+            data = command_json("fuse", label, target, result.report.to_dict())
+            data["output"] = str(output)
             if validation is not None:
                 data["validation"] = validation.to_dict()
         if report is not None:
@@ -98,30 +110,24 @@ def fuse(
     print_report(result.report, label)
     if validation is not None:
         print_validation(validation)
-    out.print(f"wrote {', '.join(str(p) for p in written)}")
+    out.print(f"wrote {', '.join(str(p) for p in written)}", soft_wrap=True)
 
 
 def print_report(report: Any, label: str) -> None:
     """Print the fusions per pattern, what was not fused and why, and the node counts."""
-    table = Table(title=f"fusions in {label}", title_justify="left")
-    table.add_column("pattern")
-    table.add_column("fused", justify="right")
-    table.add_column("predicted speedup", justify="right")
+    summary = table("pattern", "fused", "predicted speedup", numeric=("fused", "predicted speedup"))
     for name, count in report.summary.items():
         speedups = [
             f.prediction.speedup for f in report.fusions if f.pattern == name and f.prediction
         ]
         shown = f"{min(speedups):.2f}x – {max(speedups):.2f}x" if speedups else "-"
-        table.add_row(name, str(count), shown)
-    out.print(table)
-    if report.rejected:
-        misses = Table(title="not fused", title_justify="left")
-        misses.add_column("pattern")
-        misses.add_column("nodes")
-        misses.add_column("reason")
-        for r in report.rejected:
-            misses.add_row(
-                r.pattern, ", ".join(r.nodes), (f"[{r.graph}] " if r.graph else "") + r.reason
-            )
-        out.print(misses)
+        summary.add_row(name, str(count), shown)
+    print_table(f"fusions in {label}", summary, empty="no patterns enabled")
+    misses = [
+        [("pattern", r.pattern), ("nodes", list(r.nodes)), ("graph", r.graph),
+         ("reason", r.reason)]
+        for r in report.rejected
+    ]  # fmt: skip
+    if misses:
+        print_items("not fused", misses, empty="")
     out.print(f"nodes: {report.nodes_before} -> {report.nodes_after}")

@@ -79,7 +79,7 @@ def report(
     r = result.report
     out.print(
         f"wrote {written} ({len(r.fusions)} fusions, {len(r.rejected)} near-misses)",
-        highlight=False,
+        soft_wrap=True,
     )
 
 
