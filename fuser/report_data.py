@@ -41,8 +41,8 @@ def report_data(
     """Everything the HTML report shows, JSON-able; `profiles` = (original, fused) or None."""
     report = result.report
     graph = _Graph(original.graph)
+    fused_graph = _Graph(result.model.graph)
     fused_nodes = {n.name: n for n in result.model.graph.node if n.name}
-    fused_inits = {t.name for t in result.model.graph.initializer}
     simulated = _simulated(report.fusions, graph, profiles)
     fusions = []
     for i, f in enumerate(report.fusions):
@@ -50,7 +50,7 @@ def report_data(
         entry["id"] = i
         entry["subgraph"] = graph.subgraph(f.replaced) if not f.graph else None
         node = fused_nodes.get(f.node) if not f.graph else None
-        entry["fused"] = _fused_view(node, fused_inits) if node is not None else None
+        entry["fused"] = _fused_view(node, fused_graph) if node is not None else None
         entry["simulated"] = simulated[i]
         fusions.append(entry)
     near_misses = [near_miss_dict(r) | {"id": i} for i, r in enumerate(report.rejected)]
@@ -85,9 +85,28 @@ class _Graph:
         self.initializers = {t.name for t in graph.initializer}
         self.graph_outputs = {v.name for v in graph.output}
         self.consumers: dict[str, set[int]] = {}
+        self.producer: dict[str, int] = {}
         for i, node in enumerate(self.nodes):
             for value in node.input:
                 self.consumers.setdefault(value, set()).add(i)
+            for value in node.output:
+                self.producer[value] = i
+        self._constant: dict[str, bool] = {}
+
+    def constant(self, value: str) -> bool:
+        """An initializer, a Constant's output, or an Identity of one (exporters share weights
+        so): drawn as a count of weights, not as an input of its own."""
+        known = self._constant.get(value)
+        if known is None:
+            known = value in self.initializers
+            at = self.producer.get(value)
+            if not known and at is not None:
+                node = self.nodes[at]
+                known = node.op_type == "Constant" or (
+                    node.op_type == "Identity" and self.constant(node.input[0])
+                )
+            self._constant[value] = known
+        return known
 
     def profile_names(self, names: Iterable[str]) -> set[str]:
         """The names `profile_model` gives the nodes the fuse report calls `names`."""
@@ -123,7 +142,7 @@ class _Graph:
                     continue
                 if value in produced:
                     edges.append([produced[value], k, value])
-                elif value in self.initializers:
+                elif self.constant(value):
                     weights += 1
                 else:
                     inputs.setdefault(value, []).append(k)
@@ -141,14 +160,14 @@ class _Graph:
         }
 
 
-def _fused_view(node: onnx.NodeProto, initializers: set[str]) -> dict[str, Any]:
+def _fused_view(node: onnx.NodeProto, graph: _Graph) -> dict[str, Any]:
     reads = [v for v in node.input if v]
     return {
         "name": node.name,
         "op": node.op_type,
-        "inputs": [v for v in reads if v not in initializers],
+        "inputs": [v for v in reads if not graph.constant(v)],
         "outputs": [v for v in node.output if v],
-        "weights": sum(v in initializers for v in reads),
+        "weights": sum(graph.constant(v) for v in reads),
     }
 
 

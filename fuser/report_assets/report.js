@@ -153,7 +153,10 @@ function opTable(t) {
 
 // -- one fusion's drawing ----------------------------------------------------------------
 
-const BOX_W = 176, BOX_H = 40, GAP_X = 22, GAP_Y = 30, PILL_H = 20;
+const BOX_W = 176, BOX_H = 36, GAP_X = 22, GAP_Y = 20, PILL_W = 124, PILL_GAP = 8, PILL_H = 20;
+// Where the i-th of n value pills starts in a drawing `width` wide, and the row's width.
+const pillX = (width, n, i) => (width - pillsWidth(n)) / 2 + PILL_GAP + i * (PILL_W + PILL_GAP);
+const pillsWidth = (n) => n * (PILL_W + PILL_GAP) + PILL_GAP;
 
 function layers(sub) {
   // Longest path from the subgraph's sources: a layered drawing, producers above readers.
@@ -182,8 +185,8 @@ function drawSubgraph(sub) {
     }
     row.forEach((k, i) => (x[k] = i));
   });
-  const cols = Math.max(1, ...rows.map((r) => r.length), sub.inputs.length, sub.outputs.length);
-  const width = cols * (BOX_W + GAP_X) + GAP_X;
+  const cols = Math.max(1, ...rows.map((r) => r.length));
+  const width = Math.max(cols * (BOX_W + GAP_X) + GAP_X, pillsWidth(sub.inputs.length), pillsWidth(sub.outputs.length));
   const pos = (k) => {
     const row = rows[layer[k]];
     const offset = (width - row.length * (BOX_W + GAP_X) + GAP_X) / 2;
@@ -195,9 +198,9 @@ function drawSubgraph(sub) {
   const edges = svg("g", { stroke: "#8d97a5", fill: "none" });
   root.append(edges);
   const pills = (values, y, anchor) => values.map((v, i) => {
-    const px = (width - values.length * (BOX_W + GAP_X) + GAP_X) / 2 + i * (BOX_W + GAP_X);
+    const px = pillX(width, values.length, i);
     root.append(pill(v.value, px, y));
-    return [px + BOX_W / 2, anchor ? y + PILL_H : y];
+    return [px + PILL_W / 2, anchor ? y + PILL_H : y];
   });
   const inAt = pills(sub.inputs, 0, true);
   const outY = height - PILL_H;
@@ -212,22 +215,22 @@ function drawSubgraph(sub) {
 function drawFused(f, sub) {
   const fused = f.fused;
   const ins = fused.inputs.map((v) => ({ value: v })), outs = fused.outputs.map((v) => ({ value: v }));
-  const cols = Math.max(1, ins.length, outs.length);
-  const width = cols * (BOX_W + GAP_X) + GAP_X, height = PILL_H * 2 + GAP_Y * 2 + BOX_H;
+  const width = Math.max(BOX_W + 2 * GAP_X, pillsWidth(ins.length), pillsWidth(outs.length));
+  const height = PILL_H * 2 + GAP_Y * 2 + BOX_H;
   const root = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}`, class: "fused" });
   root.append(arrowHead());
   const edges = svg("g", { stroke: "#8d97a5", fill: "none" });
   root.append(edges);
   const at = [(width - BOX_W) / 2, PILL_H + GAP_Y];
   ins.forEach((v, i) => {
-    const px = (width - ins.length * (BOX_W + GAP_X) + GAP_X) / 2 + i * (BOX_W + GAP_X);
+    const px = pillX(width, ins.length, i);
     root.append(pill(v.value, px, 0));
-    edges.append(edge([px + BOX_W / 2, PILL_H], topOf(at)));
+    edges.append(edge([px + PILL_W / 2, PILL_H], topOf(at)));
   });
   outs.forEach((v, i) => {
-    const px = (width - outs.length * (BOX_W + GAP_X) + GAP_X) / 2 + i * (BOX_W + GAP_X);
+    const px = pillX(width, outs.length, i);
     root.append(pill(v.value, px, height - PILL_H));
-    edges.append(edge(bottomOf(at), [px + BOX_W / 2, height - PILL_H]));
+    edges.append(edge(bottomOf(at), [px + PILL_W / 2, height - PILL_H]));
   });
   root.append(box(fused.op, fused.name, ...at, "#e3f4ec", "var(--fused)"));
   return root;
@@ -249,17 +252,17 @@ function arrowHead() {
 function box(op, name, x, y, fill, stroke) {
   const g = svg("g", {});
   g.append(svg("rect", { x, y, width: BOX_W, height: BOX_H, rx: 6, fill, stroke }));
-  g.append(svg("text", { x: x + BOX_W / 2, y: y + 16, "text-anchor": "middle", "font-weight": 600, "font-size": 13 }, op || "?"));
-  g.append(svg("text", { x: x + BOX_W / 2, y: y + 31, "text-anchor": "middle", "font-size": 10, fill: "#5f6b7a",
+  g.append(svg("text", { x: x + BOX_W / 2, y: y + 15, "text-anchor": "middle", "font-weight": 600, "font-size": 13 }, op || "?"));
+  g.append(svg("text", { x: x + BOX_W / 2, y: y + 29, "text-anchor": "middle", "font-size": 10, fill: "#5f6b7a",
     "font-family": "ui-monospace, Menlo, monospace" }, clip(name, 28)));
   return titled(g, `${name} (${op})`);
 }
 
 function pill(value, x, y) {
   const g = svg("g", {});
-  g.append(svg("rect", { x: x + 18, y, width: BOX_W - 36, height: PILL_H, rx: PILL_H / 2, fill: "#f0f3f7", stroke: "#c5ccd6" }));
-  g.append(svg("text", { x: x + BOX_W / 2, y: y + 14, "text-anchor": "middle", "font-size": 10,
-    "font-family": "ui-monospace, Menlo, monospace" }, clip(value, 24)));
+  g.append(svg("rect", { x, y, width: PILL_W, height: PILL_H, rx: PILL_H / 2, fill: "#f0f3f7", stroke: "#c5ccd6" }));
+  g.append(svg("text", { x: x + PILL_W / 2, y: y + 14, "text-anchor": "middle", "font-size": 10,
+    "font-family": "ui-monospace, Menlo, monospace" }, clip(value, 20)));
   return titled(g, value);
 }
 

@@ -24,7 +24,14 @@ CASES = {
     "inspect-bert": ["inspect", "example:bert"],
     "inspect-moe": ["inspect", "example:moe"],
     "profile-moe": ["profile", "example:moe"],
-    "profile-bert-fused": ["profile", "{tmp}/bert.fused.onnx", "--dim", "batch=1", "--dim", "seq=8"],
+    "profile-bert-fused": [
+        "profile",
+        "{tmp}/bert.fused.onnx",
+        "--dim",
+        "batch=1",
+        "--dim",
+        "seq=8",
+    ],
 }
 
 
