@@ -8,6 +8,7 @@ near-miss `near_miss_dict` wherever they appear (`fuse`, `inspect`, the HTML rep
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,7 +114,8 @@ def fusion_dict(f: FusionRecord) -> dict[str, Any]:
             "fused_cycles": f.prediction.fused_cycles,
             "unfused_cycles": f.prediction.unfused_cycles,
             "tiling": dict(f.prediction.tiling),
-            "speedup": f.prediction.speedup,
+            # JSON has no infinity: a fused op priced at 0 cycles has no ratio to print.
+            "speedup": f.prediction.speedup if math.isfinite(f.prediction.speedup) else None,
         }
     return {
         "pattern": f.pattern,

@@ -335,7 +335,9 @@ function pagedList(items, container, make, noun) {
       if (!made.has(item.id)) made.set(item.id, make(item));
       container.append(made.get(item.id));
     }
-    count.textContent = `${shown.length} of ${items.length} ${noun}`;
+    const visible = Math.min(limit, shown.length);
+    count.textContent = shown.length === items.length ? `${visible} of ${items.length} ${noun} shown`
+      : `${visible} of ${shown.length} matching ${noun} shown (${items.length} in all)`;
     more.textContent = `show ${Math.min(PAGE, shown.length - limit)} more`;
     more.classList.toggle("hidden", shown.length <= limit);
   };
@@ -381,6 +383,8 @@ function build(data) {
     misses.filter(words);
   };
   filter.addEventListener("input", apply);
+  // report.html?filter=words opens the page filtered (a link to what one is looking at).
+  filter.value = new URLSearchParams(window.location.search).get("filter") || "";
   apply();
 
   const main = el("main", {},

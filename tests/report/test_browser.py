@@ -27,10 +27,10 @@ pytestmark = pytest.mark.skipif(
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 
 
-def chromium(page: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def chromium(page: Path, *args: str, query: str = "") -> subprocess.CompletedProcess[str]:
     assert CHROMIUM is not None
     return subprocess.run(
-        [CHROMIUM, *FLAGS, "--enable-logging=stderr", "--v=0", *args, page.as_uri()],
+        [CHROMIUM, *FLAGS, "--enable-logging=stderr", "--v=0", *args, page.as_uri() + query],
         capture_output=True,
         text=True,
         timeout=120,
@@ -64,8 +64,8 @@ class _Dom(HTMLParser):
                 self.text[ident] += data
 
 
-def rendered(page: Path) -> tuple[_Dom, list[str]]:
-    done = chromium(page, "--dump-dom")
+def rendered(page: Path, query: str = "") -> tuple[_Dom, list[str]]:
+    done = chromium(page, "--dump-dom", query=query)
     assert done.returncode == 0, done.stderr[-2000:]
     console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
     dom = _Dom()
@@ -115,3 +115,32 @@ def test_screenshot(tmp_path: Path) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert (width, height) == (1400, 900)
+
+
+def test_a_large_report_opens_paged_and_undrawn(tmp_path: Path) -> None:
+    # 450 fusions (copies of one, renamed): the page shows the first 200, offers the rest,
+    # and draws none until opened, which is what keeps a 10k-node model's report usable.
+    model = two_chains()
+    data = collect(model, fuser.fuse(model), label="big", simulate=False)
+    (one,) = data["fusions"]
+    data["fusions"] = [one | {"id": i, "node": f"fused_{i:03d}"} for i in range(450)]
+    page = write_html(tmp_path / "big.html", data)
+    dom, console = rendered(page)
+    assert console == [] and dom.text.get("fuser-errors", "") == ""
+    shown = sorted(k for k in dom.text if k.startswith("fusion-") and k != "fusion-section")
+    assert len(shown) == 200 and "fusion-199" in dom.text and "fusion-200" not in dom.text
+    assert "200 of 450 fusions shown" in dom.text["fusions-section"]
+    assert "show 200 more" in dom.text["fusions-section"]
+    assert "bn1" not in dom.text["fusion-0"]  # not drawn: its replaced nodes are not listed yet
+
+
+def test_the_filter_keeps_what_matches_every_word(tmp_path: Path) -> None:
+    model = two_chains()
+    data = collect(model, fuser.fuse(model), label="m", simulate=False)
+    page = write_html(tmp_path / "r.html", data)
+    dom, console = rendered(page, "?filter=conv_bn_relu%20bn2")  # only the near-miss has bn2
+    assert console == [] and dom.text.get("fuser-errors", "") == ""
+    assert "fusion-0" not in dom.text and "miss-0" in dom.text
+    assert "0 of 0 matching fusions shown (1 in all)" in dom.text["fusions-section"]
+    dom, _ = rendered(page, "?filter=RELU1")  # case does not matter; node names are searched
+    assert "fusion-0" in dom.text and "miss-0" not in dom.text

@@ -99,3 +99,12 @@ def test_write_is_atomic_and_leaves_only_the_page(tmp_path: Path, data: dict) ->
     write_html(target, data)
     assert target.read_text().startswith("<!DOCTYPE html>")
     assert [p.name for p in target.parent.iterdir()] == ["r.html"]
+
+
+def test_a_zero_cycle_prediction_is_valid_json() -> None:
+    from fuser.report import FusionRecord, Prediction, fusion_dict
+
+    record = FusionRecord("p", "n", "Op", ("a",), {}, prediction=Prediction(0.0, 10.0))
+    assert record.prediction is not None and record.prediction.speedup == float("inf")
+    text = json.dumps(fusion_dict(record), allow_nan=False)  # raised before: inf is not JSON
+    assert json.loads(text)["prediction"]["speedup"] is None
