@@ -7,8 +7,38 @@
 True
 """
 
-from .api import FusionResult, Inspection, fuse, inspect, validate
-from .errors import FuserError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import FusionResult, Inspection, fuse, inspect, validate
+    from .errors import FuserError
 
 __all__ = ["FuserError", "FusionResult", "Inspection", "fuse", "inspect", "validate"]
 __version__ = "0.1.0"
+
+# Where each public name lives. They load on first use (PEP 562), so `import fuser` and
+# `fuser --help` do not pay for onnx, numpy and onnxruntime until a command needs them.
+_PUBLIC = {
+    "FusionResult": "api",
+    "Inspection": "api",
+    "fuse": "api",
+    "inspect": "api",
+    "validate": "api",
+    "FuserError": "errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fuser' has no attribute '{name}'")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*__all__, "__version__"})

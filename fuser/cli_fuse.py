@@ -25,7 +25,6 @@ from .cli_common import (
 from .cli_report import write_report
 from .cli_validate import print_validation
 from .errors import FuserError, UsageError
-from .modelio import atomic_write
 
 
 def register(app: typer.Typer) -> None:
@@ -97,6 +96,8 @@ def fuse(
                 data["validation"] = validation.to_dict()
         if report is not None:
             report.parent.mkdir(parents=True, exist_ok=True)
+            from .modelio import atomic_write  # onnx only when writing
+
             atomic_write(report, json.dumps(data, indent=2).encode())
         if html is not None:
             written.append(write_report(html, source, result, label))

@@ -26,7 +26,6 @@ from .cli_common import (
     table,
 )
 from .errors import FuserError
-from .modelio import atomic_write
 
 
 def register(app: typer.Typer) -> None:
@@ -67,6 +66,8 @@ def profile(
         )
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
+            from .modelio import atomic_write  # onnx only when writing
+
             atomic_write(trace, json.dumps(result.to_chrome_trace()).encode())
     except FuserError as exc:
         raise fail(str(exc)) from None
