@@ -400,6 +400,9 @@ function build(data) {
   app.replaceChildren(header, main);
   // Small reports open with every fusion drawn; large ones draw on demand.
   if (data.fusions.length <= 12) fusionBox.querySelectorAll("details.fusion").forEach((d) => (d.open = true));
+  // report.html#fusion-7 opens that fusion and scrolls to it (if it is on the page shown).
+  const linked = window.location.hash && document.getElementById(window.location.hash.slice(1));
+  if (linked && linked.matches("details.fusion")) { linked.open = true; linked.scrollIntoView(); }
   document.body.dataset.ready = "1";
 }
 
