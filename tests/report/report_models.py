@@ -50,3 +50,31 @@ def two_chains(*, named: bool = True) -> onnx.ModelProto:
         inits,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def chain_in_branch() -> onnx.ModelProto:
+    """Conv+BN+Relu inside an If's then-branch (reading the outer graph's weights)."""
+    model = two_chains()
+    graph = model.graph
+    c = 3
+    branch_nodes = [onnx.NodeProto(), onnx.NodeProto(), onnx.NodeProto()]
+    for proto, src in zip(branch_nodes, graph.node[3:6], strict=True):
+        proto.CopyFrom(src)
+    then_branch = helper.make_graph(
+        branch_nodes, "then", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Identity", ["r1"], ["y_else"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("y_else", TensorProto.FLOAT, None)],
+    )
+    del graph.node[3:]
+    graph.node.append(
+        helper.make_node("If", ["flag"], ["out"], name="if", then_branch=then_branch,
+                         else_branch=else_branch)
+    )  # fmt: skip
+    graph.input.append(helper.make_tensor_value_info("flag", TensorProto.BOOL, []))
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", c, 7, 5]))
+    return model

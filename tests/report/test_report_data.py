@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from report_models import TRICKY, two_chains
+from report_models import TRICKY, chain_in_branch, two_chains
 
 import fuser
 from fuser.html_report import render_html, write_html
@@ -108,3 +108,14 @@ def test_a_zero_cycle_prediction_is_valid_json() -> None:
     assert record.prediction is not None and record.prediction.speedup == float("inf")
     text = json.dumps(fusion_dict(record), allow_nan=False)  # raised before: inf is not JSON
     assert json.loads(text)["prediction"]["speedup"] is None
+
+
+def test_a_fusion_inside_a_branch_is_listed_but_not_drawn() -> None:
+    model = chain_in_branch()
+    data = collect(model, fuser.fuse(model), label="m")
+    main, branch = data["fusions"]
+    assert main["graph"] == "" and main["subgraph"] and main["simulated"]
+    assert branch["graph"] == "if.then_branch" and branch["nodes"] == ["conv2", "bn2", "relu2"]
+    # Its nodes are not in the main graph (a main-graph node of the same name would be another
+    # node), and profile does not look inside an If: nothing drawn, no simulated speedup.
+    assert (branch["subgraph"], branch["fused"], branch["simulated"]) == (None, None, None)
