@@ -22,7 +22,7 @@ from .cli_common import (
     split_names,
     table,
 )
-from .cli_report import write_report
+from .cli_report import page_data
 from .cli_validate import print_validation
 from .errors import FuserError, UsageError
 
@@ -87,6 +87,8 @@ def fuse(
         if validation is not None and not validation.ok:
             print_validation(validation)
             raise fail(f"{label}: the fused model does not match the original; nothing written", 1)
+        # The page is made before anything is written: a failure leaves no output at all.
+        page = page_data(source, result, label) if html is not None else None
         written = result.save(output)
         data: dict[str, Any] = {}
         if report is not None or as_json:  # only then: thousands of fusions take a while
@@ -99,8 +101,10 @@ def fuse(
             from .modelio import atomic_write  # onnx only when writing
 
             atomic_write(report, json.dumps(data, indent=2).encode())
-        if html is not None:
-            written.append(write_report(html, source, result, label))
+        if html is not None and page is not None:
+            from .html_report import write_html
+
+            written.append(write_html(html, page))
     except FuserError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:

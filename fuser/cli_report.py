@@ -59,6 +59,7 @@ def report(
 ) -> None:
     """Fuse MODEL (nothing is written but the page) and write an HTML report of what was done."""
     from .api import fuse as run_fuse
+    from .html_report import write_html
 
     try:
         source, label = resolve_input(model)
@@ -69,9 +70,8 @@ def report(
             result = run_fuse(
                 source, split_names(patterns), split_names(disable) or (), target, force=force
             )
-        written = write_report(
-            output, source, result, label, simulate=simulate, dims=dims, dim_size=dim_size
-        )
+        data = page_data(source, result, label, simulate=simulate, dims=dims, dim_size=dim_size)
+        written = write_html(output, data)
     except FuserError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -83,8 +83,7 @@ def report(
     )
 
 
-def write_report(
-    output: Path,
+def page_data(
     source: Any,
     result: Any,
     label: str,
@@ -92,14 +91,12 @@ def write_report(
     simulate: bool = True,
     dims: dict[str, int] | None = None,
     dim_size: int = 1,
-) -> Path:
-    """Simulate both models (unless not `simulate`) and write the page atomically."""
-    from .html_report import write_html
+) -> dict[str, Any]:
+    """The report page's data: both models simulated (unless not `simulate`)."""
     from .report_data import collect
 
     with err.status(f"simulating {label}") if err.is_terminal and simulate else _nothing():
-        data = collect(source, result, label=label, simulate=simulate, dims=dims, dim_size=dim_size)
-    return write_html(output, data)
+        return collect(source, result, label=label, simulate=simulate, dims=dims, dim_size=dim_size)
 
 
 def _nothing() -> Any:
