@@ -18,7 +18,7 @@ from .finish import FuseOptions, finish
 from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
 from .normalize import fill_outputs, normalize
 from .registry import select
-from .report import FusionRecord, FusionReport, RejectionRecord
+from .report import FusionRecord, FusionReport, RejectionRecord, fusion_dict, near_miss_dict
 
 if TYPE_CHECKING:
     from .unfused import UnfuseResult
@@ -159,20 +159,10 @@ class Inspection:
     near_misses: tuple[RejectionRecord, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
+        """In the JSON vocabulary of `fuse`: `fusions` (the matches) and `near_misses`."""
         return {
-            "matches": [
-                {
-                    "pattern": m.pattern,
-                    "op": m.op,
-                    "nodes": list(m.replaced),
-                    "graph": m.graph,
-                    "notes": list(m.notes),
-                }
-                for m in self.matches
-            ],
-            "near_misses": [asdict(r) | {"nodes": list(r.nodes)} for r in self.near_misses],
+            "fusions": [fusion_dict(m) for m in self.matches],
+            "near_misses": [near_miss_dict(r) for r in self.near_misses],
         }
 
 
@@ -206,8 +196,9 @@ def validate(
 
     Symbolic dims take `dims[name]`, else `dim_size`. A `FusionResult` or `UnfuseResult` may be
     passed as is (its external tensors are found next to its input; a fusion report names the
-    nodes each fused node replaced). Raises only fuser's errors (`ValidationInputError`, `ValidationRunError`,
-    `UsageError`, `ModelLoadError`), never a raw onnxruntime or numpy exception.
+    nodes each fused node replaced). Raises only fuser's errors (`ValidationInputError`,
+    `ValidationRunError`, `UsageError`, `ModelLoadError`), never a raw onnxruntime or numpy
+    exception.
 
     >>> result = validate("model.onnx", "model.fused.onnx", kernel="reference")  # doctest: +SKIP
     >>> result.ok, [c.message() for c in result.failures]                       # doctest: +SKIP

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Annotated
 
 import typer
 
-from .cli_common import err
+from .cli_common import ReadableGroup, err, out
 
 app = typer.Typer(
     name="fuser",
@@ -20,10 +21,32 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=ReadableGroup,
 )
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        out.print(f"fuser {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="print the version and exit"
+        ),
+    ] = False,
+) -> None:
+    """Fuse ONNX operator chains into NPU kernels, and prove the result computes the same."""
+
+
 # In the order `fuser --help` lists them.
-COMMANDS = ("fuse", "unfuse", "inspect", "validate", "patterns", "profile", "tune")
+COMMANDS = ("fuse", "unfuse", "inspect", "validate", "report", "patterns", "profile", "tune")
 for _command in COMMANDS:
     importlib.import_module(f".cli_{_command}", __package__).register(app)
 

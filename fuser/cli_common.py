@@ -9,18 +9,24 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+from typer.core import TyperGroup
 
 from .errors import UsageError
+from .report import envelope
 
-# Piped or redirected output is read in files and CI logs, not an 80-column terminal: give rich
-# room so tables of long node names do not wrap into unreadable columns.
-out = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+# rich takes the width from COLUMNS, else the terminal's, else 80 when piped; piped output is
+# plain text (no colour, no markup codes) unless FORCE_COLOR asks for it.
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
 
 EXAMPLE_PREFIX = "example:"
 
@@ -38,6 +44,11 @@ def split_names(names: str | None) -> list[str] | None:
     if names is None:
         return None
     return [n.strip() for n in names.split(",") if n.strip()]
+
+
+def command_json(command: str, input: str, target: str | None, data: dict[str, Any]) -> dict:
+    """`data` under the envelope every command's JSON starts with (docs/json.md)."""
+    return envelope(command, input, target) | data
 
 
 def print_json(data: Any) -> None:
@@ -96,3 +107,82 @@ DimOption = Annotated[
 DimSizeOption = Annotated[
     int, typer.Option("--dim-size", help="size of the symbolic dims not given by --dim")
 ]
+
+
+class PlainTable(Table):
+    """A rich Table whose string cells are plain text: a node named `[b]` is not markup."""
+
+    def add_row(self, *cells: Any, **kwargs: Any) -> None:
+        super().add_row(*(Text(c) if isinstance(c, str) else c for c in cells), **kwargs)
+
+
+def table(*columns: str, numeric: tuple[str, ...] = ()) -> PlainTable:
+    """A table that fits the console: text columns fold (a node name too long for its cell goes
+    on over the next lines, whole), `numeric` columns are right-aligned and never wrap."""
+    t = PlainTable(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in columns:
+        if name in numeric:
+            t.add_column(name, justify="right", no_wrap=True)
+        else:
+            t.add_column(name, overflow="fold")
+    return t
+
+
+def print_table(title: str, t: Table, *, empty: str | None = None) -> None:
+    """Print `title` on its own line (never split: the terminal wraps it, if anything) and `t`;
+    a table without rows is not printed: `empty` (if given) says so instead."""
+    if not t.row_count:
+        if empty is not None:
+            out.print(empty, soft_wrap=True)
+        return
+    out.print(f"[bold]{escape(title)}[/bold]", soft_wrap=True)
+    out.print(t)
+
+
+def print_items(
+    title: str, items: Sequence[Sequence[tuple[str, str | Sequence[str]]]], empty: str
+) -> None:
+    """Print `title` and each item as labelled lines (a list value one entry per line), or the
+    `empty` line. For records whose text is long (node lists, reasons): in a table, at 80
+    columns each such column would get a sliver and cut every name."""
+    if not items:
+        out.print(empty, soft_wrap=True)
+        return
+    out.print(f"[bold]{escape(title)}[/bold]", soft_wrap=True)
+    for item in items:
+        grid = PlainTable.grid(padding=(0, 2))
+        grid.add_column(justify="right", no_wrap=True, style="dim")
+        grid.add_column(overflow="fold")
+        for label, value in item:
+            if value:
+                grid.add_row(label, value if isinstance(value, str) else "\n".join(value))
+        out.print(grid)
+        out.print()
+
+
+def escape(text: str) -> str:
+    """`text` safe to print through rich (a node named `[b]` stays `[b]`)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
+class ReadableGroup(TyperGroup):
+    """The app's command group, with `--help` metavars a user reads (`--target TARGET`, a bare
+    `--json`), not typer's type names (`<str>`, `<bool>`, `<list[str]>`)."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        for command in (self, *self.commands.values()):
+            help_option = command.get_help_option(typer.Context(command))
+            for param in [*command.params, *([help_option] if help_option else [])]:
+                if getattr(param, "metavar", None) is None:
+                    param.metavar = _metavar(param)
+
+
+def _metavar(param: Any) -> str:
+    if getattr(param, "is_flag", False):
+        return ""
+    if getattr(getattr(param, "type_descriptor", None), "is_path", False):
+        return "FILE"
+    return str(param.name or "value").upper()

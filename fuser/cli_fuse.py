@@ -8,21 +8,25 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from .cli_common import (
     DimOption,
     DimSizeOption,
+    command_json,
     err,
     fail,
     out,
     parse_dims,
     parse_inputs,
+    print_items,
     print_json,
+    print_table,
     resolve_input,
     same_file,
     split_names,
+    table,
 )
+from .cli_report import page_data
 from .cli_validate import InputOption, KernelOption, RunsOption, print_validation, progress_bar
 from .errors import FuserError, UsageError
 
@@ -41,6 +45,10 @@ def fuse(
     disable: Annotated[str | None, typer.Option(help="comma-separated patterns to skip")] = None,
     target: Annotated[str, typer.Option(help="NPU target name or target JSON file")] = "ascend910b",
     report: Annotated[Path | None, typer.Option(help="write the JSON report here")] = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(metavar="FILE", help="write an HTML report here (see `fuser report`)"),
+    ] = None,
     validate: Annotated[
         bool, typer.Option("--validate", help="check the result in onnxruntime before writing")
     ] = False,
@@ -74,9 +82,9 @@ def fuse(
 
     try:
         source, label = resolve_input(input)
-        if isinstance(source, str) and same_file(source, output):
-            raise UsageError(f"{output}: output would overwrite the input; choose another path")
-        for path in (output, report):
+        for path in (output, report, html):
+            if path is not None and isinstance(source, str) and same_file(source, path):
+                raise UsageError(f"{path}: output would overwrite the input; choose another path")
             if path is not None and path.is_dir():  # fail before fusing, not after
                 raise UsageError(f"{path}: is a directory; give a file path")
         with (
@@ -110,16 +118,25 @@ def fuse(
         if validation is not None and not validation.ok:
             print_validation(validation)
             raise fail(f"{label}: the fused model does not match the original; nothing written", 1)
+        # The page is made before anything is written: a failure leaves no output at all.
+        page = page_data(source, result, label) if html is not None else None
         data: dict[str, Any] = {}
         if report is not None or as_json:  # only then: thousands of fusions take a while
-            data = result.report.to_dict()
+            data = command_json("fuse", label, target, result.report.to_dict())
+            data["output"] = str(output)
             if validation is not None:
                 data["validation"] = validation.to_dict()
         # The model and the report are written as one step: both appear, or neither.
         extra = {report: json.dumps(data, indent=2).encode()} if report is not None else None
         written = result.save(output, extra=extra)
+        if html is not None and page is not None:
+            from .html_report import write_html
+
+            written.append(write_html(html, page))
     except FuserError as exc:
         raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"{exc.filename or output}: cannot write ({exc.strerror or exc})") from None
     for warning in result.warnings:
         err.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if as_json:
@@ -128,32 +145,26 @@ def fuse(
     print_report(result.report, label)
     if validation is not None:
         print_validation(validation)
-    out.print(f"wrote {', '.join(str(p) for p in written)}")
+    out.print(f"wrote {', '.join(str(p) for p in written)}", soft_wrap=True)
 
 
 def print_report(report: Any, label: str) -> None:
     """Print the fusions per pattern, what was not fused and why, and the node counts."""
-    table = Table(title=f"fusions in {label}", title_justify="left")
-    table.add_column("pattern")
-    table.add_column("fused", justify="right")
-    table.add_column("predicted speedup", justify="right")
+    summary = table("pattern", "fused", "predicted speedup", numeric=("fused", "predicted speedup"))
     for name, count in report.summary.items():
         speedups = [
             f.prediction.speedup for f in report.fusions if f.pattern == name and f.prediction
         ]
         shown = f"{min(speedups):.2f}x – {max(speedups):.2f}x" if speedups else "-"
-        table.add_row(name, str(count), shown)
-    out.print(table)
-    if report.rejected:
-        misses = Table(title="not fused", title_justify="left")
-        misses.add_column("pattern")
-        misses.add_column("nodes")
-        misses.add_column("reason")
-        for r in report.rejected:
-            misses.add_row(
-                r.pattern, ", ".join(r.nodes), (f"[{r.graph}] " if r.graph else "") + r.reason
-            )
-        out.print(misses)
+        summary.add_row(name, str(count), shown)
+    print_table(f"fusions in {label}", summary, empty="no patterns enabled")
+    misses = [
+        [("pattern", r.pattern), ("nodes", list(r.nodes)), ("graph", r.graph),
+         ("reason", r.reason)]
+        for r in report.rejected
+    ]  # fmt: skip
+    if misses:
+        print_items("not fused", misses, empty="")
     for note in report.normalized:
         out.print(f"normalized: {note}", highlight=False, soft_wrap=True)
     out.print(f"nodes: {report.nodes_before} -> {report.nodes_after}")

@@ -5,9 +5,15 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from .cli_common import fail, out, print_json, resolve_input, split_names
+from .cli_common import (
+    command_json,
+    fail,
+    print_items,
+    print_json,
+    resolve_input,
+    split_names,
+)
 from .errors import FuserError
 
 
@@ -21,6 +27,7 @@ def inspect(
     patterns: Annotated[
         str | None, typer.Option(help="comma-separated patterns (default all)")
     ] = None,
+    target: Annotated[str, typer.Option(help="NPU target whose cost model decides")] = "ascend910b",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """List every match and every near-miss, with its reason and nodes."""
@@ -28,24 +35,21 @@ def inspect(
 
     try:
         source, label = resolve_input(input)
-        found = run_inspect(source, split_names(patterns))
+        found = run_inspect(source, split_names(patterns), target=target)
     except FuserError as exc:
         raise fail(str(exc)) from None
     if as_json:
-        print_json(found.to_dict())
+        print_json(command_json("inspect", label, target, found.to_dict()))
         return
-    table = Table(title=f"matches in {label}", title_justify="left")
-    table.add_column("pattern")
-    table.add_column("fused op")
-    table.add_column("nodes")
-    table.add_column("notes")
-    for m in found.matches:
-        table.add_row(m.pattern, m.op, ", ".join(m.replaced), "; ".join(m.notes))
-    out.print(table)
-    misses = Table(title="near-misses", title_justify="left")
-    misses.add_column("pattern")
-    misses.add_column("nodes")
-    misses.add_column("reason")
-    for r in found.near_misses:
-        misses.add_row(r.pattern, ", ".join(r.nodes), r.reason)
-    out.print(misses)
+    matches = [
+        [("pattern", m.pattern), ("fused op", m.op), ("nodes", list(m.replaced)),
+         ("graph", m.graph), ("notes", list(m.notes))]
+        for m in found.matches
+    ]  # fmt: skip
+    print_items(f"matches in {label}", matches, empty=f"no matches in {label}")
+    misses = [
+        [("pattern", r.pattern), ("nodes", list(r.nodes)), ("graph", r.graph),
+         ("reason", r.reason)]
+        for r in found.near_misses
+    ]  # fmt: skip
+    print_items("near-misses", misses, empty="no near-misses")

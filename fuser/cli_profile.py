@@ -13,9 +13,20 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.text import Text
 
-from .cli_common import DimOption, DimSizeOption, fail, out, parse_dims, print_json, resolve_input
+from .cli_common import (
+    DimOption,
+    DimSizeOption,
+    command_json,
+    fail,
+    out,
+    parse_dims,
+    print_json,
+    print_table,
+    resolve_input,
+    table,
+)
 from .errors import FuserError
 
 
@@ -63,30 +74,27 @@ def profile(
     except OSError as exc:
         raise fail(f"{trace}: cannot write the trace ({exc.strerror or exc})") from None
     if as_json:
-        print_json(result.to_dict())
+        print_json(command_json("profile", label, result.target, result.to_dict()))
         return
     total = result.total_cycles or 1.0
-    table = Table(
-        title=f"{label} on {result.target} (simulated, timing only)", title_justify="left"
-    )
-    table.add_column("node", overflow="fold")
-    table.add_column("op", no_wrap=True)
-    for column in ("cycles", "us", "share", "GM bytes"):
-        table.add_column(column, justify="right", no_wrap=True)
-    table.add_column("bound", no_wrap=True)
-    table.add_column("est.", no_wrap=True)
+    # Below ~110 columns the op goes under the node's name and the per-node time in us (the
+    # cycles over the clock) is left to the total, so that names keep room for themselves.
+    wide = out.width >= 110
+    numeric = ("cycles", "us", "share", "GM bytes") if wide else ("cycles", "share", "GM bytes")
+    columns = ("node", "op", *numeric) if wide else ("node", *numeric)
+    nodes = table(*columns, "bound", "est.", numeric=numeric)
     for n in result.nodes:
-        table.add_row(
-            n.name,
-            n.op,
-            f"{n.cycles:,.0f}",
-            f"{n.stats.us:.2f}",
-            f"{100 * n.cycles / total:.1f}%",
+        name = Text(n.name) if wide else Text.assemble(n.name, "\n", (n.op, "dim"))
+        cells = [f"{n.cycles:,.0f}", f"{n.stats.us:.2f}", f"{100 * n.cycles / total:.1f}%"]
+        nodes.add_row(
+            name,
+            *([n.op] if wide else []),
+            *(cells if wide else [cells[0], cells[2]]),
             f"{n.gm_bytes:,}",
             n.stats.bound,
             "yes" if n.estimated else "",
         )
-    out.print(table)
+    print_table(f"{label} on {result.target} (simulated, timing only)", nodes, empty="no nodes")
     estimated = 100 * result.estimated_cycles / total
     out.print(
         f"total: {result.total_cycles:,.0f} cycles = {result.total_us:.2f} us on {result.target}; "
@@ -98,4 +106,4 @@ def profile(
     if result.dims:
         out.print("dims: " + ", ".join(f"{k}={v}" for k, v in result.dims.items()))
     if trace is not None:
-        out.print(f"wrote {trace}")
+        out.print(f"wrote {trace}", soft_wrap=True)

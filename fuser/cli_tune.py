@@ -12,17 +12,13 @@ as `1,2` or `[0]`, strings).
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from .cli_common import resolve_input
+from .cli_common import command_json, err, out, print_json, print_table, resolve_input, table
 from .errors import FuserError, UsageError
 
 
@@ -61,7 +57,6 @@ def tune(
     from .tune import tune_model, tune_op
     from .tuning_cache import TuningCache
 
-    err = Console(stderr=True)
     try:
         machine = load_target(target)
     except TargetError as e:
@@ -101,11 +96,10 @@ def tune(
             if top > 0:
                 d["candidates"] = d["candidates"][:top]
             shown.append(d)
-        sys.stdout.write(json.dumps({"target": target, "nodes": shown}, indent=2) + "\n")
+        print_json(command_json("tune", model, target, {"nodes": shown}))
         return
-    out = Console()
     for r in results:
-        _print(out, r, top)
+        _print(r, top)
 
 
 def _fused_model(spec: str, target: str) -> Any:
@@ -176,24 +170,23 @@ def _value(text: str) -> Any:
     return text
 
 
-def _print(out: Console, r: Any, top: int) -> None:
+def _print(r: Any, top: int) -> None:
     space = f"{r.space_size} tilings" + ("" if r.exhaustive else ", pruned search")
-    out.print(f"[bold]{r.name}[/bold] ({r.op}, inputs {list(r.shapes)}): {space}")
-    table = Table(show_lines=False)
-    table.add_column("#", justify="right")
-    table.add_column("tiling")
-    table.add_column("predicted", justify="right")
-    table.add_column("simulated", justify="right")
+    candidates = table(
+        "#", "tiling", "predicted", "simulated", numeric=("#", "predicted", "simulated")
+    )
     shown = r.candidates if top <= 0 else r.candidates[:top]
     for i, c in enumerate(shown, 1):
         tiling = " ".join(f"{k}={v}" for k, v in c.tiling.items())
         sim = "" if c.simulated_cycles is None else f"{c.simulated_cycles:,.0f}"
-        table.add_row(str(i), tiling, f"{c.predicted_cycles:,.0f}", sim)
+        candidates.add_row(str(i), tiling, f"{c.predicted_cycles:,.0f}", sim)
     if r.default is not None:
         tiling = " ".join(f"{k}={v}" for k, v in r.default.tiling.items())
         sim = f"{r.default.simulated_cycles:,.0f}" if r.default.simulated_cycles else ""
-        table.add_row("dflt", tiling, f"{r.default.predicted_cycles:,.0f}", sim)
-    out.print(table)
+        candidates.add_row("dflt", tiling, f"{r.default.predicted_cycles:,.0f}", sim)
+    print_table(
+        f"{r.name} ({r.op}, inputs {list(r.shapes)}): {space}", candidates, empty="no tilings"
+    )
     chosen = " ".join(f"{k}={v}" for k, v in r.chosen.items())
     out.print(f"chosen: {chosen}")
     if r.spearman is not None or r.regret is not None:

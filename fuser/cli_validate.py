@@ -13,18 +13,21 @@ from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.text import Text
 
 from .cli_common import (
     DimOption,
     DimSizeOption,
+    command_json,
     err,
     fail,
     out,
     parse_dims,
     parse_inputs,
     print_json,
+    print_table,
     resolve_input,
+    table,
 )
 from .errors import FuserError
 
@@ -97,7 +100,8 @@ def validate(
     except FuserError as exc:
         raise fail(str(exc)) from None
     if as_json:
-        print_json(result.to_dict() | {"transport": "threads"})
+        data = command_json("validate", original, target, result.to_dict())
+        print_json(data | {"fused": fused, "transport": "threads"})
     else:
         print_validation(result)
     if not result.ok:
@@ -136,23 +140,23 @@ def progress_bar(label: str) -> Iterator[Callable[[int, int], None] | None]:
 
 def print_validation(result: Any) -> None:
     """Print a validation result: graph outputs, a line per fused-node check, the failures."""
-    table = Table(
-        title=f"validation ({result.runs} runs x {result.ranks} rank(s), seed {result.seed}, "
-        f"kernel {result.kernel})",
-        title_justify="left",
-    )
-    for column in ("output", "dtype", "max abs", "max rel", "tolerance", "ok"):
-        table.add_column(column, justify="right" if column.startswith(("max", "tol")) else "left")
+    numeric = ("max abs", "max rel", "tolerance")
+    outputs = table("output", "dtype", *numeric, "ok", numeric=numeric)
     for o in result.outputs:
-        table.add_row(
+        ok = Text("yes", style="green") if o.ok else Text("NO", style="red")
+        outputs.add_row(
             o.name,
             o.dtype,
             f"{o.max_abs:.3g}",
             f"{o.max_rel:.3g}",
             f"{o.tolerance:.0e}",
-            ("[green]yes[/]" if o.ok else "[red]NO[/]") + (f" ({o.detail})" if o.detail else ""),
+            ok + (f" ({o.detail})" if o.detail else ""),
         )
-    out.print(table)
+    title = (
+        f"validation ({result.runs} runs x {result.ranks} rank(s), seed {result.seed}, "
+        f"kernel {result.kernel})"
+    )
+    print_table(title, outputs, empty=f"{title}: no outputs compared")
     nodes = {c.node for c in result.nodes}
     bad_nodes = {c.node for c in result.nodes if not c.ok}
     out.print(

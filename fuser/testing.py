@@ -74,7 +74,8 @@ def assert_runs_stock(
     import onnxruntime
 
     from .fusedop import DOMAIN
-    from .validation import compare, lowest_float_upstream, make_inputs
+    from .validate_inputs import input_specs, make_feeds
+    from .validation import compare, lowest_float_upstream
 
     def plain(model: onnx.ModelProto) -> onnxruntime.InferenceSession:
         return onnxruntime.InferenceSession(
@@ -85,8 +86,9 @@ def assert_runs_stock(
     names = [o.name for o in expected_session.get_outputs()]
     precision = lowest_float_upstream(original, names)
     bad = []
+    specs = input_specs(original, {}, dim_size)
     for run in range(runs):
-        feeds = make_inputs(original, run=run, rank=0, seed=seed, dim_size=dim_size)
+        feeds = make_feeds(specs, run=run, rank=0, seed=seed)
         expected = expected_session.run(names, feeds)
         actual = actual_session.run(names, feeds)
         for name, e, a in zip(names, expected, actual, strict=True):

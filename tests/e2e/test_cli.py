@@ -80,7 +80,7 @@ def test_fuse_validate_and_report(model_file: Path, tmp_path: Path) -> None:
         "conv_bn_relu": 1,
         **{k: 0 for k in data["summary"] if k != "conv_bn_relu"},
     }
-    assert data["fusions"][0]["replaced"] == ["conv", "bn", "relu"]
+    assert data["fusions"][0]["nodes"] == ["conv", "bn", "relu"]
     assert data["nodes_before"] == 4 and data["nodes_after"] == 2
     assert data["validation"]["ok"] is True
     assert digest(model_file) == before
@@ -220,7 +220,7 @@ def test_disable_and_inspect(model_file: Path, tmp_path: Path) -> None:
     assert json.loads(result.stdout)["summary"].get("conv_bn_relu", 0) == 0
     inspected = fuser("inspect", str(model_file), "--json")
     data = json.loads(inspected.stdout)
-    assert [m["nodes"] for m in data["matches"]] == [["conv", "bn", "relu"]]
+    assert [m["nodes"] for m in data["fusions"]] == [["conv", "bn", "relu"]]
 
 
 def test_patterns_lists_every_family() -> None:
