@@ -4,7 +4,7 @@ For each of the four fused kernels (ConvBnRelu, LayerNormMatMul, SoftmaxTopK, Al
 and 26 shapes each (the models/ examples' shapes scaled to real sizes, and the articles':
 ResNet-50 and MobileNet convolutions, BERT / GPT-2 / LLaMA LayerNorm+Linear, Mixtral / Qwen2 /
 DeepSeek MoE gating, tensor- and sequence-parallel MLPs; small to large, with tails), every
-legal tiling of the kernel's space is priced by the model (`fuser.kernels._cost`) and a set of
+legal tiling of the kernel's space is priced by the model (`fuser.kernels.search`) and a set of
 them is run by the event-level simulator in timing-only mode. Printed per kernel:
 
 1. model quality: median and worst Spearman rank correlation, median and p90 top-1 regret
@@ -47,7 +47,7 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
-from fuser.kernels import _cost  # noqa: E402
+from fuser.kernels import search as kernel_search  # noqa: E402
 from fuser.kernels._link import step_cycles  # noqa: E402
 from fuser.kernels.api import TensorMeta, Tiling  # noqa: E402
 from fuser.kernels.npu.machine import load_target  # noqa: E402
@@ -234,11 +234,11 @@ def run_case(args: tuple[Case, str, int]) -> dict[str, Any]:
     case, target, per_shape = args
     machine = load_target(target)
     kernel = get_kernel("fuser", case.op)
-    model = _cost.model_for("fuser", case.op)
+    model = kernel_search.model_for("fuser", case.op)
     assert kernel is not None
     assert model is not None
     t0 = time.perf_counter()
-    result = _cost.search("fuser", case.op, case.metas, case.attrs, machine)
+    result = kernel_search.search("fuser", case.op, case.metas, case.attrs, machine)
     ranked = list(result.candidates)
     order = list(range(len(ranked)))
     picked = _sample(order, per_shape)
@@ -258,7 +258,9 @@ def run_case(args: tuple[Case, str, int]) -> dict[str, Any]:
     best = min(sims)
     pick = sims[0]  # the sample starts with the model's pick
     dtype = case.metas[0].dtype  # type: ignore[union-attr]
-    floor = max(_cost.roofline_floor(case.flops, case.gm_bytes, machine, dtype), case.link_cycles)
+    floor = max(
+        kernel_search.roofline_floor(case.flops, case.gm_bytes, machine, dtype), case.link_cycles
+    )
     return {
         "op": case.op,
         "label": case.label,

@@ -35,11 +35,11 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 from fuser.kernels import registry  # noqa: E402
-from fuser.kernels._cost import host_tiling, model_for  # noqa: E402
 from fuser.kernels._rows import RowTiling  # noqa: E402
 from fuser.kernels.api import Input, Kernel, KernelError, TensorMeta, meta_of  # noqa: E402
 from fuser.kernels.npu.machine import Machine, load_target  # noqa: E402
 from fuser.kernels.npu.stats import RunStats, sequence  # noqa: E402
+from fuser.kernels.search import host_tiling, model_for  # noqa: E402
 from fuser.models import EXAMPLES, get_example  # noqa: E402
 from rich import box  # noqa: E402
 from rich.console import Console  # noqa: E402

@@ -2,7 +2,7 @@
 
 For a match, `CostModelDecider` prices
 
-- the fused op: the tiling search of its kernel (`fuser.kernels._cost.search`: every legal
+- the fused op: the tiling search of its kernel (`fuser.kernels.search.search`: every legal
   tiling of the kernel's space priced analytically) gives the best tiling and its cycles;
 - the unfused chain: each matched node on the same target. Ops with a cost model (MatMul, Gemm,
   Conv) at their best tiling, so both sides are tuned alike; other ops with a kernel by that
@@ -136,13 +136,13 @@ class CostModelDecider:
 
         An input whose rank shape inference lost (symbolic Reshapes upstream) is taken as
         [symbolic_size, D], D read from the op's weights (`_guess_input`)."""
-        from .kernels import _cost
+        from .kernels import search as kernel_search
         from .kernels.api import KernelError
         from .kernels.registry import get_kernel
 
         op = match.op
         kernel = get_kernel("fuser", op.name)
-        if kernel is None or _cost.model_for("fuser", op.name) is None:
+        if kernel is None or kernel_search.model_for("fuser", op.name) is None:
             raise UnpriceableError(f"no kernel or cost model for {op.name}")
         attrs = {k: _plain(v) for k, v in match.attributes.items() if v is not None}
         sizes: dict[str, int] = {}
@@ -168,7 +168,7 @@ class CostModelDecider:
                 self._memo[memo_key] = Priced(hit.predicted_cycles, dict(hit.tiling), symbolic)
                 return Priced(hit.predicted_cycles, dict(hit.tiling), symbolic)
         try:
-            result = _cost.search("fuser", op.name, metas, attrs, self.machine)
+            result = kernel_search.search("fuser", op.name, metas, attrs, self.machine)
         except KernelError as e:
             raise UnpriceableError(f"{op.name}: {e}") from None
         tiling = {
@@ -212,7 +212,7 @@ class CostModelDecider:
 
         `known` holds metas of values the graph has no type for (filled in here with this
         node's inferred outputs, so the next node of a chain can be priced)."""
-        from .kernels import _cost
+        from .kernels import search as kernel_search
         from .kernels.api import KernelError
         from .kernels.registry import estimate, get_kernel
 
@@ -242,8 +242,8 @@ class CostModelDecider:
         if kernel is not None:
             inputs = self._with_constants(graph, node, metas)
             try:
-                if _cost.model_for(domain, node.op_type) is not None:
-                    cycles = _cost.search(
+                if kernel_search.model_for(domain, node.op_type) is not None:
+                    cycles = kernel_search.search(
                         domain, node.op_type, metas, attrs, self.machine
                     ).best.cycles
                 else:

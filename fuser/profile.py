@@ -526,9 +526,9 @@ def _searched_tiling(
     kernel: Kernel, metas: list[TensorMeta | None], attrs: Mapping[str, Any], npu: Machine
 ) -> Tiling | None:
     """The tiling search's pick for an op with a cost model, or None (kernel default)."""
-    from .kernels._cost import host_tiling, model_for
     from .kernels.api import KernelError
     from .kernels.npu.errors import NpuError
+    from .kernels.search import host_tiling, model_for
 
     if model_for(kernel.domain, kernel.op_type) is None:
         return None

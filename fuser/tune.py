@@ -1,7 +1,7 @@
 """`fuser tune`: the tiling search of each fused node, ranked, optionally checked on the simulator.
 
 For every fused node of a model (or one op given by type and shapes), the cost model prices
-the kernel's whole tiling space (`fuser.kernels._cost.search`). With `simulate`, the best `top`
+the kernel's whole tiling space (`fuser.kernels.search.search`). With `simulate`, the best `top`
 candidates by the model (and the kernel's default tiling) also run on the event-level simulator
 in timing-only mode, which gives the Spearman rank correlation of predicted and simulated
 cycles and the regret of the model's pick (`sim(pick) / min sim - 1`). The simulator's best is
@@ -114,14 +114,14 @@ def tune_op(
     progress: Progress | None = None,
 ) -> NodeTuning:
     """Search one op's tilings; with `simulate` run the `top` best (and the default)."""
-    from .kernels import _cost
+    from .kernels import search as kernel_search
     from .kernels.registry import get_kernel
 
     kernel = get_kernel(domain, op_type)
     if kernel is None:
         raise ValueError(f"no kernel for {domain}:{op_type}")
     attrs = {k: v for k, v in attrs.items() if not k.startswith("tile_")}
-    result = _cost.search(domain, op_type, metas, attrs, machine)
+    result = kernel_search.search(domain, op_type, metas, attrs, machine)
 
     def fields(t: Any) -> dict[str, int]:
         return {f.name: int(getattr(t, f.name)) for f in dataclasses.fields(t)}
@@ -143,7 +143,7 @@ def tune_op(
             sims[i] = run.stats.cycles
         base = kernel.default_tiling(metas, attrs, machine)
         run = kernel.run(machine, metas, attrs, tiling=base, functional=False, timeline=False)
-        model = _cost.model_for(domain, op_type)
+        model = kernel_search.model_for(domain, op_type)
         assert model is not None
         default = Candidate(fields(base), model.cost(metas, attrs, base, machine), run.stats.cycles)
         if progress is not None:

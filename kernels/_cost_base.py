@@ -1,4 +1,4 @@
-"""Shared pieces of the analytical cost models (`_cost_<family>` modules, indexed by `_cost`).
+"""Shared pieces of the analytical cost models (each kernel package's `cost`, indexed by `search`).
 
 A cost model prices one tiling of one kernel on a target without running the simulator, with
 `shared/docs/npu-model.md`'s formulas:

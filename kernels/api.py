@@ -19,10 +19,11 @@ Calling convention (`Kernel.run`):
   ONNX default. Attributes named `tile_<field>` give the tiling (see below).
 - The result is a `KernelRun(outputs, stats)`; `stats` is a `RunStats` with the timeline.
 
-How to add a kernel (one file, nothing else to edit):
-1. Create `kernels/<name>.py`. Define a frozen dataclass tiling subclassing `Tiling` whose
-   fields are all ints (booleans as 0/1, e.g. `double_buffer`), so that they round-trip as
-   `tile_<field>` node attributes.
+How to add a kernel (one file or folder, nothing else to edit):
+1. Create `kernels/<name>.py` (or a folder `kernels/<name>/` whose `__init__` exports `KERNELS`
+   and, with a cost model in `cost.py`, `MODELS`). Define a frozen dataclass tiling
+   subclassing `Tiling` whose fields are all ints (booleans as 0/1, e.g. `double_buffer`),
+   so that they round-trip as `tile_<field>` node attributes.
 2. Subclass `Kernel`: set `op_type`, `domain` ("fuser" for fused ops, "" for ONNX ops,
    "com.microsoft" for contrib ops) and `tiling_type`; implement `infer` (output metas),
    `default_tiling`, `check_tiling` (raise `TilingError` with a reason when the tiling does
@@ -30,7 +31,8 @@ How to add a kernel (one file, nothing else to edit):
    program: reserve queues in the core's buffers, then copy in, compute, copy out, and call
    `npu.launch.launch` to run it SPMD over the cores).
 3. At module level: `KERNELS = (MyKernel(),)`. `registry` imports every module of this package
-   (except those whose name starts with `_`) and registers what `KERNELS` lists.
+   (except those whose name starts with `_`) and registers what `KERNELS` lists. A fused
+   kernel mixes in `search.Searched`, so its run-time tiling is the tiling search's pick.
 Shared helpers for kernels live in modules whose names start with `_`.
 """
 
@@ -156,13 +158,8 @@ class Kernel(ABC):
     def host_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> Tiling:
-        """The run-time tiling of a fused op without `tile_*` attributes (symbolic shapes at
-        fuse time): the tiling search's pick by the cost model `fuse` uses (`_cost`); other ops
-        keep their `default_tiling`."""
-        if self.domain == "fuser":
-            from ._cost import host_tiling
-
-            return host_tiling(self, inputs_meta, attrs, machine)
+        """The run-time tiling when a node carries no `tile_*` attributes: `default_tiling`.
+        Fused kernels mix in `search.Searched`, whose pick is the tiling search's."""
         return self.default_tiling(inputs_meta, attrs, machine)
 
     @abstractmethod

@@ -1,8 +1,9 @@
 """Registry of kernels, found by discovery, and the roofline estimate for every other op.
 
-Every module of `fuser.kernels` whose name does not start with `_` (and is not `api` or
-`registry`) is imported once; each lists its kernels in a module-level `KERNELS` tuple. So
-adding a kernel is adding one file (see `fuser.kernels.api`).
+Every module or kernel package of `fuser.kernels` whose name does not start with `_` (and is
+not `api`, `registry`, `search`, `npu` or `targets`) is imported once; each lists its kernels in
+a module-level `KERNELS` tuple, and a kernel with a cost model lists it in `MODELS`. So adding a
+kernel is adding one file or one folder (see `fuser.kernels.api`).
 """
 
 from __future__ import annotations
@@ -11,24 +12,30 @@ import importlib
 import pkgutil
 from collections.abc import Mapping, Sequence
 from functools import cache
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 
+from ._cost_base import CostModel
 from .api import Kernel, TensorMeta
 from .npu.machine import Machine
 from .npu.stats import RunStats
 
-_NOT_KERNEL_MODULES = frozenset({"api", "registry", "npu", "targets"})
+_NOT_KERNEL_MODULES = frozenset({"api", "registry", "search", "npu", "targets"})
+
+
+def _kernel_modules() -> list[ModuleType]:
+    package = importlib.import_module(__package__ or "fuser.kernels")
+    return [
+        importlib.import_module(f"{package.__name__}.{info.name}")
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name)
+        if not info.name.startswith("_") and info.name not in _NOT_KERNEL_MODULES
+    ]
 
 
 @cache
 def all_kernels() -> Mapping[tuple[str, str], Kernel]:
     """Every registered kernel keyed by (domain, op_type)."""
     found: dict[tuple[str, str], Kernel] = {}
-    package = importlib.import_module(__package__ or "fuser.kernels")
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        if info.name.startswith("_") or info.name in _NOT_KERNEL_MODULES:
-            continue
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
+    for module in _kernel_modules():
         for kernel in getattr(module, "KERNELS", ()):
             key = (kernel.domain, kernel.op_type)
             if key in found:
@@ -37,6 +44,16 @@ def all_kernels() -> Mapping[tuple[str, str], Kernel]:
                     f"{type(kernel).__name__} in {module.__name__})"
                 )
             found[key] = kernel
+    return MappingProxyType(found)
+
+
+@cache
+def all_models() -> Mapping[tuple[str, str], CostModel]:
+    """Every kernel's cost model keyed by (domain, op_type)."""
+    found: dict[tuple[str, str], CostModel] = {}
+    for module in _kernel_modules():
+        for model in getattr(module, "MODELS", ()):
+            found[(model.domain, model.op_type)] = model
     return MappingProxyType(found)
 
 

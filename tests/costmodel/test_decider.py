@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from fuser.kernels import _cost
+from fuser.kernels import search as kernel_search
 from fuser.kernels.api import TensorMeta
 from fuser.kernels.npu.machine import load_target
 from fuser.kernels.registry import get_kernel
@@ -108,7 +108,7 @@ def test_symbolic_shapes_store_no_tiling_and_the_kernel_tiles_at_run_time(
         metas = [TensorMeta((points, 4), np.float32)]
         tiling = kernel.host_tiling(metas, attrs, B910)
         kernel.check_tiling(metas, attrs, tiling, B910)
-        assert tiling == _cost.search(DOMAIN, node.op_type, metas, attrs, B910).best.tiling
+        assert tiling == kernel_search.search(DOMAIN, node.op_type, metas, attrs, B910).best.tiling
         x = np.random.default_rng(points).standard_normal((points, 4)).astype(np.float32)
         run = kernel.run(B910, [x], attrs)  # no tiling given: host tiling
         assert run.outputs[0].shape == (points, attrs["k"])

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from fuser.kernels import _cost
+from fuser.kernels import search as kernel_search
 from fuser.kernels.api import TensorMeta, TilingError
 from fuser.kernels.npu.machine import Machine, load_target
 from fuser.kernels.registry import get_kernel
@@ -57,13 +57,13 @@ def test_capacity_violating_tilings_are_never_in_the_space_nor_chosen(
     target = small_machine(machine) if tiny else machine
     kernel = get_kernel(domain, op)
     assert kernel is not None
-    result = _cost.search(domain, op, metas, attrs, target)
+    result = kernel_search.search(domain, op, metas, attrs, target)
     for priced in result.candidates:
         kernel.check_tiling(metas, attrs, priced.tiling, target)  # raises if it does not fit
     assert result.best is result.candidates[0]
     cheapest = min(p.cycles for p in result.candidates)
     # Near-ties (within 1%) go to the biggest tiles; the rest is ranked by the model.
-    assert result.best.cycles <= (1 + _cost.TIE) * cheapest
+    assert result.best.cycles <= (1 + kernel_search.TIE) * cheapest
     assert result.runner_up is not None
     cycles = [p.cycles for p in result.candidates[1:]]
     assert cycles == sorted(cycles)
@@ -75,7 +75,7 @@ def test_the_check_is_real_a_too_big_tiling_raises(machine: Machine) -> None:
     domain, op, metas, attrs = CASES[0]
     kernel = get_kernel(domain, op)
     assert kernel is not None
-    best = _cost.search(domain, op, metas, attrs, machine).best.tiling
+    best = kernel_search.search(domain, op, metas, attrs, machine).best.tiling
     huge = dataclasses.replace(best, tile_co=512, tile_ci=256, tile_h=30, tile_w=30)
     with pytest.raises(TilingError):
         kernel.check_tiling(metas, attrs, huge, machine)
@@ -94,7 +94,7 @@ def test_model_ranks_tilings_as_the_simulator_does(
 ) -> None:
     kernel = get_kernel(domain, op)
     assert kernel is not None
-    result = _cost.search(domain, op, metas, attrs, machine)
+    result = kernel_search.search(domain, op, metas, attrs, machine)
     # Every 8th candidate of the ranking: the whole range, a fast test.
     sample = list(result.candidates[:: max(1, len(result.candidates) // 24)])
     sims = [
@@ -114,7 +114,7 @@ def test_roofline_floor_is_below_every_simulated_run(machine: Machine) -> None:
     kernel = get_kernel("", "MatMul")
     assert kernel is not None
     flops, nbytes = 2 * 512 * 1024 * 1024, 2 * (2 * 512 * 1024 + 1024**2)
-    floor = _cost.roofline_floor(flops, nbytes, machine, F16)
-    best = _cost.search("", "MatMul", metas, {}, machine).best.tiling
+    floor = kernel_search.roofline_floor(flops, nbytes, machine, F16)
+    best = kernel_search.search("", "MatMul", metas, {}, machine).best.tiling
     run = kernel.run(machine, metas, {}, tiling=best, functional=False, timeline=False)
     assert 0 < floor < run.stats.cycles

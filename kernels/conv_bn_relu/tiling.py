@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._budget import QueueSpec, fits
-from ._conv_geometry import ConvGeometry
-from .api import Tiling, TilingError
-from .npu.machine import Machine
-from .npu.pipes import Level
+from .._budget import QueueSpec, fits
+from ..api import Tiling, TilingError
+from ..npu.machine import Machine
+from ..npu.pipes import Level
+from .geometry import ConvGeometry
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._budget import QueueSpec, check_flag, check_positive, require_fits
-from ._groups import Group, from_workspace, launch_groups, to_workspace, ub_to_l1, workspace_tile
-from ._lnmm import (
+from .._budget import QueueSpec, check_flag, check_positive, require_fits
+from .._groups import Group, from_workspace, launch_groups, to_workspace, ub_to_l1, workspace_tile
+from ..api import Kernel, KernelRun, TensorMeta, Tiling, TilingError
+from ..layernorm import LayerNormSpec, flat_param, layernorm_rows, layernorm_steps
+from ..npu.core import Core
+from ..npu.machine import Machine
+from ..npu.memory import Buffer, Queue, Tile
+from ..npu.pipes import Level, Pipe
+from ..search import Searched
+from .plan import (
     Item,
     LayerNormMatMulTiling,
     Problem,
@@ -54,15 +61,9 @@ from ._lnmm import (
     problem,
     specs,
 )
-from .api import Kernel, KernelRun, TensorMeta, Tiling, TilingError
-from .layernorm import LayerNormSpec, flat_param, layernorm_rows, layernorm_steps
-from .npu.core import Core
-from .npu.machine import Machine
-from .npu.memory import Buffer, Queue, Tile
-from .npu.pipes import Level, Pipe
 
 
-class LayerNormMatMulKernel(Kernel):
+class LayerNormMatMulKernel(Searched, Kernel):
     """Fused LayerNorm + n MatMuls (+ bias); see the module docstring."""
 
     op_type = "LayerNormMatMul"

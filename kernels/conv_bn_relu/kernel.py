@@ -26,15 +26,16 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from ._budget import QueueSpec, check_flag, check_positive, require_fits
-from ._conv_geometry import ConvGeometry, conv_geometry
-from ._conv_tiling import ConvTiling, conv_specs, default_conv_tiling, effective
-from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
-from .npu.core import Core
-from .npu.launch import launch
-from .npu.machine import Machine
-from .npu.memory import Tile
-from .npu.pipes import Level
+from .._budget import QueueSpec, check_flag, check_positive, require_fits
+from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
+from ..npu.core import Core
+from ..npu.launch import launch
+from ..npu.machine import Machine
+from ..npu.memory import Tile
+from ..npu.pipes import Level
+from ..search import Searched
+from .geometry import ConvGeometry, conv_geometry
+from .tiling import ConvTiling, conv_specs, default_conv_tiling, effective
 
 
 class _Item(NamedTuple):
@@ -378,7 +379,7 @@ class Conv(_ConvKernel):
     fused = False
 
 
-class ConvBnRelu(_ConvKernel):
+class ConvBnRelu(Searched, _ConvKernel):
     """Fused Conv -> BatchNormalization -> Relu (docs/fused-ops.md): inputs X, W, B, then
     scale, bias, mean, var (all four or none); attributes as Conv plus epsilon and relu."""
 

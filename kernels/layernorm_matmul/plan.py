@@ -19,14 +19,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._budget import QueueSpec
-from ._groups import l2_bytes_per_cycle, vector_cores_per_group
-from ._levels import overflow
-from .api import KernelError, TensorMeta, Tiling, TilingError
-from .layernorm import LayerNormSpec, layernorm_spec, layernorm_steps
-from .npu.launch import split_balanced
-from .npu.machine import Machine
-from .npu.pipes import Level
+from .._budget import QueueSpec
+from .._groups import l2_bytes_per_cycle, vector_cores_per_group
+from .._levels import overflow
+from ..api import KernelError, TensorMeta, Tiling, TilingError
+from ..layernorm import LayerNormSpec, layernorm_spec, layernorm_steps
+from ..npu.launch import split_balanced
+from ..npu.machine import Machine
+from ..npu.pipes import Level
 
 OP = "LayerNormMatMul"
 

@@ -38,16 +38,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._budget import QueueSpec, check_flag, check_positive, require_fits
-from ._levels import overflow
-from ._link import arrival_order, ring_arrivals, with_link
-from .allgather import Gather, concat_shards, gather_spec
-from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
-from .npu.core import Core
-from .npu.launch import launch, split_balanced
-from .npu.machine import Machine
-from .npu.memory import Queue, Tile
-from .npu.pipes import Level, Pipe
+from .._budget import QueueSpec, check_flag, check_positive, require_fits
+from .._levels import overflow
+from .._link import arrival_order, ring_arrivals, with_link
+from ..allgather import Gather, concat_shards, gather_spec
+from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
+from ..npu.core import Core
+from ..npu.launch import launch, split_balanced
+from ..npu.machine import Machine
+from ..npu.memory import Queue, Tile
+from ..npu.pipes import Level, Pipe
+from ..search import Searched
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-class AllGatherMatMulKernel(Kernel):
+class AllGatherMatMulKernel(Searched, Kernel):
     """Fused AllGather + MatMul (+ bias); see the module docstring."""
 
     op_type = "AllGatherMatMul"

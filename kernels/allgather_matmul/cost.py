@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._cost_base import (
+from .._cost_base import (
     LastProblem,
     Stream,
     aligned_sizes,
@@ -33,10 +33,10 @@ from ._cost_base import (
     fitting,
     kernel_cycles,
 )
-from ._link import ring_arrivals
-from .allgather_matmul import AllGatherMatMulTiling, _effective, _Problem, _problem, _specs
-from .api import TensorMeta, Tiling
-from .npu.machine import Machine
+from .._link import ring_arrivals
+from ..api import TensorMeta, Tiling
+from ..npu.machine import Machine
+from .kernel import AllGatherMatMulTiling, _effective, _Problem, _problem, _specs
 
 OP = "AllGatherMatMul"
 

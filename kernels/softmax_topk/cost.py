@@ -19,11 +19,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._cost_base import LastProblem, Stream, core_counts, dma, dma_out, fitting, kernel_cycles
-from ._rows import RowPlan, RowTiling, specs
-from .api import Kernel, TensorMeta, Tiling
-from .npu.machine import Machine
-from .registry import get_kernel
+from .._cost_base import LastProblem, Stream, core_counts, dma, dma_out, fitting, kernel_cycles
+from .._rows import RowPlan, RowTiling, specs
+from ..api import Kernel, TensorMeta, Tiling
+from ..npu.machine import Machine
+from ..registry import get_kernel
 
 
 def row_cycles(machine: Machine, plan: RowPlan, t: RowTiling) -> float:
@@ -137,7 +137,7 @@ def plan_of(
     kernel: Kernel, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
 ) -> RowPlan:
     """The `RowPlan` the SoftmaxTopK kernel builds for these inputs."""
-    from . import softmax_topk
+    from . import kernel as softmax_topk
 
     if isinstance(kernel, softmax_topk.SoftmaxTopKKernel):
         return kernel._plan(softmax_topk._spec(kernel.op_type, metas, attrs), machine)

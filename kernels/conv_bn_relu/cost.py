@@ -1,6 +1,6 @@
 """Cost model of the implicit-GEMM convolutions: `ConvBnRelu` (fused) and ONNX `Conv`.
 
-Refines `_conv_tiling.estimate_cycles` (the kernel's own first-order estimate) into the stream
+Refines `tiling.estimate_cycles` (the kernel's own first-order estimate) into the stream
 form of `_cost_base`, following the kernel's program step by step: per output block of
 `tile_h` x `tile_w` pixels x `tile_co` channels, per K chunk of `tile_ci` channels one input
 copy (halo rows included, clipped to the image) and one weight copy (skipped when a single
@@ -24,9 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ._conv_geometry import ConvGeometry
-from ._conv_tiling import ConvTiling, conv_specs, effective, n_items
-from ._cost_base import (
+from .._cost_base import (
     LastProblem,
     Stage,
     Stream,
@@ -38,10 +36,12 @@ from ._cost_base import (
     fitting,
     kernel_cycles,
 )
-from .api import TensorMeta, Tiling
-from .conv_bn_relu import _ConvKernel
-from .npu.machine import Machine
-from .registry import get_kernel
+from ..api import TensorMeta, Tiling
+from ..npu.machine import Machine
+from ..registry import get_kernel
+from .geometry import ConvGeometry
+from .kernel import _ConvKernel
+from .tiling import ConvTiling, conv_specs, effective, n_items
 
 
 def conv_cycles(

@@ -27,12 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _rows
-from ._rows import RowOut, RowPlan, RowTiling, VecStep
-from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling
-from .npu.machine import Machine
-from .softmax import F32, SOFTMAX_OPS, check_float, softmax_rows
-from .topk import I64, select_steps, topk_rows
+from .. import _rows
+from .._rows import RowOut, RowPlan, RowTiling, VecStep
+from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling
+from ..npu.machine import Machine
+from ..search import Searched
+from ..softmax import F32, SOFTMAX_OPS, check_float, softmax_rows
+from ..topk import I64, select_steps, topk_rows
 
 ORDERS = ("softmax_topk", "topk_softmax")
 
@@ -120,7 +121,7 @@ def _tile(s: _Spec, x: np.ndarray) -> tuple[np.ndarray, ...]:
     return (values.astype(s.values_dtype, copy=False), indices, *extra)
 
 
-class SoftmaxTopKKernel(Kernel):
+class SoftmaxTopKKernel(Searched, Kernel):
     """Fused Softmax + TopK (+ renormalize), either order; see the module docstring."""
 
     op_type = "SoftmaxTopK"

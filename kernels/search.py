@@ -29,17 +29,14 @@ import dataclasses
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from . import _cost_allgather, _cost_conv, _cost_gemm, _cost_lnmm, _cost_rows
 from ._cost_base import CostModel
 from .api import Kernel, TensorMeta, Tiling, TilingError
 from .npu.machine import Machine
-from .registry import get_kernel
+from .registry import all_models, get_kernel
 
 EXHAUSTIVE_LIMIT = 4096
 BEAM = 32
@@ -55,14 +52,9 @@ def _volume(t: Tiling) -> int:
     return v
 
 
-@cache
 def models() -> Mapping[tuple[str, str], CostModel]:
-    """Every cost model keyed by (domain, op_type)."""
-    found: dict[tuple[str, str], CostModel] = {}
-    for module in (_cost_gemm, _cost_conv, _cost_rows, _cost_lnmm, _cost_allgather):
-        for m in module.MODELS:
-            found[(m.domain, m.op_type)] = m
-    return MappingProxyType(found)
+    """Every cost model keyed by (domain, op_type) (each kernel package's `MODELS`)."""
+    return all_models()
 
 
 def model_for(domain: str, op_type: str) -> CostModel | None:
@@ -214,6 +206,18 @@ def _host_tiling_cached(
             _MEMO.clear()
         _MEMO[key] = hit
     return hit
+
+
+class Searched:
+    """Mixin of fused kernels: without `tile_*` attributes (symbolic shapes at fuse time), the
+    run-time tiling is the search's pick by the cost model `fuse` uses."""
+
+    def host_tiling(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> Tiling:
+        """The search's best tiling for these inputs (see `host_tiling`)."""
+        assert isinstance(self, Kernel)
+        return host_tiling(self, inputs_meta, attrs, machine)
 
 
 def _thaw(attrs: Mapping[str, Any]) -> dict[str, Any]:

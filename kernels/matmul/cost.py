@@ -1,4 +1,4 @@
-"""Cost model of the Cube GEMM kernels: ONNX `MatMul` and `Gemm` (`matmul.py`).
+"""Cost model of the Cube GEMM kernels: ONNX `MatMul` and `Gemm` (`kernel.py` beside it).
 
 A work item is one `tile_m` x `tile_n` output block; per `tile_k` chunk of K the A and B panels
 are copied into L1 (two MTE2 copies, each with its head), per `tile_k0` step both go to
@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._cost_base import (
+from .._cost_base import (
     LastProblem,
     Stream,
     aligned_sizes,
@@ -26,10 +26,10 @@ from ._cost_base import (
     fitting,
     kernel_cycles,
 )
-from .api import TensorMeta, Tiling
-from .matmul import GemmProblem, MatMulTiling, _CubeGemm
-from .npu.machine import Machine
-from .registry import get_kernel
+from ..api import TensorMeta, Tiling
+from ..npu.machine import Machine
+from ..registry import get_kernel
+from .kernel import GemmProblem, MatMulTiling, _CubeGemm
 
 
 def gemm_cycles(machine: Machine, p: GemmProblem, t: MatMulTiling, gm_extra: float = 0.0) -> float:

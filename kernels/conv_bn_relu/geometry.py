@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .api import KernelError, TensorMeta
+from ..api import KernelError, TensorMeta
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._cost_base import (
+from .._cost_base import (
     LastProblem,
     Stream,
     aligned_sizes,
@@ -41,8 +41,12 @@ from ._cost_base import (
     fitting,
     kernel_cycles,
 )
-from ._groups import l2_bytes_per_cycle, vector_cores_per_group
-from ._lnmm import (
+from .._groups import l2_bytes_per_cycle, vector_cores_per_group
+from ..api import TensorMeta, Tiling
+from ..layernorm import layernorm_steps
+from ..npu.machine import Machine
+from ..npu.pipes import Level
+from .plan import (
     LayerNormMatMulTiling,
     Problem,
     effective,
@@ -52,10 +56,6 @@ from ._lnmm import (
     round_up,
     specs,
 )
-from .api import TensorMeta, Tiling
-from .layernorm import layernorm_steps
-from .npu.machine import Machine
-from .npu.pipes import Level
 
 
 def lnmm_cycles(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> float:

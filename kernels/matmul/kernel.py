@@ -18,13 +18,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._budget import QueueSpec, check_flag, check_positive, fits, require_fits
-from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
-from .npu.core import Core
-from .npu.launch import launch
-from .npu.machine import Machine
-from .npu.memory import Tile
-from .npu.pipes import Level
+from .._budget import QueueSpec, check_flag, check_positive, fits, require_fits
+from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
+from ..npu.core import Core
+from ..npu.launch import launch
+from ..npu.machine import Machine
+from ..npu.memory import Tile
+from ..npu.pipes import Level
 
 
 @dataclass(frozen=True)
