@@ -122,7 +122,8 @@ def rms_norm(
     dtype = x.dtype
     stats = np.promote_types(dtype, np.float32) if stash_type == 1 else dtype
     xs = x.astype(stats)
-    ms = (xs * xs).mean(axis=-1, keepdims=True).astype(stats)
+    with np.errstate(over="ignore"):  # float16 statistics overflow as the original's do
+        ms = (xs * xs).mean(axis=-1, keepdims=True).astype(stats)
     with np.errstate(divide="ignore"):  # epsilon 0 on a zero row: inf * 0 = NaN, as ONNX
         inv = (1 / np.sqrt(ms + np.asarray(epsilon, dtype=stats))).astype(stats)
     with np.errstate(invalid="ignore"):
