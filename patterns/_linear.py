@@ -159,27 +159,47 @@ def _gemm(graph: GraphIndex, node_id: int, pre: tuple[int, ...], flatten: int) -
     return Linear(nodes, weight, bias, node.output[0], flatten, tuple(inits))
 
 
+def _is_linear_reader(graph: GraphIndex, reader: int, value: str) -> bool:
+    r = graph.node(reader)
+    return r.domain == "" and r.op_type in ("Gemm", "MatMul") and r.input[0] == value
+
+
 def _flatten_reshape(
     graph: GraphIndex, node_id: int, value: str, width: int | None
-) -> Linear | None:
-    """Reshape(value, [-1, K]) -> Gemm/MatMul as a flattened Linear; None if the Reshape's only
-    reader is neither; a near miss if its target does more than flatten the leading dims."""
+) -> list[Linear] | None:
+    """Reshape(value, [-1, K]) -> Gemm/MatMul (one or several, as Qwen's shared-expert gate/up)
+    as flattened Linears; None if no Linear reads the Reshape; a near miss if its target does
+    more than flatten the leading dims, or if something else reads the flattened value too."""
     node = graph.node(node_id)
-    reader = only_reader(graph, node.output[0])
-    if node.input[0] != value or reader is None:
-        return None
-    r = graph.node(reader)
-    if r.domain != "" or r.op_type not in ("Gemm", "MatMul") or r.input[0] != node.output[0]:
+    flat = node.output[0]
+    readers = graph.readers(flat)
+    linear_readers = [r for r in readers if _is_linear_reader(graph, r, flat)]
+    if node.input[0] != value or not linear_readers:
         return None
     name = graph.describe(node_id)
+    first = linear_readers[0]
+    where = f"Reshape '{name}' before {graph.node(first).op_type} '{graph.describe(first)}'"
+    others = [r for r in readers if r not in linear_readers]
+    if others or graph.is_graph_output(flat):
+        who = (
+            f"'{graph.describe(others[0])}' ({graph.node(others[0]).op_type})"
+            if others
+            else "the graph output"
+        )
+        raise NearMiss(
+            f"{where}: the flattened value '{flat}' is also read by {who}, so the Reshape "
+            "cannot be fused away (and left outside it would read the fused node's output "
+            "and feed it: a cycle)",
+            flat,
+            (node_id, first),
+        )
     target = const(graph, node.input[1])
     if target is None:
         raise NearMiss(
-            f"Reshape '{name}' before {r.op_type} '{graph.describe(reader)}': its target shape "
-            f"'{node.input[1]}' is computed at run time, so it cannot be checked to only "
-            "flatten the leading dims",
+            f"{where}: its target shape '{node.input[1]}' is computed at run time, so it "
+            "cannot be checked to only flatten the leading dims",
             node.input[1],
-            (node_id, reader),
+            (node_id, first),
         )
     items = [int(v) for v in target.reshape(-1)]
     shape = graph.shape(value)
@@ -190,11 +210,14 @@ def _flatten_reshape(
             f"Reshape '{name}' to {items} does not only flatten the leading dims of '{value}' "
             f"(expected [-1, {width if width is not None else 'last dim'}])",
             node.input[1],
-            (node_id, reader),
+            (node_id, first),
         )
-    if r.op_type == "Gemm":
-        return _gemm(graph, reader, (node_id,), 1)
-    return _matmul(graph, reader, node.output[0], (node_id,), 1)
+    return [
+        _gemm(graph, r, (node_id,), 1)
+        if graph.node(r).op_type == "Gemm"
+        else _matmul(graph, r, flat, (node_id,), 1)
+        for r in linear_readers
+    ]
 
 
 def classify(graph: GraphIndex, value: str, width: int | None) -> Readers:
@@ -207,13 +230,13 @@ def classify(graph: GraphIndex, value: str, width: int | None) -> Readers:
         node = graph.node(r)
         left_out = f"'{graph.describe(r)}' ({node.op_type})"
         try:
-            found: Linear | None = None
+            found: list[Linear] | None = None
             if node.domain != "":
                 pass
             elif node.op_type == "MatMul":
-                found = _matmul(graph, r, value, (), 0)
+                found = [_matmul(graph, r, value, (), 0)]
             elif node.op_type == "Gemm" and node.input[0] == value:
-                found = _gemm(graph, r, (), 0)
+                found = [_gemm(graph, r, (), 0)]
             elif node.op_type == "Reshape":
                 found = _flatten_reshape(graph, r, value, width)
             elif is_noop_cast(graph, node):
@@ -226,7 +249,7 @@ def classify(graph: GraphIndex, value: str, width: int | None) -> Readers:
             if found is None:
                 outside.append(left_out)
             else:
-                linears.append(found)
+                linears.extend(found)
         except NearMiss as miss:
             misses.append(miss)
             outside.append(left_out)

@@ -532,7 +532,12 @@ class RmsNormMatMulPattern:
         return self._match(norm, readers)
 
     def _match(self, norm: _Norm, readers: Readers) -> Match:
-        nodes = (*norm.nodes, *readers.casts, *(i for lin in readers.linears for i in lin.nodes))
+        # A Reshape shared by several flattened Linears is listed by each of them: once here.
+        nodes = tuple(
+            dict.fromkeys(
+                (*norm.nodes, *readers.casts, *(i for lin in readers.linears for i in lin.nodes))
+            )
+        )
         inputs = [norm.x, norm.scale]
         for lin in readers.linears:
             inputs += [lin.weight, lin.bias] if lin.bias else [lin.weight]

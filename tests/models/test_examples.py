@@ -25,10 +25,9 @@ EXPECTED: dict[str, dict[str, int]] = {
     "gpt-noaffine": {"layernorm": 5, "layernorm_matmul": 5, "layernorm_matmuls": 11},
     "gpt2": {"layernorm": 5, "layernorm_matmul": 5, "layernorm_matmuls": 5},
     "gpt2-ln": {"layernorm": 5, "layernorm_matmul": 5, "layernorm_matmuls": 5},
-    # The inventory counts no RMSNorm chains; tests/patterns/test_rmsnorm_matmul.py fuses them.
-    "llama": {},
-    "llama-fp16": {},
-    "llama-op": {},
+    "llama": {"rmsnorm": 5, "rmsnorm_matmul": 5, "rmsnorm_matmuls": 11},
+    "llama-fp16": {"rmsnorm": 5, "rmsnorm_matmul": 5, "rmsnorm_matmuls": 11},
+    "llama-op": {"rmsnorm": 5, "rmsnorm_matmul": 5, "rmsnorm_matmuls": 11},
     "moe": {"softmax_topk": 1},
     "moe-fp16": {"softmax_topk": 1},
     "qwen-router": {"softmax_topk": 1},
