@@ -27,6 +27,9 @@ EXPECTED: dict[str, dict[str, int]] = {
     "mixtral-fp16-dynamo18": RMS_MIXTRAL | {"softmax_topk": 1},
     "router-fp16-ts14": {"softmax_topk": 1},
     "router-fp16-dynamo18": {"softmax_topk": 1},
+    "llama-ts14": {"rmsnorm": 5, "rmsnorm_matmul": 5, "rmsnorm_matmuls": 11},
+    "llama-fp16-dynamo18": {"rmsnorm": 5, "rmsnorm_matmul": 5, "rmsnorm_matmuls": 11},
+    "qwen3-fp16-ts14": {"rmsnorm": 5, "rmsnorm_matmul": 3, "rmsnorm_matmuls": 6},
     "qwen2moe-dynamo18": {
         "rmsnorm": 3,
         "rmsnorm_matmul": 3,

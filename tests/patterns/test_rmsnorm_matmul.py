@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import onnx
 import onnxruntime
 import pytest
 from fuser.models import get_example
+from fuser.models.inventory import count_chains
 from fuser.patterns.rmsnorm_matmul import RMSNORM_MATMUL, reference, rms_norm
 from onnx import TensorProto, helper, numpy_helper
 
@@ -436,3 +438,36 @@ def test_reshape_read_by_more_than_linears_is_a_near_miss() -> None:
     (reason,) = rejected(g)
     assert "Reshape 'view' before Gemm 'gate'" in reason
     assert "also read by 'other' (Unsqueeze)" in reason
+
+
+# -- real exports (tests/data/exported) ----------------------------------------------------------
+
+EXPORTED = Path(__file__).resolve().parent.parent / "data" / "exported"
+# fixture -> (fusions, Linears fused, near misses): every RMSNorm -> Linear chain the inventory
+# counts is fused, except Qwen2-MoE's shared-expert Reshape that other nodes read too.
+FIXTURES = {
+    "llama-ts14": (5, 11, 0),
+    "llama-fp16-dynamo18": (5, 11, 0),
+    "qwen3-fp16-ts14": (3, 6, 0),
+    "mixtral-dynamo18": (2, 4, 0),
+    "mixtral-fp16-dynamo18": (2, 4, 0),
+    "qwen2moe-dynamo18": (2, 4, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_exported_fixture_fuses_every_rmsnorm_matmul_chain(name: str) -> None:
+    model = onnx.load(str(EXPORTED / f"{name}.onnx"))
+    counts = count_chains(model)
+    fusions, linears, misses = FIXTURES[name]
+    result = fuse_all(model, [PATTERN])
+    assert result.report.summary[PATTERN] == fusions == counts["rmsnorm_matmul"] - misses
+    fused = fused_nodes(result.model)
+    assert sum(len(attrs_of(n)["has_bias"]) for n in fused) == linears
+    half = "fp16" in name
+    assert all(attrs_of(n)["stash_type"] == int(half) for n in fused)
+    assert len(reasons(result, PATTERN)) == misses
+    data = np.load(EXPORTED / f"{name}.npz")
+    feeds = {k.removeprefix("in_"): data[k] for k in data.files if k.startswith("in_")}
+    assert fuser.validate(model, result, inputs=feeds, runs=1).ok
+    assert fuser.validate(model, result, runs=1).ok
