@@ -397,8 +397,24 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         and any(is_cast_to(graph.node(up), t) for t in _WIDER.get(narrow, ()))
     ):
         back = only_reader(graph, out)
-        if back is None or not is_cast_to(graph.node(back), narrow):
-            return None  # the output stays in the wide type: not this form
+        if back is not None and not is_cast_to(graph.node(back), narrow):
+            # Gemma's form: the weight multiplied in the wide type, then the Cast back.
+            wide = _gamma(graph, out, x_rank)
+            after = None if wide is None else only_reader(graph, graph.node(wide[0]).output[0])
+            if wide is None or after is None or not is_cast_to(graph.node(after), narrow):
+                return None  # the output stays in the wide type: not this form
+            problem = problem or NearMiss(
+                f"gamma '{wide[1]}' of Mul '{graph.describe(wide[0])}' is applied in "
+                f"{type_name(graph.elem_type(out))} before the Cast back to {type_name(narrow)} "
+                f"('{graph.describe(after)}'); RmsNormMatMul takes gamma in the input dtype",
+                wide[1],
+                (wide[0],),
+            )
+            members += [wide[0], after]
+            out = graph.node(after).output[0]
+            return _Norm(tuple(members), source, "", out, epsilon, 1, 0, (), problem)
+        if back is None:
+            return None
         members.insert(0, up)
         members.append(back)
         out = graph.node(back).output[0]

@@ -471,3 +471,17 @@ def test_exported_fixture_fuses_every_rmsnorm_matmul_chain(name: str) -> None:
     feeds = {k.removeprefix("in_"): data[k] for k in data.files if k.startswith("in_")}
     assert fuser.validate(model, result, inputs=feeds, runs=1).ok
     assert fuser.validate(model, result, runs=1).ok
+
+
+def test_fp16_gamma_before_the_cast_back_is_a_near_miss() -> None:
+    """Gemma writes `(norm(x.float()) * (1 + w.float())).type_as(x)`: gamma in float32."""
+    g = G(dtype=np.float16)
+    n = rms(g, gamma_shape=None, cast=True)  # ends with the Cast back: rebuild without it
+    g.nodes.pop()
+    n32 = g.nodes[-1].output[0]
+    w32 = g.const(g.rng.uniform(0.5, 1.5, D), "gamma32", np.float32)
+    y = g.op("Cast", g.op("Mul", n32, w32, name="gemma_scale"), to=TensorProto.FLOAT16, name="back")
+    g.outputs.append(g.matmul(y, 8))
+    assert n  # the dropped Cast's output is unused
+    (reason,) = rejected(g)
+    assert "gamma 'gamma32_" in reason and "Mul 'gemma_scale' is applied in float32" in reason
