@@ -9,6 +9,16 @@ True
 
 from .api import FusionResult, Inspection, fuse, inspect, validate
 from .errors import FuserError
+from .unfuse import UnfuseResult, unfuse
 
-__all__ = ["FuserError", "FusionResult", "Inspection", "fuse", "inspect", "validate"]
+__all__ = [
+    "FuserError",
+    "FusionResult",
+    "Inspection",
+    "UnfuseResult",
+    "fuse",
+    "inspect",
+    "unfuse",
+    "validate",
+]
 __version__ = "0.1.0"

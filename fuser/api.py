@@ -11,13 +11,16 @@ from typing import TYPE_CHECKING, Any
 import onnx
 
 from . import engine
+from . import functions as functions_mod
 from .decide import Decider
 from .errors import UsageError
+from .finish import FuseOptions, finish
 from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
 from .registry import select
 from .report import FusionRecord, FusionReport, RejectionRecord
 
 if TYPE_CHECKING:
+    from .unfuse import UnfuseResult
     from .validation import ValidationResult
 
 DEFAULT_TARGET = "ascend910b"
@@ -51,8 +54,12 @@ def fuse(
     force: bool = False,
     cache: bool | str | os.PathLike[str] | None = None,
     decider: Decider | None = None,
+    functions: bool = True,
 ) -> FusionResult:
     """Fuse the operator chains of `model` (a path, bytes or ModelProto; never modified).
+
+    With `functions` (the default) each fused op type gets a function body in the model, so
+    a plain `onnxruntime.InferenceSession` runs it; `functions=False` writes the bare ops.
 
     >>> result = fuse("model.onnx")                      # doctest: +SKIP
     >>> result.report.summary                            # doctest: +SKIP
@@ -72,6 +79,12 @@ def fuse(
         loaded, chosen, decider or _default_decider(target, force, cache), types
     )
     seconds["match_rewrite"] = next(clock)
+    # -- finish the output: function bodies, producer, provenance (fuser/finish.py) --
+    finish(
+        loaded.model,
+        functions_mod.elem_types_from(types),
+        FuseOptions(target, tuple(p.name for p in chosen), force, functions),
+    )
     if log.fusions:
         engine.verify(loaded.model, loaded.label, external=loaded.external)
     seconds["verify"] = next(clock)
@@ -147,8 +160,8 @@ def inspect(
 
 
 def validate(
-    original: ModelSource | FusionResult,
-    fused: ModelSource | FusionResult,
+    original: ModelSource | FusionResult | UnfuseResult,
+    fused: ModelSource | FusionResult | UnfuseResult,
     *,
     runs: int = 3,
     seed: int = 0,
@@ -161,13 +174,14 @@ def validate(
 ) -> ValidationResult:
     """Run both models in onnxruntime on the same inputs and compare every output.
 
-    A `FusionResult` may be passed as is: its external tensors are found next to its input.
+    A `FusionResult` or `UnfuseResult` may be passed as is: its external tensors are found
+    next to its input.
     """
     from .validation import validate_models
 
     return validate_models(
-        _loaded(original),
-        _loaded(fused),
+        as_loaded(original),
+        as_loaded(fused),
         runs=runs,
         seed=seed,
         rtol=rtol,
@@ -179,8 +193,11 @@ def validate(
     )
 
 
-def _loaded(model: ModelSource | FusionResult) -> LoadedModel:
-    if isinstance(model, FusionResult):
+def as_loaded(model: ModelSource | FusionResult | UnfuseResult) -> LoadedModel:
+    """The model as loaded; a result's external tensors are found next to its input."""
+    from .unfuse import UnfuseResult
+
+    if isinstance(model, FusionResult | UnfuseResult):
         source = model.source
         return LoadedModel(model.model, source.base_dir, f"fused {source.label}", source.external)
     return load_model(model)

@@ -23,7 +23,7 @@ app = typer.Typer(
 )
 
 # In the order `fuser --help` lists them.
-COMMANDS = ("fuse", "inspect", "validate", "patterns", "profile", "tune")
+COMMANDS = ("fuse", "unfuse", "inspect", "validate", "patterns", "profile", "tune")
 for _command in COMMANDS:
     importlib.import_module(f".cli_{_command}", __package__).register(app)
 

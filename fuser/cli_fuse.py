@@ -43,6 +43,14 @@ def fuse(
     no_cache: Annotated[
         bool, typer.Option("--no-cache", help="neither read nor write the tuning cache")
     ] = False,
+    no_functions: Annotated[
+        bool,
+        typer.Option(
+            "--no-functions",
+            help="write the bare fused ops, without function bodies (then only fuser's "
+            "plugin or an NPU backend runs the model)",
+        ),
+    ] = False,
 ) -> None:
     """Fuse a model: prints what was fused, what was not and why, and writes OUTPUT."""
     from .api import fuse as run_fuse
@@ -64,6 +72,7 @@ def fuse(
                 target,
                 force=force,
                 cache=False if no_cache else cache,
+                functions=not no_functions,
             )
         validation = None
         if validate:

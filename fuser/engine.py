@@ -20,6 +20,7 @@ from onnx import helper
 
 from .decide import Decider
 from .errors import FusionError, ModelLoadError
+from .finish import describe
 from .fusedop import DOMAIN, VERSION, TensorInfo
 from .graph import GraphIndex, TypeTable, _node_subgraphs
 from .matcher import check_match
@@ -208,6 +209,7 @@ def _apply(
         name=name,
         input=_trim(match.inputs),
         output=_trim(match.outputs),
+        doc_string=describe(match.pattern, replaced),
     )
     fused.attribute.extend(make_attribute(k, attributes[k]) for k in sorted(attributes))
     index.replace(match.nodes, fused, match.new_initializers)

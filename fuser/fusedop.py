@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import onnx
 from onnx import defs, helper
+
+if TYPE_CHECKING:
+    from .bodies.builder import BodyBuilder
 
 DOMAIN = "fuser"
 VERSION = 1
@@ -94,6 +97,9 @@ class FusedOp:
     # exchanges that input with the other ranks and passes `reference` and the kernel all
     # shards stacked on a new leading axis ([group_size, *shard]), and `rank` in attrs.
     collective_input: int | None = None
+    # The op's function body (the original chain in standard ops, `fuser.bodies`): written
+    # into fused models as a model-local function so that any onnxruntime can run them.
+    body: BodyBuilder | None = None
     # Tiling attributes (tile_*) are accepted on every fused op: they are chosen by the cost
     # model and the set of fields belongs to the kernel, not to the op's semantics.
     tiling_prefix: str = field(default="tile_", init=False)

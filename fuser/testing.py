@@ -58,3 +58,40 @@ def assert_equivalent(
     bad = [o for o in result.outputs if not o.ok]
     assert not bad, f"outputs differ: {bad}"
     return result
+
+
+def assert_runs_stock(
+    original: onnx.ModelProto,
+    fused: onnx.ModelProto,
+    *,
+    runs: int = 3,
+    seed: int = 0,
+    dim_size: int = 3,
+) -> list[str]:
+    """The fused model in a plain onnxruntime session (nothing registered: its fused ops run
+    their function bodies) equals the original, run the same way, within dtype tolerance.
+    Returns the fused op types that ran through bodies (so a test can assert it fused)."""
+    import onnxruntime
+
+    from .fusedop import DOMAIN
+    from .validation import compare, lowest_float_upstream, make_inputs
+
+    def plain(model: onnx.ModelProto) -> onnxruntime.InferenceSession:
+        return onnxruntime.InferenceSession(
+            model.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+
+    expected_session, actual_session = plain(original), plain(fused)
+    names = [o.name for o in expected_session.get_outputs()]
+    precision = lowest_float_upstream(original, names)
+    bad = []
+    for run in range(runs):
+        feeds = make_inputs(original, run=run, rank=0, seed=seed, dim_size=dim_size)
+        expected = expected_session.run(names, feeds)
+        actual = actual_session.run(names, feeds)
+        for name, e, a in zip(names, expected, actual, strict=True):
+            result = compare(name, e, a, None, None, precision[name])
+            if not result.ok:
+                bad.append(result)
+    assert not bad, f"stock onnxruntime: outputs differ: {bad}"
+    return sorted({n.op_type for n in fused.graph.node if n.domain == DOMAIN})

@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from fuser.bodies import allgather_matmul as allgather_matmul_body
 from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo, matmul_shape
 from fuser.graph import GraphIndex
 from fuser.pattern import Match, Rejection, rejection
@@ -103,6 +104,7 @@ ALLGATHER_MATMUL = FusedOp(
     type_constraints=(("T", FLOAT_TYPES, "float tensors"),),
     infer=_infer,
     reference=reference,
+    body=allgather_matmul_body.build,
     collective_input=0,
 )
 

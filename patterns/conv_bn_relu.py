@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from fuser.bodies import conv_bn_relu as conv_bn_relu_body
 from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
 from fuser.pattern import Match, Rejection, rejection
@@ -98,6 +99,7 @@ CONV_BN_RELU = FusedOp(
     type_constraints=(("T", FLOAT_TYPES, "float tensors"),),
     infer=_infer,
     reference=reference,
+    body=conv_bn_relu_body.build,
 )
 
 

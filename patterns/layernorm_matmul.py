@@ -47,6 +47,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from fuser.bodies import layernorm_matmul as layernorm_matmul_body
 from fuser.fusedop import FLOAT_TYPES, Attr, Dim, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
 from fuser.matcher import type_name
@@ -171,6 +172,7 @@ LAYERNORM_MATMUL = FusedOp(
     type_constraints=(("T", FLOAT_TYPES, "float tensors"),),
     infer=_infer,
     reference=reference,
+    body=layernorm_matmul_body.build,
 )
 
 

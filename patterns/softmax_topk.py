@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from fuser.bodies import softmax_topk as softmax_topk_body
 from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
 from fuser.pattern import Match, Rejection, rejection
@@ -151,6 +152,7 @@ SOFTMAX_TOPK = FusedOp(
     ),
     infer=_infer,
     reference=reference,
+    body=softmax_topk_body.build,
 )
 
 

@@ -1,0 +1,77 @@
+"""LayerNormMatMul's body: LayerNorm written out in standard ops (every opset has them; the
+LayerNormalization op exists only from opset 17), then each MatMul (+ bias Add).
+
+The normalized axes `axis..rank-1` are reached without knowing the rank: Flatten(X, axis) makes
+them one axis of a 2-D tensor, the statistics are taken over it, and the result is reshaped
+back to X's shape. Statistics are computed as `reference` says: stash_type=1 in float32 (the
+input's dtype if that is wider, i.e. double), stash_type=0 in the input dtype; the normalized
+value is rounded to the input dtype before scale and bias. A flattened output (Reshape -> Gemm,
+folded at fuse time into W_i/b_i) is Flatten(N, -1) before its MatMul.
+
+Variants: `<dtype>_stats<dtype>`, then `scale`/`bias` when the affine inputs are present, then
+one part per MatMul: `mm`, `b` if it has a bias, `f` if flattened (e.g. `mmb_mm_mmbf`).
+axis and epsilon are passed by reference (epsilon through a Constant from opset 12).
+"""
+
+from __future__ import annotations
+
+from onnx import TensorProto
+
+from .builder import Body, BodyError, BodyGraph, BodyRequest, dtype_name
+
+
+def build(request: BodyRequest) -> Body:
+    g = BodyGraph(request)
+    attrs = request.attributes
+    has_bias = [int(v) for v in attrs.get("has_bias") or []]
+    flatten = [int(v) for v in attrs.get("flatten") or []] or [0] * len(has_bias)
+    if len(flatten) != len(has_bias):
+        raise BodyError(f"has_bias {has_bias} and flatten {flatten} differ in length")
+    if request.opset < 11 and int(attrs["axis"]) < 0:
+        raise BodyError(f"Flatten at opset {request.opset} takes no negative axis")
+    if request.opset < 11 and any(flatten):
+        raise BodyError(f"Flatten at opset {request.opset} takes no negative axis (flatten=1)")
+    x_type = request.input_types[0] if request.input_types else 0
+    if not x_type:
+        raise BodyError("the element type of X is unknown")
+    wide = int(attrs["stash_type"]) == 1 and x_type != TensorProto.DOUBLE
+    stats = TensorProto.FLOAT if wide else x_type
+
+    xs = g.op("Cast", "X", to=stats) if stats != x_type else "X"
+    flat = g.op("Flatten", xs, refs={"axis": "axis"})
+    mean = g.reduce("ReduceMean", flat, [1], since=18)
+    d = g.op("Sub", flat, mean)
+    var = g.reduce("ReduceMean", g.op("Mul", d, d), [1], since=18)
+    eps = g.scalar("epsilon")
+    if stats != TensorProto.FLOAT:  # the Constant holds a float32
+        eps = g.op("Cast", eps, to=stats)
+    n = g.op("Div", d, g.op("Sqrt", g.op("Add", var, eps)))
+    n = g.op("Reshape", n, g.op("Shape", "X"))
+    if stats != x_type:
+        n = g.op("Cast", n, to=x_type)
+    affine = [(i, name) for i, name in ((1, "scale"), (2, "bias")) if request.has_input(i)]
+    for position, (_, name) in enumerate(affine):
+        out = "normalized" if position == len(affine) - 1 else None
+        n = g.op("Mul" if name == "scale" else "Add", n, name, out=out)
+    if not affine:
+        n = g.op("Identity", n, out="normalized")
+
+    inputs = ["X", "scale", "bias"]
+    outputs = ["normalized"]
+    parts = []
+    for i, (bias, flat_i) in enumerate(zip(has_bias, flatten, strict=True)):
+        inputs.append(f"W_{i}")
+        a = g.op("Flatten", n, axis=-1) if flat_i else n
+        y = g.op("MatMul", a, f"W_{i}", out=None if bias else f"Y_{i}")
+        if bias:
+            inputs.append(f"b_{i}")
+            g.op("Add", y, f"b_{i}", out=f"Y_{i}")
+        outputs.append(f"Y_{i}")
+        parts.append("mm" + ("b" if bias else "") + ("f" if flat_i else ""))
+    return g.build(
+        inputs,
+        outputs,
+        f"{dtype_name(x_type)}_stats{dtype_name(stats)}",
+        *(name for _, name in affine),
+        *parts,
+    )

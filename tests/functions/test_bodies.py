@@ -1,0 +1,133 @@
+"""The function bodies as ONNX: each passes the checker, the fused model passes the full check
+and shape inference with them, `functions=False` writes today's bare ops, fusing stays
+deterministic and idempotent, and fused nodes and models say where they come from."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from fuser.models import get_example
+
+import fuser
+from fuser import finish
+from fuser.decide import AlwaysFuse
+from fuser.errors import FusionError
+from fuser.fusedop import DOMAIN
+from fuser.registry import all_patterns
+from fuser.testing import fuse_all
+
+# every fused op type and the main variants between them
+EXAMPLES = ["cnn-edge", "bert", "gpt2", "gpt-noaffine", "moe-fp16", "topk-softmax-router", "tp-mlp"]
+
+
+def bodies(model: onnx.ModelProto) -> list[onnx.FunctionProto]:
+    return [f for f in model.functions if f.domain == DOMAIN]
+
+
+def test_every_fused_op_type_has_a_body() -> None:
+    seen = set()
+    for name in EXAMPLES:
+        fused = fuse_all(get_example(name)).model
+        ops = {n.op_type for n in fused.graph.node if n.domain == DOMAIN}
+        assert ops <= {f.name for f in bodies(fused)}, name
+        seen |= ops
+    assert seen == {op.name for pattern in all_patterns() for op in pattern.ops}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_each_body_passes_the_checker_and_the_model_the_full_check(name: str) -> None:
+    fused = fuse_all(get_example(name)).model
+    assert bodies(fused)
+    imports = {o.domain: o.version for o in fused.opset_import}
+    for function in bodies(fused):
+        ctx = onnx.checker.C.CheckerContext()
+        ctx.ir_version = fused.ir_version
+        ctx.opset_imports = imports
+        onnx.checker.check_function(function, ctx)
+        # the body's own imports agree with the model's (onnx's checker and inliner need it)
+        assert all(imports[o.domain] == o.version for o in function.opset_import)
+    onnx.checker.check_model(fused, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(fused, strict_mode=True)
+    for out in inferred.graph.output:
+        assert out.type.tensor_type.elem_type != 0
+
+
+def test_a_broken_body_fails_the_checker() -> None:
+    """The check above can fail: a body op the opset does not have is refused."""
+    fused = fuse_all(get_example("bert")).model
+    function = bodies(fused)[0]
+    function.node[-1].op_type = "MatMulPlus"
+    ctx = onnx.checker.C.CheckerContext()
+    ctx.ir_version = fused.ir_version
+    ctx.opset_imports = {o.domain: o.version for o in fused.opset_import}
+    with pytest.raises(onnx.checker.ValidationError, match="MatMulPlus"):
+        onnx.checker.check_function(function, ctx)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_no_functions_writes_the_bare_ops(name: str) -> None:
+    model = get_example(name)
+    with_bodies = fuser.fuse(model, decider=AlwaysFuse()).model
+    bare = fuser.fuse(model, decider=AlwaysFuse(), functions=False).model
+    assert not bodies(bare)
+    assert all(not n.overload for n in bare.graph.node)
+    assert bodies(with_bodies)
+    for node in with_bodies.graph.node:  # same nodes; the overload names the body
+        node.ClearField("overload")
+    assert list(bare.graph.node) == list(with_bodies.graph.node)
+    assert list(bare.graph.initializer) == list(with_bodies.graph.initializer)
+    onnx.checker.check_model(bare, full_check=True)
+
+
+@pytest.mark.parametrize("name", ["resnet", "bert", "moe"])
+def test_fusing_is_deterministic_and_idempotent(name: str) -> None:
+    once = fuse_all(get_example(name)).model.SerializeToString()
+    assert fuse_all(get_example(name)).model.SerializeToString() == once
+    again = fuse_all(onnx.load_from_string(once)).model.SerializeToString()
+    assert again == once
+
+
+def test_fused_nodes_and_the_model_say_where_they_come_from() -> None:
+    model = get_example("cnn-edge")
+    model.producer_name, model.producer_version = "pytorch", "2.13"
+    result = fuser.fuse(model, target="ascend310p", decider=AlwaysFuse())
+    fused = result.model
+    for record in result.report.fusions:
+        (node,) = [n for n in fused.graph.node if n.name == record.node]
+        assert node.doc_string == f"fuser pattern '{record.pattern}' replaced: " + ", ".join(
+            record.replaced
+        )
+        assert len(record.replaced) >= 2
+    assert (fused.producer_name, fused.producer_version) == ("fuser", fuser.__version__)
+    entry = json.loads({p.key: p.value for p in fused.metadata_props}["fuser"])
+    assert entry["version"] == fuser.__version__
+    assert entry["target"] == "ascend310p"
+    assert entry["options"] == {
+        "functions": True,
+        "force": False,
+        "patterns": ["conv_bn_relu", "layernorm_matmul", "allgather_matmul", "softmax_topk"],
+    }
+    assert entry["source_producer"] == "pytorch 2.13"
+    # fusing the fused model again keeps the first producer (and is byte-identical)
+    again = fuser.fuse(fused, target="ascend310p", decider=AlwaysFuse()).model
+    assert finish.provenance(again) == entry
+
+
+def test_a_variant_an_opset_cannot_express_is_refused_with_the_way_out(graph) -> None:  # type: ignore[no-untyped-def]
+    """LayerNorm over axis -1 needs Flatten with a negative axis, which opset 10 lacks."""
+    import numpy as np
+
+    g = graph("float32", 10)
+    x = g.input("x", ["B", 4, 8])
+    mean = g.op("ReduceMean", x, axes=[-1], keepdims=1)
+    d = g.op("Sub", x, mean)
+    var = g.op("ReduceMean", g.op("Mul", d, d), axes=[-1], keepdims=1)
+    n = g.op("Div", d, g.op("Sqrt", g.op("Add", var, g.const(1e-5, "eps"))))
+    g.outputs.append(g.op("MatMul", n, g.const(np.ones((8, 3)), "w")))
+    model = g.model()
+    with pytest.raises(FusionError, match=r"LayerNormMatMul.*opset 10.*--no-functions"):
+        fuse_all(model)
+    bare = fuser.fuse(model, decider=AlwaysFuse(), functions=False).model
+    assert [n.op_type for n in bare.graph.node] == ["LayerNormMatMul"]

@@ -1,0 +1,231 @@
+"""A fused model runs in a plain onnxruntime session (nothing registered) through its function
+bodies, and equals the original: every family, every variant, float32 and float16, symbolic
+shapes. (AllGatherMatMul needs a communicator for its AllGather: tests/functions/test_unfuse.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+from fuser.fusedop import DOMAIN
+from fuser.testing import assert_runs_stock, fuse_all
+
+DTYPES = ["float32", "float16"]
+
+
+def fused_nodes(model: onnx.ModelProto, op: str) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == op]
+
+
+def check(original: onnx.ModelProto, op: str, variant: str, **kw: Any) -> onnx.ModelProto:
+    """Fuse, check the fused node and its body are there, and run it stock against the original."""
+    fused = fuse_all(original).model
+    nodes = fused_nodes(fused, op)
+    assert nodes, f"nothing fused into {op}"
+    assert {n.overload for n in nodes} == {variant}
+    assert (op, variant) in {(f.name, f.overload) for f in fused.functions if f.domain == DOMAIN}
+    assert assert_runs_stock(original, fused, **kw) == [op]
+    return fused
+
+
+# -- ConvBnRelu --------------------------------------------------------------------------------
+
+CONVS: dict[str, dict[str, Any]] = {
+    "pads-strides": {"kernel_shape": [3, 3], "pads": [1, 0, 1, 2], "strides": [2, 1]},
+    "dilated-grouped": {"kernel_shape": [3, 3], "dilations": [2, 1], "group": 3},
+    "same-upper": {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+    "1d": {"kernel_shape": [3], "pads": [1, 0], "strides": [2]},
+}
+
+
+def conv_bn(graph: Any, dtype: str, conv: str, bn: str, relu: bool, bias: bool) -> onnx.ModelProto:
+    g = graph(dtype, 13)
+    one_d = conv == "1d"
+    x = g.input("x", ["N", 3, "H"] if one_d else ["N", 3, "H", 7])
+    cout, cin = 6, 1 if "grouped" in conv else 3
+    w = g.random([cout, cin, 3] if one_d else [cout, cin, 3, 3], "w")
+    inputs = [x, w] + ([g.random([cout], "b")] if bias else [])
+    y = g.op("Conv", *inputs, **CONVS[conv])
+    if bn == "folded":
+        params = [
+            g.random([cout], "scale", 1.0),
+            g.random([cout], "beta"),
+            g.random([cout], "mean"),
+        ]
+        params.append(g.const(g.rng.uniform(0.5, 2.0, cout), "var"))
+    else:  # computed at run time: BN stays an input of the fused op
+        raw = [g.input(n, [cout]) for n in ("s", "t", "m", "v")]
+        var = g.op("Add", g.op("Mul", raw[3], raw[3]), g.const(0.5, "half"))
+        params = [raw[0], raw[1], raw[2], var]
+    y = g.op("BatchNormalization", y, *params, epsilon=1e-3)
+    g.outputs.append(g.op("Relu", y) if relu else y)
+    return g.model()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bn", ["folded", "bn"])
+@pytest.mark.parametrize("conv", list(CONVS))
+def test_conv_bn_relu(graph: Any, dtype: str, conv: str, bn: str, relu: bool) -> None:
+    bias = conv in ("pads-strides", "1d")  # with and without a Conv bias, across the variants
+    model = conv_bn(graph, dtype, conv, bn, relu, bias)
+    check(model, "ConvBnRelu", bn + ("_relu" if relu else ""), dim_size=6)
+
+
+# -- LayerNormMatMul ---------------------------------------------------------------------------
+
+HIDDEN, SEQ = 12, 5
+
+
+def layer_norm(g: Any, x: str, form: str, affine: bool, axis: int) -> str:
+    shape = [HIDDEN] if axis == -1 else [SEQ, HIDDEN]
+    gamma = g.random(shape, "gamma", 1.0) if affine else ""
+    beta = g.random(shape, "beta") if affine else ""
+    if form == "op":
+        ins = [x, gamma or g.const(np.ones(shape), "ones")] + ([beta] if beta else [])
+        return g.op("LayerNormalization", *ins, axis=axis, epsilon=1e-5)
+    axes = list(range(axis, 0))
+    wide = form == "widened"  # TorchScript's float16 form: variance in float64 between Casts
+
+    def mean(v: str) -> str:
+        if g.opset >= 18:
+            return g.op("ReduceMean", v, g.const(axes, "axes", np.int64), keepdims=1)
+        return g.op("ReduceMean", v, axes=axes, keepdims=1)
+
+    d = g.op("Sub", x, mean(x))
+    dd = g.op("Cast", d, to=onnx.TensorProto.DOUBLE) if wide else d
+    dtype = np.float64 if wide else None
+    var = mean(g.op("Pow", dd, g.const(2.0, "two", dtype)))
+    n = g.op("Div", dd, g.op("Sqrt", g.op("Add", var, g.const(1e-5, "eps", dtype))))
+    if wide:
+        n = g.op("Cast", n, to=g.elem)
+    if affine:
+        n = g.op("Add", g.op("Mul", n, gamma), beta)
+    return n
+
+
+def ln_model(
+    graph: Any,
+    dtype: str,
+    form: str,
+    opset: int,
+    affine: bool,
+    axis: int,
+    linears: str,
+    residual: bool,
+) -> onnx.ModelProto:
+    g = graph(dtype, opset)
+    x = g.input("x", ["B", SEQ, HIDDEN])
+    n = layer_norm(g, x, form, affine, axis)
+    for i, kind in enumerate(linears.split("+")):
+        width = 7 + 2 * i
+        if kind == "gemm":  # GPT-2's Conv1D: Reshape -> Gemm with transB, alpha, beta
+            flat = g.op("Reshape", n, g.const([-1, HIDDEN], "shape", np.int64))
+            w, c = g.random([width, HIDDEN], "wt"), g.random([width], "c")
+            g.outputs.append(g.op("Gemm", flat, w, c, transB=1, alpha=0.5, beta=2.0))
+            continue
+        y = g.op("MatMul", n, g.random([HIDDEN, width], "w"))
+        g.outputs.append(g.op("Add", y, g.random([width], "b")) if kind == "mmb" else y)
+    if residual:
+        g.outputs.append(g.op("Add", n, x))
+    return g.model()
+
+
+LN_CASES = [
+    # form, opset, affine, axis, linears, residual, variant (after the dtype parts)
+    ("decomposed", 13, True, -1, "mmb+mm", False, "scale_bias_mmb_mm"),
+    ("decomposed", 18, False, -1, "mm+mmb+mmb", True, "mm_mmb_mmb"),
+    ("decomposed", 13, True, -2, "mmb", True, "scale_bias_mmb"),
+    ("decomposed", 13, True, -1, "gemm+mm", False, "scale_bias_mmbf_mm"),
+    ("op", 17, True, -1, "mm+gemm", True, "scale_bias_mm_mmbf"),
+    ("op", 18, False, -2, "mmb", False, "scale_mmb"),
+    ("op", 17, True, -1, "mmb+mmb+mm", False, "scale_bias_mmb_mmb_mm"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", LN_CASES, ids=lambda c: f"{c[0]}{c[1]}-{c[6]}")
+def test_layernorm_matmul(graph: Any, dtype: str, case: tuple[Any, ...]) -> None:
+    form, opset, affine, axis, linears, residual, tail = case
+    model = ln_model(graph, dtype, form, opset, affine, axis, linears, residual)
+    # The op keeps stash_type=1 (statistics in float32); the decomposed form computes them in
+    # the input dtype (stash_type=0): the same body for float32, not for float16.
+    stats = "float32" if form == "op" else dtype
+    check(model, "LayerNormMatMul", f"{dtype}_stats{stats}_{tail}")
+
+
+def test_layernorm_matmul_widened_float16_statistics_in_float32(graph: Any) -> None:
+    model = ln_model(graph, "float16", "widened", 13, True, -1, "mmb", False)
+    fused = check(model, "LayerNormMatMul", "float16_statsfloat32_scale_bias_mmb")
+    (body,) = [f for f in fused.functions if f.name == "LayerNormMatMul"]
+    casts = [n for n in body.node if n.op_type == "Cast"]
+    assert [onnx.helper.get_attribute_value(c.attribute[0]) for c in casts] == [1, 10]
+
+
+# -- SoftmaxTopK -------------------------------------------------------------------------------
+
+
+def softmax_topk(
+    graph: Any,
+    dtype: str,
+    opset: int,
+    order: str,
+    renorm: bool,
+    sorted_: int,
+    to_float32: bool,
+    probs: bool,
+) -> onnx.ModelProto:
+    g = graph(dtype, opset)
+    x = g.input("x", ["N", 3, 7])
+    k = g.const([3], "k", np.int64)
+
+    def cast(v: str) -> str:
+        return g.op("Cast", v, to=onnx.TensorProto.FLOAT) if to_float32 else v
+
+    if order == "softmax_topk":
+        p = g.op("Softmax", x, axis=-1)
+        values, indices = g.op("TopK", cast(p), k, n_out=2, sorted=sorted_)
+        if probs:
+            g.outputs.append(g.op("Mul", p, p))
+    else:
+        top, indices = g.op("TopK", x, k, n_out=2, sorted=sorted_)
+        values = g.op("Softmax", cast(top), axis=-1)
+    if renorm:
+        if opset >= 13:
+            total = g.op("ReduceSum", values, g.const([-1], "ax", np.int64), keepdims=1)
+        else:
+            total = g.op("ReduceSum", values, axes=[-1], keepdims=1)
+        values = g.op("Div", values, total)
+    g.outputs[:0] = [values, indices]
+    return g.model()
+
+
+SOFTMAX_CASES = [
+    # order, opset, renorm, sorted, to_float32, probs read outside
+    ("softmax_topk", 13, False, 1, False, False),
+    ("softmax_topk", 13, True, 1, False, True),
+    ("softmax_topk", 11, True, 1, True, False),
+    ("softmax_topk", 18, False, 0, True, True),
+    ("topk_softmax", 13, False, 1, False, False),
+    ("topk_softmax", 13, True, 0, True, False),
+    ("topk_softmax", 11, True, 1, False, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SOFTMAX_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_softmax_topk(graph: Any, dtype: str, case: tuple[Any, ...]) -> None:
+    order, opset, renorm, sorted_, to_float32, probs = case
+    model = softmax_topk(graph, dtype, opset, order, renorm, sorted_, to_float32, probs)
+    cast = to_float32 and dtype != "float32"  # a Cast to the type it has is looked through
+    parts = [order, "f32" if cast else "", "renorm" if renorm else ""]
+    if renorm and opset < 13:
+        parts.append("axis-1")  # ReduceSum's axes are an attribute there: written in
+    if opset < 12:
+        parts.insert(len(parts) - int(renorm and opset < 13), "k3")  # no Constant by reference
+    if order == "softmax_topk" and not probs:
+        parts.append("noprobs")
+    check(model, "SoftmaxTopK", "_".join(p for p in parts if p))
