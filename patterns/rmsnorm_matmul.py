@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from fuser.bodies import rmsnorm_matmul as rmsnorm_matmul_body
 from fuser.fusedop import FLOAT_TYPES, Attr, Dim, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
 from fuser.matcher import type_name
@@ -194,6 +195,7 @@ RMSNORM_MATMUL = FusedOp(
     type_constraints=(("T", FLOAT_TYPES, "float tensors"),),
     infer=_infer,
     reference=reference,
+    body=rmsnorm_matmul_body.build,
 )
 
 

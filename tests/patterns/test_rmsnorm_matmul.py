@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fuser
 from fuser.ort import session
-from fuser.testing import assert_equivalent, count_ops, fuse_all, reasons
+from fuser.testing import assert_equivalent, assert_runs_stock, count_ops, fuse_all, reasons
 
 PATTERN = "rmsnorm_matmul"
 D = 12
@@ -485,3 +485,48 @@ def test_fp16_gamma_before_the_cast_back_is_a_near_miss() -> None:
     assert n  # the dropped Cast's output is unused
     (reason,) = rejected(g)
     assert "gamma 'gamma32_" in reason and "Mul 'gemma_scale' is applied in float32" in reason
+
+
+# -- the function body (fuser.bodies.rmsnorm_matmul): stock onnxruntime runs the fused model -----
+
+
+def body_case(case: str) -> tuple[G, str]:
+    """A graph per variant of the body, and the variant's name."""
+    if case == "fp16-cast":
+        g = G(dtype=np.float16)
+        n = rms(g)
+        g.outputs += [g.matmul(n, 8), g.matmul(n, 4)]
+        return g, "float16_statsfloat32_scale_mm_mm"
+    if case == "fp32-noscale-bias-flat":
+        g = G()
+        n = rms(g, gamma_shape=None, inverse="reciprocal")
+        y = g.matmul(n, 7)
+        g.outputs.append(g.op("Add", y, g.const(g.rng.standard_normal(7), "b")))
+        flat = g.op("Reshape", n, g.const([-1, D], "shape", np.int64))
+        g.outputs.append(g.op("Gemm", flat, g.const(g.rng.standard_normal((D, 3)), "W")))
+        return g, "float32_statsfloat32_mmb_mmf"
+    if case == "fp16-nocast-opset13":
+        g = G(dtype=np.float16, opset=13)
+        g.outputs.append(g.matmul(rms(g, cast=False), 8))
+        return g, "float16_statsfloat16_scale_mm"
+    dtype = np.float16 if case == "op-fp16" else np.float32
+    return norm_op_graph(
+        "RMSNormalization", "", dtype
+    ), f"{np.dtype(dtype).name}_statsfloat32_scale_once_mm_mm"
+
+
+@pytest.mark.parametrize(
+    "case", ["fp16-cast", "fp32-noscale-bias-flat", "fp16-nocast-opset13", "op-fp16", "op-fp32"]
+)
+def test_function_body_runs_in_stock_onnxruntime(case: str) -> None:
+    g, variant = body_case(case)
+    model = g.model()
+    fused = fuse_all(model, [PATTERN]).model
+    (node,) = fused_nodes(fused)
+    assert node.overload == variant
+    (body,) = [f for f in fused.functions if f.name == "RmsNormMatMul"]
+    ctx = onnx.checker.C.CheckerContext()
+    ctx.ir_version = fused.ir_version
+    ctx.opset_imports = {o.domain: o.version for o in fused.opset_import}
+    onnx.checker.check_function(body, ctx)
+    assert assert_runs_stock(model, fused, runs=2) == ["RmsNormMatMul"]
