@@ -60,9 +60,9 @@ from .plan import (
 
 
 def lnmm_cycles(
-    machine: Machine, p: Problem, t: LayerNormMatMulTiling, steps: Sequence[VecStep] = ()
+    machine: Machine, p: Problem, t: LayerNormMatMulTiling, vector_steps: Sequence[VecStep] = ()
 ) -> float:
-    """Predicted cycles of `t` (see the module docstring); `steps` replaces the LayerNorm's
+    """Predicted cycles of `t` (see the module docstring); `vector_steps` replaces the LayerNorm's
     vector instructions (RmsNormMatMul runs this program with its own)."""
     tm, vr, tn, tk, tk0 = effective(p, t)
     isz = p.dtype.itemsize
@@ -86,7 +86,7 @@ def lnmm_cycles(
     sub_bytes = vr * d * isz
     active_vec = groups * vecs if separate else groups
     vec_ops = 0.0
-    for step in steps or layernorm_steps(p.ln):
+    for step in vector_steps or layernorm_steps(p.ln):
         for op in step.ops:
             k, b = machine.vector_cost(op, step.dtype)
             vec_ops += k * vr * step.per_row + b

@@ -530,3 +530,18 @@ def test_function_body_runs_in_stock_onnxruntime(case: str) -> None:
     ctx.opset_imports = {o.domain: o.version for o in fused.opset_import}
     onnx.checker.check_function(body, ctx)
     assert assert_runs_stock(model, fused, runs=2) == ["RmsNormMatMul"]
+
+
+def test_cost_model_says_the_llama_fusions_pay() -> None:
+    result = fuser.fuse(get_example("llama-fp16"), target="ascend910b", cache=False)
+    assert result.report.summary[PATTERN] == 5
+    verdicts = [n for f in result.report.fusions for n in f.notes if n.startswith("cost model")]
+    assert len(verdicts) == 5 and all("faster" in v for v in verdicts)
+
+
+def test_fp16_upcast_read_elsewhere_blocks() -> None:
+    g = G(dtype=np.float16)
+    n = rms(g)
+    g.outputs += [g.matmul(n, 8), g.op("Relu", "cast_up_out", name="spy")]
+    (reason,) = rejected(g)
+    assert "internal value 'cast_up_out' is also read by 'spy' (Relu) outside the match" in reason
