@@ -227,6 +227,13 @@ _WIDER: dict[int, tuple[int, ...]] = {
 def _last_axis_only(graph: GraphIndex, node_id: int, x: str) -> None:
     """A ReduceMean over the last axis only, with keepdims=1, or a near miss."""
     axes = reduce_axes(graph, node_id, rank(graph, x))
+    if rank(graph, x) is None and any(a >= 0 for a in axes):
+        raise NearMiss(
+            f"ReduceMean '{graph.describe(node_id)}' has axes {axes} but the rank of '{x}' is "
+            "unknown, so they cannot be checked to be the last axis",
+            graph.node(node_id).output[0],
+            (node_id,),
+        )
     if axes != [-1]:
         where = f"a rank-{rank(graph, x)} input" if rank(graph, x) is not None else "its input"
         raise NearMiss(

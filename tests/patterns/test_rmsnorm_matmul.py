@@ -545,3 +545,21 @@ def test_fp16_upcast_read_elsewhere_blocks() -> None:
     g.outputs += [g.matmul(n, 8), g.op("Relu", "cast_up_out", name="spy")]
     (reason,) = rejected(g)
     assert "internal value 'cast_up_out' is also read by 'spy' (Relu) outside the match" in reason
+
+
+@pytest.mark.parametrize(("axes", "fused"), [((-1,), 1), ((2,), 0)])
+def test_unknown_rank(axes: Sequence[int], fused: int) -> None:
+    """A positive axis cannot be checked to be the last without the rank; -1 can."""
+    g = G(opset=13)
+    g.inputs.append(helper.make_tensor_value_info("shape", TensorProto.INT64, ["k"]))
+    x = g.op("Reshape", "x", "shape", name="view")  # a rank shape inference cannot know
+    g.outputs.append(g.matmul(rms(g, x, axes=axes), 8))
+    g.declared = {g.outputs[0]: ["batch", "seq", 8]}
+    result = fuse_all(g.model(), [PATTERN])
+    assert result.report.summary[PATTERN] == fused
+    if fused:
+        inputs = feeds(g) | {"shape": np.array([5, 2, D], np.int64)}
+        assert_equivalent(g.model(), result.model, inputs=inputs, runs=1)
+    else:
+        (reason,) = reasons(result, PATTERN)
+        assert "has axes [2] but the rank of 'view_out' is unknown" in reason
