@@ -182,7 +182,9 @@ class CostModelDecider:
     def _key(self, op: str, metas: Sequence[Any], attrs: Mapping[str, Any]) -> CacheKey:
         shapes = tuple(None if m is None else tuple(m.shape) for m in metas)
         dtypes = ",".join(sorted({m.dtype.name for m in metas if m is not None}))
-        return CacheKey.make(op, shapes, dtypes, self.machine.name, attrs)
+        from .kernels.search import cache_target
+
+        return CacheKey.make(op, shapes, dtypes, cache_target(self.machine), attrs)
 
     # -- the unfused side ---------------------------------------------------------------------
     def price_unfused(self, graph: GraphIndex, match: Match) -> Priced:

@@ -158,7 +158,7 @@ def tune_op(
     if cache is not None:
         shapes = tuple(None if m is None else tuple(m.shape) for m in metas)
         dtypes = ",".join(sorted({m.dtype.name for m in metas if m is not None}))
-        key = CacheKey.make(op_type, shapes, dtypes, machine.name, attrs)
+        key = CacheKey.make(op_type, shapes, dtypes, kernel_search.cache_target(machine), attrs)
         cycles = next(p.cycles for p in ranked if fields(p.tiling) == chosen)
         cache.put(key, chosen, cycles, "simulated" if simulate else "model")
     candidates = tuple(

@@ -9,9 +9,10 @@ A cost model prices one tiling of one kernel on a target without running the sim
   buffering the pipes overlap: `fill + (n - 1) x slowest stage + drain`, written here as the
   busiest pipe's total plus one step's latency through the other pipes; single-buffered, the
   stages of a step run one after the other, so the step costs the sum of its stages;
-- the kernel is `launch + max(slowest core, compulsory GM bytes / HBM bandwidth)`, the slowest
-  core holding `ceil(items / cores)` items (the tail effect), each core's DMA running at its
-  share of HBM (`Machine.dma_bytes_per_cycle`).
+- the kernel is `launch + max(slowest core + pipe heads, compulsory GM bytes / HBM bandwidth)`,
+  the slowest core holding `ceil(items / cores)` items (the tail effect), each core's DMA at its
+  L2 port rate (`Machine.read_bytes_per_cycle` / `write_bytes_per_cycle`), each copy paying its
+  per-transfer cost and each DMA pipe its start-up head once (`npu.core`).
 
 These modules only read the kernels' tiling types and buffer specs: they never change what a
 kernel does.
@@ -146,24 +147,28 @@ class LastProblem:
         return self._value
 
 
-def kernel_cycles(machine: Machine, core_cycles: float, gm_bytes: float) -> float:
-    """Launch + the slowest core, never below the compulsory GM traffic over HBM bandwidth."""
-    return machine.kernel_launch_cycles + max(core_cycles, gm_bytes / machine.hbm_bytes_per_cycle)
+def kernel_cycles(
+    machine: Machine, core_cycles: float, gm_bytes: float, first_in: float, active: int
+) -> float:
+    """Launch + the slowest core with its DMA pipes' start-up heads (MTE2 sized by the first
+    copy `first_in`, then the copy-out head), never below the compulsory GM traffic over HBM."""
+    heads = machine.copy_in_head(int(first_in), active) + machine.copy_out_head_cycles
+    return machine.kernel_launch_cycles + max(core_cycles + heads, machine.hbm_cycles(gm_bytes))
 
 
-def dma(machine: Machine, nbytes: float, active: int) -> float:
-    """One GM -> core copy: fitted head + bytes at the core's share of HBM."""
+def dma(machine: Machine, nbytes: float, active: int = 1, to_l1: bool = False) -> float:
+    """One GM -> core copy once the pipe has started: transfer cost + bytes at the L2 port."""
     if nbytes <= 0:
         return 0.0
-    return machine.copy_in_head(int(nbytes), active) + nbytes / machine.dma_bytes_per_cycle(active)
+    return machine.copy_in_transfer(to_l1) + nbytes / machine.read_bytes_per_cycle
 
 
-def dma_out(machine: Machine, nbytes: float, active: int, cap: float | None = None) -> float:
+def dma_out(machine: Machine, nbytes: float, active: int = 1, cap: float | None = None) -> float:
     """One core -> GM copy (MTE3, or FixPipe with its own bandwidth `cap`)."""
-    bw = machine.dma_bytes_per_cycle(active)
+    bw = machine.write_bytes_per_cycle
     if cap is not None:
         bw = min(bw, cap)
-    return machine.copy_out_head_cycles + nbytes / bw
+    return machine.copy_out_transfer_cycles + nbytes / bw
 
 
 def cube_blocks(m: int, k: int, n: int, k0: int) -> float:
@@ -184,8 +189,8 @@ def aligned_sizes(limit: int, step: int, options: Iterable[int]) -> list[int]:
 
 
 def core_counts(total: int) -> list[int]:
-    """Cores a tiling may use: all, half, a quarter (fewer cores each get more HBM and pay
-    smaller DMA heads, which can win on memory-bound shapes)."""
+    """Cores a tiling may use: all, half, a quarter (fewer cores pay smaller DMA pipe heads,
+    which can win on small shapes)."""
     return sorted({total, max(1, total // 2), max(1, total // 4)}, reverse=True)
 
 

@@ -81,14 +81,6 @@ def launch_groups(
     return gather(machine, name, cores, timeline)
 
 
-def l2_bytes_per_cycle(machine: Machine, active_cores: int) -> float:
-    """One core's share of L2 bandwidth (capped by its DMA port), for workspace traffic."""
-    return min(
-        machine.gm_to_core_bytes_per_cycle,
-        machine.l2_bytes_per_s / machine.clock_hz / max(1, active_cores),
-    )
-
-
 def workspace_tile(name: str) -> Tile:
     """A fresh GM workspace buffer (GM is not a core buffer: no capacity, never reused)."""
     return Tile(name, Level.GM, 1 << 62)
@@ -97,8 +89,7 @@ def workspace_tile(name: str) -> Tile:
 def to_workspace(vec: Core, src: Tile, ws: Tile, nbytes: int) -> None:
     """MTE3 of a vector core: UB -> GM/L2 workspace, at L2 rate (the data stays in L2, so it
     is not counted as HBM traffic)."""
-    m = vec.machine
-    cycles = m.copy_out_head_cycles + nbytes / l2_bytes_per_cycle(m, vec.active_cores)
+    cycles = vec.dma_out_cycles(Pipe.MTE3, nbytes)
     vec.issue(Pipe.MTE3, cycles, (src,), (ws,), f"out {src.name} -> workspace")
     if vec.functional:
         ws.data = src.data
@@ -113,10 +104,7 @@ def from_workspace(
 ) -> None:
     """MTE2 of the cube core: GM/L2 workspace -> L1, at L2 rate, once every piece in `sources`
     has been written; `fill(dst, *pieces' data)` sets what lands in `dst` (functional mode)."""
-    m = cube.machine
-    cycles = m.copy_in_head(nbytes, cube.active_cores) + nbytes / l2_bytes_per_cycle(
-        m, cube.active_cores
-    )
+    cycles = cube.dma_in_cycles(nbytes, to_l1=True)
     cube.issue(Pipe.MTE2, cycles, tuple(sources), (dst,), f"in workspace -> {dst.name}")
     cube.moved["l1"] += nbytes
     if cube.functional:

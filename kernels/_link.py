@@ -1,12 +1,15 @@
 """Chip-to-chip links: the ring AllGather schedule, and its track in a run's timeline.
 
 A ring AllGather over p ranks takes p - 1 steps; at step j (1-based) rank r receives the shard
-of rank (r - j) mod p from its predecessor, one shard of S bytes over one link:
-`alpha + S / beta` with the target's per-transfer latency alpha (`link_latency_s`) and per-peer
-link bandwidth beta (`link_bytes_per_s`). Steps run back to back. Both the unfused AllGather
-and the fused AllGatherMatMul use this one model, so comparing them compares the overlap and
-nothing else. (The target's fitted HCCL time, `allgather_fixed_us + allgather_us_per_mb * MB`,
-is for 8 chips only; `allgather_fit_us` returns it for reference.)
+of rank (r - j) mod p from its predecessor, one shard of S bytes: `alpha + S / beta`. The step
+is the target's fitted HCCL AllGather time (`allgather_fixed_us + allgather_us_per_mb * MB`
+gathered, fitted on 8 chips) spread over the 8-chip ring's 7 steps [D]: alpha is the fixed time
+over 7, beta the bandwidth at which 8 shards gather in 7 steps. (HCCL drives several links of
+the full mesh at once: the fit's beta is ~2.4 links of 56 GB/s; all the peer links together
+bound it.) A step split into pieces pays `link_latency_s` per extra piece. Steps run back to
+back; an 8-rank AllGather then takes exactly the fitted time. Both the unfused AllGather and
+the fused AllGatherMatMul use this one model, so comparing them compares the overlap and
+nothing else. A target without a fit (`allgather_us_per_mb` 0) uses one link per step.
 
 The simulator's cores have no link pipe, so the link transfers are added to a run's stats
 after the fact: one pseudo-core after the real ones, pipe "LINK" (`with_link`).
@@ -41,10 +44,21 @@ def check_group(op: str, machine: Machine, group_size: int) -> None:
         )
 
 
+#: Chips of the target's fitted HCCL AllGather time.
+FIT_CHIPS = 8
+
+
 def step_cycles(machine: Machine, nbytes: int, pieces: int = 1) -> float:
-    """Cycles of one ring step moving `nbytes` over one link in `pieces` transfers (each pays
-    the link latency)."""
-    return (pieces * machine.link_latency_s + nbytes / machine.link_bytes_per_s) * machine.clock_hz
+    """Cycles of one ring step moving `nbytes` in `pieces` transfers (see the module docstring)."""
+    extra = (pieces - 1) * machine.link_latency_s
+    if machine.allgather_us_per_mb <= 0:
+        seconds = machine.link_latency_s + extra + nbytes / machine.link_bytes_per_s
+        return seconds * machine.clock_hz
+    steps = FIT_CHIPS - 1
+    alpha = machine.allgather_fixed_us * 1e-6 / steps
+    fit_beta = 2**20 * steps / (machine.allgather_us_per_mb * 1e-6 * FIT_CHIPS)
+    beta = min(fit_beta, machine.link_peers * machine.link_bytes_per_s)
+    return (alpha + extra + nbytes / beta) * machine.clock_hz
 
 
 def ring_arrivals(

@@ -148,12 +148,13 @@ def estimate(plan: RowPlan, t: RowTiling, machine: Machine) -> float:
         return float(machine.kernel_launch_cycles)
     active = min(t.cores, tiles)
     per_core = math.ceil(tiles / active)
-    bw = machine.dma_bytes_per_cycle(active)
     n = min(t.rows, plan.rows)
     in_bytes = n * plan.width * plan.in_dtype.itemsize
-    t_in = machine.copy_in_head(in_bytes, active) + in_bytes / bw
+    t_in = machine.copy_in_transfer(False) + in_bytes / machine.read_bytes_per_cycle
     out_bytes = [n * o.width * o.dtype.itemsize for o in plan.outs if o.emit]
-    t_out = sum(machine.copy_out_head_cycles + b / bw for b in out_bytes)
+    t_out = sum(
+        machine.copy_out_transfer_cycles + b / machine.write_bytes_per_cycle for b in out_bytes
+    )
     t_vec = 0.0
     for step in plan.steps:
         for op in step.ops:

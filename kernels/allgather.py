@@ -183,6 +183,7 @@ def _link_only_stats(
         bound="memory",
         estimated=False,
         timeline=tl,
+        hbm_bytes=2 * gm_bytes,
     )
 
 

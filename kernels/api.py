@@ -199,15 +199,21 @@ class Kernel(ABC):
 
     def tiling_from_attrs(self, attrs: Mapping[str, Any]) -> Tiling | None:
         """The tiling stored as `tile_<field>` int attributes, or None if there is none."""
-        names = [f.name for f in dataclasses.fields(self.tiling_type)]
+        fields = dataclasses.fields(self.tiling_type)
+        names = [f.name for f in fields]
         present = [n for n in names if f"tile_{n}" in attrs]
         if not present:
             return None
-        missing = [f"tile_{n}" for n in names if n not in present]
+        # A field with a default (added later, e.g. `staged`) may be absent: it takes it.
+        missing = [
+            f"tile_{f.name}"
+            for f in fields
+            if f.name not in present and f.default is dataclasses.MISSING
+        ]
         if missing:
             raise TilingError(f"{self.op_type}: tiling attributes missing: {', '.join(missing)}")
         values: dict[str, int] = {}
-        for n in names:
+        for n in present:
             v = attrs[f"tile_{n}"]
             if isinstance(v, bool) or not isinstance(v, int | np.integer):
                 raise TilingError(f"{self.op_type}: attribute tile_{n} must be an int, got {v!r}")

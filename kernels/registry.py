@@ -102,4 +102,5 @@ def estimate(
         bound="memory" if t_mem >= t_vec else "compute",
         estimated=True,
         timeline=None,
+        hbm_bytes=read + write,
     )

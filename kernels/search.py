@@ -38,7 +38,13 @@ from .api import Kernel, TensorMeta, Tiling, TilingError
 from .npu.machine import Machine
 from .registry import all_models, get_kernel
 
+#: Bumped when a cost model or the simulated machine changes what a tiling costs, so that
+#: tuning-cache entries priced by an older model are not reused (`cache_target`).
+MODEL_REVISION = 2
+
 EXHAUSTIVE_LIMIT = 4096
+#: Tiling fields that are switches or core counts rather than tile sizes.
+FLAGS = frozenset({"double_buffer", "db_l1", "db_l0", "db_l0c", "cores", "a_resident"})
 BEAM = 32
 TIE = 0.01
 
@@ -47,7 +53,7 @@ def _volume(t: Tiling) -> int:
     """Product of a tiling's size fields (everything but flags and core counts)."""
     v = 1
     for f in dataclasses.fields(t):
-        if f.name not in ("double_buffer", "cores", "a_resident"):
+        if f.name not in FLAGS:
             v *= max(1, int(getattr(t, f.name)))
     return v
 
@@ -133,7 +139,7 @@ def _shape_key(t: Tiling) -> Hashable:
     return tuple(
         getattr(t, f.name)
         for f in dataclasses.fields(t)
-        if f.name not in ("double_buffer", "cores")
+        if f.name not in FLAGS or f.name == "a_resident"
     )
 
 
@@ -222,6 +228,11 @@ class Searched:
 
 def _thaw(attrs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
+
+
+def cache_target(machine: Machine) -> str:
+    """The target as a tuning-cache key: its name, a digest of its numbers, the model revision."""
+    return f"{machine.name}@{machine.fingerprint}/r{MODEL_REVISION}"
 
 
 def roofline_floor(flops: float, gm_bytes: float, machine: Machine, dtype: np.dtype) -> float:

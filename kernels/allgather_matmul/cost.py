@@ -17,6 +17,7 @@ and deduplicated.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ from .._link import ring_arrivals
 from ..api import TensorMeta, Tiling
 from ..npu.machine import Machine
 from .kernel import AllGatherMatMulTiling, _effective, _Problem, _problem, _specs
+from .staged import staged_cycles
 
 OP = "AllGatherMatMul"
 
@@ -60,7 +62,7 @@ def agmm_cycles(machine: Machine, p: _Problem, t: AllGatherMatMulTiling) -> floa
             for s, c in steps
         )  # fmt: skip
         cube = sum(c * cube_blocks(tm, s, tn, k0) for s, c in steps)
-        mte2 = dma(machine, tm * kk * isz, cores) + dma(machine, kk * tn * isz, cores)
+        mte2 = dma(machine, tm * kk * isz, cores, True) + dma(machine, kk * tn * isz, cores, True)
         tile.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count)
     fix = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
     arrivals = [0.0] + [end for _, end in ring_arrivals(machine, shards, p.g.shard_bytes)]
@@ -85,7 +87,7 @@ def agmm_cycles(machine: Machine, p: _Problem, t: AllGatherMatMulTiling) -> floa
         core = first + (passes - 1) * shards * w + mine * fix + fill
     gm = isz * (shards * p.m * p.ks + p.ks * (shards if p.k_gather else 1) * p.n
                 + p.m * p.n * (1 if p.k_gather else shards))  # fmt: skip
-    return kernel_cycles(machine, core, gm)
+    return kernel_cycles(machine, core, gm, tm * tk * isz, cores)
 
 
 def _chunks(total: int, step: int) -> list[tuple[int, int]]:
@@ -129,11 +131,18 @@ class _AgmmModel:
 
     def __init__(self) -> None:
         self._last = LastProblem()
+        self._staged: dict[Any, float] = {}
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
-        return list(agmm_space(machine, _problem(OP, metas, attrs, machine)))
+        p = _problem(OP, metas, attrs, machine)
+        space: list[Tiling] = list(agmm_space(machine, p))
+        # The unfused chain's schedule (one chunk) is always a candidate: never priced slower.
+        base = space[0] if space else AllGatherMatMulTiling(16, 16, 16, 16, 1, 0, 1)
+        assert isinstance(base, AllGatherMatMulTiling)
+        space.append(dataclasses.replace(base, staged=1))
+        return space
 
     def cost(
         self,
@@ -144,6 +153,11 @@ class _AgmmModel:
     ) -> float:
         assert isinstance(tiling, AllGatherMatMulTiling)
         p = self._last.get(metas, attrs, lambda: _problem(OP, metas, attrs, machine))
+        if tiling.staged:
+            key = (tuple(metas), repr(sorted(attrs.items())), machine)
+            if key not in self._staged:
+                self._staged = {key: staged_cycles(machine, p, metas)}
+            return self._staged[key]
         return agmm_cycles(machine, p, tiling)
 
     def rule_of_thumb(

@@ -55,7 +55,8 @@ from ..search import Searched
 class AllGatherMatMulTiling(Tiling):
     """Output tiles `tile_m` x `tile_n`; K in L1 panels of `tile_k`, L0 steps of `tile_k0`;
     `acc_tiles` L0C accumulators (output tiles kept across shards for a K gather); double
-    buffering (0/1); cube cores."""
+    buffering (0/1); cube cores; `staged` 1: one chunk, the unfused chain's schedule
+    (`staged.py`: gather, then multiply), the other fields then unused."""
 
     tile_m: int
     tile_n: int
@@ -64,6 +65,7 @@ class AllGatherMatMulTiling(Tiling):
     acc_tiles: int
     double_buffer: int
     cores: int
+    staged: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,7 @@ class AllGatherMatMulKernel(Searched, Kernel):
             op, tile_m=t.tile_m, tile_n=t.tile_n, tile_k=t.tile_k, tile_k0=t.tile_k0,
             acc_tiles=t.acc_tiles, cores=t.cores,
         )  # fmt: skip
-        check_flag(op, double_buffer=t.double_buffer)
+        check_flag(op, double_buffer=t.double_buffer, staged=t.staged)
         if t.tile_k0 > t.tile_k:
             raise TilingError(f"{op}: tile_k0 {t.tile_k0} exceeds tile_k {t.tile_k}")
         if t.cores > machine.cube_cores:
@@ -188,7 +190,8 @@ class AllGatherMatMulKernel(Searched, Kernel):
                 f"{op}: tiling uses {t.cores} cores, {machine.name} has {machine.cube_cores} "
                 "cube cores"
             )
-        require_fits(op, machine, _specs(_problem(op, inputs_meta, attrs, machine), t))
+        if not t.staged:  # the staged stages check their own tilings
+            require_fits(op, machine, _specs(_problem(op, inputs_meta, attrs, machine), t))
 
     def default_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -252,6 +255,10 @@ class AllGatherMatMulKernel(Searched, Kernel):
     ) -> KernelRun:
         assert isinstance(tiling, AllGatherMatMulTiling)
         p = _problem(self.op_type, inputs_meta, attrs, machine)
+        if tiling.staged:
+            from .staged import run_staged
+
+            return run_staged(machine, p, inputs, inputs_meta, functional, timeline)
         g = p.g
         steps = ring_arrivals(machine, g.group_size, g.shard_bytes)
         order = arrival_order(g.rank, g.group_size)

@@ -68,7 +68,7 @@ def conv_cycles(
     # Parameter copies (and BN folding) once per channel block the core meets.
     params = {"MTE2": 0.0, "SCALAR": 0.0}
     if has_b or has_bn:
-        params["MTE2"] = dma(machine, (5 if has_bn else 1) * co * isz, cores)
+        params["MTE2"] = dma(machine, (5 if has_bn else 1) * co * isz, cores, True)
         if has_bn:
             params["SCALAR"] = 4 * co * machine.scalar_op_cycles
     chunk_steps = per_core * math.ceil(width / ci)
@@ -87,8 +87,8 @@ def conv_cycles(
         # for the stream's mix (its fill and drain).
         w_share = co_changes / chunk_steps if single else 1.0
         mte2 = (
-            dma(machine, x_bytes, cores)
-            + w_share * dma(machine, w_bytes, cores)
+            dma(machine, x_bytes, cores, True)
+            + w_share * dma(machine, w_bytes, cores, True)
             + params["MTE2"] * co_changes / chunk_steps
         )
         pipes = {"MTE2": mte2, "MTE1": mte1, "CUBE": cube}
@@ -99,7 +99,11 @@ def conv_cycles(
         # fill and drain see one tap of MTE1 and Cube, and the chunk's copy.
         # The first chunk also waits for the block's parameters and its whole weight copy.
         if s.first is not None and s.first.pipes.get("MTE2") == mte2:
-            prologue = dma(machine, x_bytes, cores) + dma(machine, w_bytes, cores) + params["MTE2"]
+            prologue = (
+                dma(machine, x_bytes, cores, True)
+                + dma(machine, w_bytes, cores, True)
+                + params["MTE2"]
+            )
             s.first = Stage({"MTE2": prologue, "MTE1": mte1 / g.taps, "CUBE": cube / g.taps})
             # After a copy-bound stream, the last chunk's taps (MTE1 and Cube overlapping)
             # still run: as MTE1 the longer of the two, as Cube one tap.
@@ -110,7 +114,8 @@ def conv_cycles(
     s.busy["FIXP"] = fix * per_core
     s.drain = fix
     gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
-    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
+    first_in = min(ci, width) * x_rows * x_cols * isz
+    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
 
 
 def conv_space(

@@ -174,6 +174,7 @@ class _ConvKernel(Kernel):
             functional=functional,
             signature=partial(_signature, g),
             timeline=timeline,
+            gm_sizes=_gm_sizes(inputs_meta),
         )
         return KernelRun((y,) if y is not None else (), stats)
 
@@ -230,7 +231,7 @@ def _program(
                 nrows * nco * isz,
                 None if data is None or data.params is None
                 else data.params[:nrows, it.co0 : it.co1],
-                label="in params",
+                label="in params", gm="P",
             )  # fmt: skip
             if has_bn:
                 # scale / sqrt(var + eps) and (B - mean) * that + bias, per channel.
@@ -247,6 +248,7 @@ def _program(
                 _valid_bytes(g, it, c1 - c0, rows, cols, isz),
                 None if data is None else partial(_halo_tile, g, data.x, it, c0, c1, rows, cols),
                 label="in x",
+                gm="X",
             )
             # One K step holding all of a block's weights: consecutive blocks of the same
             # channels reuse the L1 copy instead of fetching it again.
@@ -258,7 +260,7 @@ def _program(
                     nco * cc * g.taps * isz,
                     None if data is None
                     else data.packed[it.co0][:, c0 - ci_lo : c1 - ci_lo],
-                    label="in w",
+                    label="in w", gm="W",
                 )  # fmt: skip
                 w_block = it.co0 if single else -1
             a_bytes, b_bytes = m * cc * isz, cc * nco * isz
@@ -369,6 +371,14 @@ def _signature(g: ConvGeometry, it: _Item) -> tuple[int, ...]:
         it.h1 - it.h0, it.w1 - it.w0, it.co0, it.co1 - it.co0, hi - lo,
         _valid_bytes(g, it, 1, rows, cols, 1),
     )  # fmt: skip
+
+
+def _gm_sizes(metas: Sequence[TensorMeta | None]) -> dict[str, int]:
+    """Bytes of the GM tensors the program names: X (halos overlap), W and the parameters
+    (re-read per block) are read more than once, the repeats hitting the L2."""
+    sizes = {name: m.nbytes for name, m in zip(("X", "W"), metas, strict=False) if m is not None}
+    sizes["P"] = sum(m.nbytes for m in metas[2:] if m is not None)
+    return sizes
 
 
 class Conv(_ConvKernel):

@@ -77,29 +77,32 @@ def estimate_cycles(g: ConvGeometry, dtype: np.dtype, t: ConvTiling, machine: Ma
     items = n_items(g, t)
     cores = min(t.cores, items)
     waves = math.ceil(items / cores)
-    bw = machine.dma_bytes_per_cycle(cores)
+    bw = machine.read_bytes_per_cycle
     lo, hi = g.channel_range(0, co)
     chunks = math.ceil((hi - lo) / ci)
     rows, cols = g.halo(th, tw)
     m = th * tw
     x_bytes = ci * min(rows, g.h) * min(cols, g.w) * isz
     w_bytes = co * ci * g.taps * isz
-    w_copy = machine.copy_in_head(w_bytes, cores) + w_bytes / bw
+    w_copy = machine.copy_in_transfer(True) + w_bytes / bw
     if chunks == 1:
         # Weights of one K step stay in L1 across a core's blocks of the same channels.
         co_blocks = math.ceil(g.cout / co)
         w_copy *= min(1.0, (1 + waves * co_blocks / items) / waves)
-    dma = chunks * (machine.copy_in_head(x_bytes, cores) + x_bytes / bw + w_copy)
+    dma = chunks * (machine.copy_in_transfer(True) + x_bytes / bw + w_copy)
     k0 = machine.cube_k_block(dtype)
     cube = chunks * g.taps * math.ceil(m / 16) * math.ceil(ci / k0) * math.ceil(co / 16)
     mte1 = chunks * g.taps * (
         2 * machine.l1_to_l0_startup_cycles + m * ci * isz / machine.l1_to_l0a_bytes_per_cycle
         + ci * co * isz / machine.l1_to_l0b_bytes_per_cycle
     )  # fmt: skip
-    fix = machine.copy_out_head_cycles + m * co * isz / min(machine.l0c_to_gm_bytes_per_cycle, bw)
+    fix = machine.copy_out_transfer_cycles + m * co * isz / min(
+        machine.l0c_to_gm_bytes_per_cycle, machine.write_bytes_per_cycle
+    )
     stages = (dma, cube, mte1, fix)
     per_item = max(stages) if t.double_buffer else sum(stages)
-    return machine.kernel_launch_cycles + waves * per_item + (sum(stages) - max(stages))
+    heads = machine.copy_in_head(x_bytes, cores) + machine.copy_out_head_cycles
+    return machine.kernel_launch_cycles + heads + waves * per_item + (sum(stages) - max(stages))
 
 
 def _round_up(x: int, m: int) -> int:

@@ -41,7 +41,7 @@ from .._cost_base import (
     fitting,
     kernel_cycles,
 )
-from .._groups import l2_bytes_per_cycle, vector_cores_per_group
+from .._groups import vector_cores_per_group
 from .._rows import VecStep
 from ..api import TensorMeta, Tiling
 from ..layernorm import layernorm_steps
@@ -50,6 +50,7 @@ from ..npu.pipes import Level
 from .plan import (
     LayerNormMatMulTiling,
     Problem,
+    default_tiling,
     effective,
     n_blocks,
     part_columns,
@@ -57,6 +58,7 @@ from .plan import (
     round_up,
     specs,
 )
+from .staged import staged_cycles
 
 
 def lnmm_cycles(
@@ -77,7 +79,6 @@ def lnmm_cycles(
     separate = vecs > 0
     vecs = max(1, vecs)
     k0 = machine.cube_k_block(p.dtype)
-    l2 = l2_bytes_per_cycle(machine, groups)
     d = p.ln.width
 
     # Vector side: one row block's normalization, per vector core.
@@ -91,7 +92,7 @@ def lnmm_cycles(
             k, b = machine.vector_cost(op, step.dtype)
             vec_ops += k * vr * step.per_row + b
     hand = (
-        machine.copy_out_head_cycles + sub_bytes / l2_bytes_per_cycle(machine, active_vec)
+        dma_out(machine, sub_bytes, active_vec)
         if separate
         else machine.l1_to_l0_startup_cycles + sub_bytes / machine.ub_to_l1_bytes_per_cycle
     )
@@ -108,7 +109,7 @@ def lnmm_cycles(
     # Cube side: one item's matmuls, then the whole share.
     item = Stream()
     if t.a_resident and separate:
-        item.add({"MTE2": dma_l2(machine, sub_bytes, groups, l2)}, subs / parts)
+        item.add({"MTE2": dma(machine, sub_bytes, groups, True)}, subs / parts)
     for lin in p.linears:
         c0, c1 = part_columns(lin.n, 0, parts)
         cols = max(1, c1 - c0)
@@ -123,9 +124,9 @@ def lnmm_cycles(
                 for s, c in steps
             )  # fmt: skip
             cube = sum(c * cube_blocks(tm, s, width, k0) for s, c in steps)
-            mte2 = dma(machine, kk * width * isz, groups)
+            mte2 = dma(machine, kk * width * isz, groups, True)
             if not t.a_resident:
-                mte2 += dma_l2(machine, tm * kk * isz, groups, l2)
+                mte2 += dma(machine, tm * kk * isz, groups, True)
             item.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * n_tiles)
         fix = dma_out(machine, tm * width * isz, groups, machine.l0c_to_gm_bytes_per_cycle)
         item.busy["FIXP"] = item.busy.get("FIXP", 0.0) + fix * n_tiles
@@ -142,7 +143,7 @@ def lnmm_cycles(
     v_params = sum(
         dma(machine, d * isz, active_vec) for present in (p.ln.has_scale, p.ln.has_bias) if present
     )
-    c_params = sum(dma(machine, lin.n * isz, groups) for lin in p.linears if lin.has_bias)
+    c_params = sum(dma(machine, lin.n * isz, groups, True) for lin in p.linears if lin.has_bias)
     first_block += v_params
     # The cube's copy-in pipe is in order: with the block resident, its workspace copies come
     # first, so the W copies wait for the normalization; streamed, the first W copy (issued
@@ -151,7 +152,7 @@ def lnmm_cycles(
         start, ahead = max(first_block, c_params), 0.0
     else:
         first_w = min(tk, p.k) * min(tn, part_columns(p.max_n, 0, parts)[1]) * isz
-        ahead = dma(machine, first_w, groups)
+        ahead = dma(machine, first_w, groups, True)
         start = max(first_block, c_params + ahead)
     group_time = max(start + share.time(db) - ahead, v_params + v_all.time(db) + one_item - ahead)
     if not db:
@@ -160,12 +161,7 @@ def lnmm_cycles(
         group_time = max(group_time, row_blocks * first_block + share.time(db))
     n_total = sum(lin.n for lin in p.linears)
     gm = isz * (p.ln.rows * d + p.k * n_total * blocks + p.m * n_total)
-    return kernel_cycles(machine, group_time, gm)
-
-
-def dma_l2(machine: Machine, nbytes: float, active: int, l2: float) -> float:
-    """A copy from the L2-resident workspace: the GM copy head, L2 bandwidth."""
-    return machine.copy_in_head(int(nbytes), active) + nbytes / l2
+    return kernel_cycles(machine, group_time, gm, sub_bytes, active_vec)
 
 
 def _chunks(total: int, step: int) -> list[tuple[int, int]]:
@@ -232,6 +228,7 @@ class _LnmmModel:
     op_type = "LayerNormMatMul"
 
     def __init__(self) -> None:
+        self._staged: dict[Any, float] = {}
         self._last = LastProblem()
 
     def _problem(self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) -> Problem:
@@ -240,7 +237,13 @@ class _LnmmModel:
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
-        return list(lnmm_space(machine, problem(metas, attrs)))
+        p = problem(metas, attrs)
+        space: list[Tiling] = list(lnmm_space(machine, p))
+        # The unfused chain's schedule is always a candidate: fused is never priced slower.
+        base = space[0] if space else default_tiling(p, machine)
+        assert isinstance(base, LayerNormMatMulTiling)
+        space.append(dataclasses.replace(base, staged=1))
+        return space
 
     def cost(
         self,
@@ -250,7 +253,13 @@ class _LnmmModel:
         machine: Machine,
     ) -> float:
         assert isinstance(tiling, LayerNormMatMulTiling)
-        return lnmm_cycles(machine, self._problem(metas, attrs), tiling)
+        p = self._problem(metas, attrs)
+        if tiling.staged:
+            key = (tuple(metas), repr(sorted(attrs.items())), machine)
+            if key not in self._staged:
+                self._staged = {key: staged_cycles(machine, p, metas, attrs)}
+            return self._staged[key]
+        return lnmm_cycles(machine, p, tiling)
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine

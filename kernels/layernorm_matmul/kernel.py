@@ -61,6 +61,7 @@ from .plan import (
     problem,
     specs,
 )
+from .staged import run_staged
 
 
 class LayerNormMatMulKernel(Searched, Kernel):
@@ -97,7 +98,7 @@ class LayerNormMatMulKernel(Searched, Kernel):
         )  # fmt: skip
         if t.tile_k0 > t.tile_k:
             raise TilingError(f"{op}: tile_k0 {t.tile_k0} exceeds tile_k {t.tile_k}")
-        check_flag(op, a_resident=t.a_resident, double_buffer=t.double_buffer)
+        check_flag(op, a_resident=t.a_resident, double_buffer=t.double_buffer, staged=t.staged)
         if t.cores > machine.cube_cores:
             raise TilingError(
                 f"{op}: tiling uses {t.cores} cores, {machine.name} has {machine.cube_cores} "
@@ -109,7 +110,8 @@ class LayerNormMatMulKernel(Searched, Kernel):
                 f"{op}: rows {t.rows} must be a multiple of {p.q} (matmul rows per normalized "
                 "slice)"
             )
-        require_fits(op, machine, specs(p, t))
+        if not t.staged:  # the staged stages check their own tilings
+            require_fits(op, machine, specs(p, t))
 
     def default_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -128,6 +130,9 @@ class LayerNormMatMulKernel(Searched, Kernel):
     ) -> KernelRun:
         assert isinstance(tiling, LayerNormMatMulTiling)
         p = problem(inputs_meta, attrs)
+        if tiling.staged:
+            metas = self.infer(inputs_meta, attrs)
+            return run_staged(machine, p, inputs, inputs_meta, attrs, metas, functional, timeline)
         tm = effective(p, tiling)[0]
         work = [
             Item(m0, min(m0 + tm, p.m), part)

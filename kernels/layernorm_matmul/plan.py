@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._budget import QueueSpec
-from .._groups import l2_bytes_per_cycle, vector_cores_per_group
+from .._groups import vector_cores_per_group
 from .._levels import overflow
 from ..api import KernelError, TensorMeta, Tiling, TilingError
 from ..layernorm import LayerNormSpec, layernorm_spec, layernorm_steps
@@ -38,7 +38,9 @@ class LayerNormMatMulTiling(Tiling):
     vector step; W tiles of `tile_k` x `tile_n` in L1, fed to L0 in steps of `tile_k0`;
     `a_resident` 1: the normalized block stays in L1 for all its matmuls, 0: it stays in the
     GM/L2 workspace and `rows` x `tile_k` panels of it are copied to L1 per step (big K);
-    double buffering (0/1); cube cores (groups)."""
+    double buffering (0/1); cube cores (groups); `staged` 1: the unfused chain's schedule
+    instead (`staged.py`: LayerNorm writes N once, MatMul reads it back), the other fields
+    then unused."""
 
     rows: int
     n_split: int
@@ -49,6 +51,7 @@ class LayerNormMatMulTiling(Tiling):
     a_resident: int
     double_buffer: int
     cores: int
+    staged: int = 0
 
 
 class Item(NamedTuple):
@@ -232,29 +235,27 @@ def estimate(p: Problem, t: LayerNormMatMulTiling, machine: Machine) -> float:
     parts = min(t.n_split, n_blocks(p))
     items = blocks * parts
     groups = min(t.cores, machine.cube_cores, items)
-    active = groups  # cube cores share HBM among themselves (see `_groups`)
     isz = p.dtype.itemsize
-    bw = machine.dma_bytes_per_cycle(active)
+    bw = machine.read_bytes_per_cycle
     k0 = machine.cube_k_block(p.dtype)
     mte2 = cube = 0.0
     for lin in p.linears:
         cols = math.ceil(lin.n / parts)
         tiles = math.ceil(cols / tn) * math.ceil(p.k / tk)
-        mte2 += tiles * machine.copy_in_head(tk * tn * isz, active) + p.k * cols * isz / bw
+        mte2 += tiles * machine.copy_in_transfer(True) + p.k * cols * isz / bw
         cube += math.ceil(tm / 16) * math.ceil(p.k / k0) * math.ceil(cols / 16)
     subs = math.ceil(tm // p.q / vr)
     sub_bytes = vr * p.ln.width * isz
     if not t.a_resident:
         # A panels from the L2 workspace, once per W tile.
-        l2 = l2_bytes_per_cycle(machine, active)
         for lin in p.linears:
             tiles = math.ceil(math.ceil(lin.n / parts) / tn) * math.ceil(p.k / tk)
-            mte2 += tiles * (machine.copy_in_head(tm * tk * isz, active) + tm * tk * isz / l2)
+            mte2 += tiles * (machine.copy_in_transfer(True) + tm * tk * isz / bw)
     elif vector_cores_per_group(machine):
         # The normalized block reaches L1 in sub-blocks, each with its own copy (and head).
-        mte2 += subs * (machine.copy_in_head(sub_bytes, active) + sub_bytes / bw)
+        mte2 += subs * (machine.copy_in_transfer(True) + sub_bytes / bw)
     vecs = max(1, vector_cores_per_group(machine))
-    vec = subs / vecs * (machine.copy_in_head(sub_bytes, active) + sub_bytes / bw)
+    vec = subs / vecs * (machine.copy_in_transfer(False) + sub_bytes / bw)
     for step in layernorm_steps(p.ln):
         for op in step.ops:
             k, b = machine.vector_cost(op, step.dtype)

@@ -1,11 +1,14 @@
 """Cost model of the Cube GEMM kernels: ONNX `MatMul` and `Gemm` (`kernel.py` beside it).
 
 A work item is one `tile_m` x `tile_n` output block; per `tile_k` chunk of K the A and B panels
-are copied into L1 (two MTE2 copies, each with its head), per `tile_k0` step both go to
-L0A/L0B (MTE1) and the Cube accumulates; FixPipe writes the block once. The slowest core holds
-`ceil(blocks / cores)` blocks. The space: tile_m, tile_n on 16-multiples in {16 .. 256}, tile_k
-in {64 .. 1024} and tile_k0 in {32 .. 256} on k0 (32-byte) multiples, single or double
-buffering, all / half / a quarter of the cube cores; filtered by the kernel's own buffer specs.
+are copied into L1 (two MTE2 copies), per `tile_k0` step both go to L0A/L0B (MTE1) and the Cube
+accumulates; FixPipe writes the block once. Per level: with L0A/B double-buffered a chunk's
+loads run under its multiplies (`max`), else in turn (`sum`); with L1 double-buffered the next
+chunk's copy runs under this chunk's work; with L0C single the next block waits for this
+block's FixPipe. The slowest core holds `ceil(blocks / cores)` blocks. The space: tile_m,
+tile_n on 16-multiples in {16 .. 256}, tile_k in {64 .. 1024} and tile_k0 in {32 .. 256} on k0
+(32-byte) multiples, each level single or double buffered, all / half / a quarter of the cube
+cores; filtered by the kernel's own buffer specs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from typing import Any
 
 from .._cost_base import (
     LastProblem,
-    Stream,
     aligned_sizes,
     core_counts,
     cube_blocks,
@@ -42,26 +44,34 @@ def gemm_cycles(machine: Machine, p: GemmProblem, t: MatMulTiling, gm_extra: flo
     cores = max(1, min(t.cores, items))
     per_core = math.ceil(items / cores)
     k0 = machine.cube_k_block(p.dtype)
-    s = Stream()
+    block = 0.0  # one block's K walk, steady state
+    fill = 0.0
     for kk, count in _chunks(p.k, tk):
-        steps = list(_chunks(kk, tk0))
-        mte1 = sum(
-            c * (2 * machine.l1_to_l0_startup_cycles
-                 + tm * ss * isz / machine.l1_to_l0a_bytes_per_cycle
-                 + ss * tn * isz / machine.l1_to_l0b_bytes_per_cycle)
-            for ss, c in steps
-        )  # fmt: skip
-        cube = sum(c * cube_blocks(tm, ss, tn, k0) for ss, c in steps)
-        mte2 = dma(machine, tm * kk * isz, cores) + dma(machine, kk * tn * isz, cores)
-        s.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * per_core)
+        steps = _chunks(kk, tk0)
+        mv = [
+            2 * machine.l1_to_l0_startup_cycles
+            + tm * ss * isz / machine.l1_to_l0a_bytes_per_cycle
+            + ss * tn * isz / machine.l1_to_l0b_bytes_per_cycle
+            for ss, _ in steps
+        ]
+        cu = [cube_blocks(tm, ss, tn, k0) for ss, _ in steps]
+        n_steps = sum(c for _, c in steps)
+        mte1 = sum(m * c for m, (_, c) in zip(mv, steps, strict=True))
+        cube = sum(x * c for x, (_, c) in zip(cu, steps, strict=True))
+        # L0 double-buffered: loads run under the multiplies (one step of fill); else in turn.
+        inner = max(mte1, cube) + min(mv[0], cu[0]) if t.db_l0 and n_steps > 1 else mte1 + cube
+        mte2 = dma(machine, tm * kk * isz, cores, True) + dma(machine, kk * tn * isz, cores, True)
+        # L1 double-buffered: the next chunk's copy runs under this chunk's work.
+        block += count * (max(mte2, inner) if t.db_l1 else mte2 + inner)
+        fill = fill or (mte2 if t.db_l1 else 0.0)
     fix = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
-    s.busy["FIXP"] = fix * per_core
-    s.drain = fix  # the last block's FixPipe follows its last multiply
     if p.has_c:
-        c_in = dma(machine, tm * tn * isz, cores)
-        s.busy["MTE2"] += c_in * per_core
+        block += 0.0 if t.db_l1 else dma(machine, tm * tn * isz, cores, True)
+    # L0C single: the next block's first multiply waits for this block's FixPipe.
+    steady = block + (0.0 if t.db_l0c else fix)
+    core = max(per_core * steady, per_core * fix) + fill + (fix if t.db_l0c else 0.0)
     gm = isz * p.batch_size * (p.m * p.k + p.k * p.n + p.m * p.n) + gm_extra
-    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
+    return kernel_cycles(machine, core, gm, tm * tk * isz, cores)
 
 
 def _chunks(total: int, step: int) -> list[tuple[int, int]]:
@@ -82,14 +92,14 @@ def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> list[MatM
     k0s = aligned_sizes(p.k, k0, (32, 64, 128, 256))
     seen: set[tuple[int, ...]] = set()
     out: list[MatMulTiling] = []
-    for tm, tn, tk, tk0, db, cores in itertools.product(
-        ms, ns, ks, k0s, (1, 0), core_counts(machine.cube_cores)
+    for tm, tn, tk, tk0, l1, l0, l0c, cores in itertools.product(
+        ms, ns, ks, k0s, (1, 0), (1, 0), (0, 1), core_counts(machine.cube_cores)
     ):
         if tk0 > tk:
             continue
-        t = MatMulTiling(tm, tn, tk, tk0, db, cores)
+        t = MatMulTiling(tm, tn, tk, tk0, l1, l0, l0c, cores)
         items = p.batch_size * math.ceil(p.m / min(tm, p.m)) * math.ceil(p.n / min(tn, p.n))
-        key = (min(tm, p.m), min(tn, p.n), min(tk, p.k), min(tk0, tk, p.k), db,
+        key = (min(tm, p.m), min(tn, p.n), min(tk, p.k), min(tk0, tk, p.k), l1, l0, l0c,
                min(cores, items))  # fmt: skip
         if key in seen or not fitting(machine, kernel._specs(p, t)):
             continue
@@ -101,7 +111,7 @@ def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> list[MatM
 def gemm_rule_of_thumb(machine: Machine, p: GemmProblem) -> MatMulTiling:
     """The articles' MatMul rule: tile_m = tile_n = 128 (within [64, 256]), tile_k = 256
     (within [128, 512]), double-buffered on every core."""
-    return MatMulTiling(128, 128, 256, 128, 1, machine.cube_cores)
+    return MatMulTiling(128, 128, 256, 128, 1, 1, 1, machine.cube_cores)
 
 
 class _GemmModel:

@@ -5,6 +5,12 @@ split over the cube cores in balanced ranges. For each block the core walks K: p
 `tile_k` it copies the A and B panels into L1 (MTE2), then per `tile_k0` step loads L0A and
 L0B (MTE1) and accumulates on the Cube in L0C (float32). FixPipe writes the block out, with
 Gemm's alpha and beta * C in its epilogue (the C block is copied into L1 beside the panels).
+
+Double buffering is chosen per level, as CATLASS does on 910B (L1 and L0A/B double, L0C single
+for 128 x 256 tiles): `db_l1` overlaps the next chunk's copy-in with this chunk's loads and
+multiplies, `db_l0` the next L0 load with this multiply, `db_l0c` the block's FixPipe with the
+next block's multiplies. A and B are named GM tensors: their panels re-read by other blocks hit
+the L2.
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ from ..npu.pipes import Level
 @dataclass(frozen=True)
 class MatMulTiling(Tiling):
     """Output block `tile_m` x `tile_n`; K in L1 chunks of `tile_k`, L0 steps of `tile_k0`;
-    double buffering (0/1); cube cores used."""
+    double buffering (0/1) of L1, of L0A/L0B and of L0C; cube cores used."""
 
     tile_m: int
     tile_n: int
     tile_k: int
     tile_k0: int
-    double_buffer: int
+    db_l1: int
+    db_l0: int
+    db_l0c: int
     cores: int
 
 
@@ -93,16 +101,16 @@ class _CubeGemm(Kernel):
         tm, tn = min(t.tile_m, p.m), min(t.tile_n, p.n)
         tk, tk0 = min(t.tile_k, p.k), min(t.tile_k0, t.tile_k, p.k)
         isz = p.dtype.itemsize
-        depth = 2 if t.double_buffer else 1
+        l1, l0, l0c = (2 if f else 1 for f in (t.db_l1, t.db_l0, t.db_l0c))
         specs = [
-            QueueSpec(Level.L1, "a_panel", tm * tk * isz, depth),
-            QueueSpec(Level.L1, "b_panel", tk * tn * isz, depth),
-            QueueSpec(Level.L0A, "a", tm * tk0 * isz, depth),
-            QueueSpec(Level.L0B, "b", tk0 * tn * isz, depth),
-            QueueSpec(Level.L0C, "acc", tm * tn * 4, depth),
+            QueueSpec(Level.L1, "a_panel", tm * tk * isz, l1),
+            QueueSpec(Level.L1, "b_panel", tk * tn * isz, l1),
+            QueueSpec(Level.L0A, "a", tm * tk0 * isz, l0),
+            QueueSpec(Level.L0B, "b", tk0 * tn * isz, l0),
+            QueueSpec(Level.L0C, "acc", tm * tn * 4, l0c),
         ]
         if p.has_c:
-            specs.append(QueueSpec(Level.L1, "c", tm * tn * isz, depth))
+            specs.append(QueueSpec(Level.L1, "c", tm * tn * isz, l0c))
         return specs
 
     def check_tiling(
@@ -118,7 +126,7 @@ class _CubeGemm(Kernel):
             self.op_type, tile_m=t.tile_m, tile_n=t.tile_n, tile_k=t.tile_k, tile_k0=t.tile_k0,
             cores=t.cores,
         )  # fmt: skip
-        check_flag(self.op_type, double_buffer=t.double_buffer)
+        check_flag(self.op_type, db_l1=t.db_l1, db_l0=t.db_l0, db_l0c=t.db_l0c)
         if t.tile_k0 > t.tile_k:
             raise TilingError(f"{self.op_type}: tile_k0 {t.tile_k0} exceeds tile_k {t.tile_k}")
         if t.cores > machine.cube_cores:
@@ -134,14 +142,20 @@ class _CubeGemm(Kernel):
         p = self.problem(inputs_meta, attrs)
         k0 = machine.cube_k_block(p.dtype)
         cm, cn = machine.cube_m, machine.cube_n
+        # CATLASS's 910B shape: 128 x 256 blocks, K chunks of 256 and L0 steps of 64 (fp16),
+        # L1 and L0A/B double-buffered, L0C single (a 128 x 256 float32 block fills it).
         t = MatMulTiling(
             tile_m=min(_round_up(p.m, cm), 128),
             tile_n=min(_round_up(p.n, cn), 256),
-            tile_k=min(_round_up(p.k, k0), 512),
-            tile_k0=min(_round_up(p.k, k0), 256 // p.dtype.itemsize),
-            double_buffer=1,
+            tile_k=min(_round_up(p.k, k0), 512 // p.dtype.itemsize),
+            tile_k0=min(_round_up(p.k, k0), 128 // p.dtype.itemsize),
+            db_l1=1,
+            db_l0=1,
+            db_l0c=0,
             cores=machine.cube_cores,
         )
+        if fits(machine, self._specs(p, dataclasses.replace(t, db_l0c=1))):
+            t = dataclasses.replace(t, db_l0c=1)
         while not fits(machine, self._specs(p, t)):
             if t.tile_k > 2 * t.tile_k0:
                 t = dataclasses.replace(t, tile_k=t.tile_k // 2)
@@ -194,6 +208,11 @@ class _CubeGemm(Kernel):
         alpha = float(attrs.get("alpha", 1.0))
         beta = float(attrs.get("beta", 1.0))
         program = partial(_program, p, self._specs(p, tiling), tiling, alpha, beta, data)
+        sizes = {
+            name: m.nbytes
+            for name, m in zip(("A", "B", "C"), inputs_meta, strict=False)
+            if m is not None
+        }
         stats = launch(
             machine,
             self.op_type,
@@ -203,6 +222,7 @@ class _CubeGemm(Kernel):
             functional=functional,
             signature=_signature,
             timeline=timeline,
+            gm_sizes=sizes,
         )
         return KernelRun((y,) if y is not None else (), stats)
 
@@ -249,9 +269,11 @@ def _program(
         for k0 in range(0, p.k, tk):
             k1 = min(k0 + tk, p.k)
             ap = q["a_panel"].alloc()
-            core.copy_in(ap, mm * (k1 - k0) * isz, None if A is None else A[it.m0 : it.m1, k0:k1])
+            a_src = None if A is None else A[it.m0 : it.m1, k0:k1]
+            core.copy_in(ap, mm * (k1 - k0) * isz, a_src, gm="A")
             bp = q["b_panel"].alloc()
-            core.copy_in(bp, (k1 - k0) * nn * isz, None if B is None else B[k0:k1, it.n0 : it.n1])
+            b_src = None if B is None else B[k0:k1, it.n0 : it.n1]
+            core.copy_in(bp, (k1 - k0) * nn * isz, b_src, gm="B")
             for s0 in range(k0, k1, tk0):
                 s1 = min(s0 + tk0, k1)
                 a = q["a"].alloc()
@@ -266,7 +288,7 @@ def _program(
             core.copy_in(
                 ct, mm * nn * isz,
                 None if data is None or data.c is None else data.c[it.m0 : it.m1, it.n0 : it.n1],
-                label="in C",
+                label="in C", gm="C",
             )  # fmt: skip
             reads = (ct,)
         core.fixpipe(

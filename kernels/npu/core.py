@@ -4,7 +4,9 @@ Each instruction names the tiles it reads and writes. It starts when its pipe is
 tile it reads is ready, and every tile it writes has been released by its previous readers;
 it then occupies its pipe for its cost in cycles (`npu-model.md`):
 
-- DMA (MTE2 / MTE3 / FixPipe): head + bytes / bandwidth, the GM side shared by active cores;
+- DMA (MTE2 / MTE3 / FixPipe): the pipe's start-up head at its first instruction of the kernel,
+  then per copy a transfer cost + bytes / the core's L2 port rate (HBM, shared by the whole chip,
+  is charged by `npu.launch` over all cores: first touches and writes);
 - MTE1 (L1 -> L0A/L0B): start-up + bytes / bandwidth;
 - Cube: ceil(m/16) * ceil(k/k0) * ceil(n/16) cycles, k0 = 32 bytes of the input dtype;
 - Vector: k * N + b per instruction; Scalar: ops * scalar_op_cycles.
@@ -47,7 +49,10 @@ class Core:
             ("gm_read", "gm_write", "ub", "l1", "l0a", "l0b", "l0c"), 0
         )
         self.intervals: list[tuple[Pipe, float, float, str]] = []
-        self._gm_bw = machine.dma_bytes_per_cycle(active_cores)
+        # GM bytes read per named tensor (`copy_in(gm=...)`): repeated reads of a tensor hit the
+        # L2, so the chip's HBM serves each named tensor once (`npu.launch.hbm_bytes`).
+        self.gm_reads: dict[str, int] = {}
+        self._started: set[Pipe] = set()
         self._vector_costs: dict[tuple[str, np.dtype], tuple[float, float]] = {}
         self._k0: dict[np.dtype, int] = {}
         # MTE1 cost per destination level: (start-up cycles, bytes per cycle).
@@ -86,15 +91,41 @@ class Core:
         return max(self.pipe_free.values())
 
     # -- data movement ----------------------------------------------------------------------
-    def copy_in(self, dst: Tile, nbytes: int, src: Source = None, label: str = "") -> None:
-        """MTE2: GM -> `dst` (UB or L1). `src` is the data (array or a function making it,
-        e.g. a halo tile with padding); it is only used in functional mode."""
-        dst.check_fits(nbytes)
+    def dma_in_cycles(self, nbytes: int, to_l1: bool) -> float:
+        """Cycles of one MTE2 copy: the pipe's head if it has not started yet, the per-transfer
+        cost, and the bytes at the core's L2 read port."""
         m = self.machine
-        cycles = m.copy_in_head(nbytes, self.active_cores) + nbytes / self._gm_bw
+        head = 0.0
+        if Pipe.MTE2 not in self._started:
+            self._started.add(Pipe.MTE2)
+            head = m.copy_in_head(nbytes, self.active_cores)
+        return head + m.copy_in_transfer(to_l1) + nbytes / m.read_bytes_per_cycle
+
+    def dma_out_cycles(self, pipe: Pipe, nbytes: int, cap: float | None = None) -> float:
+        """Cycles of one copy-out on `pipe` (MTE3 or FixPipe, whose own bandwidth is `cap`):
+        the pipe's head if it has not started yet, the per-transfer cost, the bytes."""
+        m = self.machine
+        head = 0.0
+        if pipe not in self._started:
+            self._started.add(pipe)
+            head = m.copy_out_head_cycles
+        bw = m.write_bytes_per_cycle if cap is None else min(cap, m.write_bytes_per_cycle)
+        return head + m.copy_out_transfer_cycles + nbytes / bw
+
+    def copy_in(
+        self, dst: Tile, nbytes: int, src: Source = None, label: str = "", gm: str | None = None
+    ) -> None:
+        """MTE2: GM -> `dst` (UB or L1). `src` is the data (array or a function making it,
+        e.g. a halo tile with padding); it is only used in functional mode. `gm` names the GM
+        tensor read when the kernel reads it more than once (its L2 hits cost no HBM time);
+        unnamed reads are first touches."""
+        dst.check_fits(nbytes)
+        cycles = self.dma_in_cycles(nbytes, dst.level is Level.L1)
         self.issue(Pipe.MTE2, cycles, (), (dst,), label or f"in {dst.name}")
         self.moved["gm_read"] += nbytes
         self.moved[dst.level._value_] += nbytes
+        if gm is not None:
+            self.gm_reads[gm] = self.gm_reads.get(gm, 0) + nbytes
         if self.functional and src is not None:
             dst.data = src() if callable(src) else src
 
@@ -102,7 +133,7 @@ class Core:
         self, src: Tile, nbytes: int, dst: np.ndarray | None = None, label: str = ""
     ) -> None:
         """MTE3: `src` (UB) -> GM view `dst` (written in functional mode)."""
-        cycles = self.machine.copy_out_head_cycles + nbytes / self._gm_bw
+        cycles = self.dma_out_cycles(Pipe.MTE3, nbytes)
         self.issue(Pipe.MTE3, cycles, (src,), (), label or f"out {src.name}")
         self.moved["gm_write"] += nbytes
         if self.functional and dst is not None:
@@ -139,9 +170,7 @@ class Core:
     ) -> None:
         """FixPipe: L0C `src` -> GM view `dst`, through `epilogue(acc, *reads' data)`
         (per-channel scale and bias, relu, cast) in functional mode."""
-        m = self.machine
-        bw = min(m.l0c_to_gm_bytes_per_cycle, self._gm_bw)
-        cycles = m.copy_out_head_cycles + nbytes / bw
+        cycles = self.dma_out_cycles(Pipe.FIXP, nbytes, self.machine.l0c_to_gm_bytes_per_cycle)
         self.issue(Pipe.FIXP, cycles, (src, *reads), (), label or f"fixpipe {src.name}")
         self.moved["gm_write"] += nbytes
         if self.functional and dst is not None:

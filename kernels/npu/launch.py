@@ -38,13 +38,14 @@ def split_balanced(n: int, parts: int) -> list[range]:
 
 
 class _CoreResult:
-    __slots__ = ("busy", "intervals", "makespan", "moved")
+    __slots__ = ("busy", "gm_reads", "intervals", "makespan", "moved")
 
     def __init__(self, core: Core) -> None:
         self.makespan = core.makespan
         self.busy = core.busy
         self.moved = core.moved
         self.intervals = core.intervals
+        self.gm_reads = core.gm_reads
 
 
 def launch(
@@ -57,10 +58,12 @@ def launch(
     functional: bool,
     signature: Callable[[W], Hashable] | None = None,
     timeline: bool = True,
+    gm_sizes: Mapping[str, int] | None = None,
 ) -> RunStats:
     """Run `body(core, items)` on each core for its share of `work`; return the run's stats.
 
-    `max_cores` caps the cores used (fewer when there is less work than cores).
+    `max_cores` caps the cores used (fewer when there is less work than cores). `gm_sizes`
+    gives the bytes of each GM tensor the program names in `copy_in(gm=...)`.
     """
     n_cores = max(1, min(max_cores, len(work)))
     shares = split_balanced(len(work), n_cores)
@@ -81,7 +84,7 @@ def launch(
         if key is not None:
             cache[key] = res
         results.append(res)
-    return gather(machine, name, results, timeline)
+    return gather(machine, name, results, timeline, gm_sizes)
 
 
 class CoreRecord(Protocol):
@@ -95,12 +98,44 @@ class CoreRecord(Protocol):
     def moved(self) -> Mapping[str, int]: ...
     @property
     def intervals(self) -> Sequence[tuple[Pipe, float, float, str]]: ...
+    @property
+    def gm_reads(self) -> Mapping[str, int]: ...
 
 
-def gather(machine: Machine, name: str, results: Sequence[CoreRecord], timeline: bool) -> RunStats:
-    """`RunStats` of cores that ran as one kernel: launch head + the slowest core's makespan."""
+def hbm_bytes(
+    machine: Machine, results: Sequence[CoreRecord], gm_sizes: Mapping[str, int] | None
+) -> int:
+    """HBM traffic of cores that ran as one kernel: every write, every unnamed read, and each
+    named tensor once (its repeated reads hit the L2). When the named tensors together exceed
+    the L2, the share of repeated reads that no longer fits misses too [D]."""
+    sizes = gm_sizes or {}
+    requested: dict[str, int] = {}
+    for r in results:
+        for t, b in r.gm_reads.items():
+            requested[t] = requested.get(t, 0) + b
+    named = sum(requested.values())
+    unnamed = sum(r.moved["gm_read"] for r in results) - named
+    first = {t: min(b, sizes.get(t, b)) for t, b in requested.items()}
+    footprint = sum(first.values())
+    again = named - footprint
+    spill = again * max(0.0, 1.0 - machine.l2_bytes / footprint) if footprint else 0.0
+    writes = sum(r.moved["gm_write"] for r in results)
+    return int(unnamed + footprint + spill + writes)
+
+
+def gather(
+    machine: Machine,
+    name: str,
+    results: Sequence[CoreRecord],
+    timeline: bool,
+    gm_sizes: Mapping[str, int] | None = None,
+) -> RunStats:
+    """`RunStats` of cores that ran as one kernel: launch head + the slowest core's makespan,
+    or the kernel's HBM traffic over the chip's HBM bandwidth when that is longer."""
     launch_cycles = machine.kernel_launch_cycles
-    core_cycles = max(r.makespan for r in results)
+    hbm = hbm_bytes(machine, results, gm_sizes)
+    makespan = max(r.makespan for r in results)
+    core_cycles = max(makespan, machine.hbm_cycles(hbm))
     cycles = launch_cycles + core_cycles
     n = len(results)
     busy = {p.value: sum(r.busy[p] for r in results) for p in Pipe}
@@ -125,8 +160,9 @@ def gather(machine: Machine, name: str, results: Sequence[CoreRecord], timeline:
         pipe_utilization=MappingProxyType(util),
         launches=1,
         cores=n,
-        bound="memory" if mem >= comp else "compute",
+        bound="memory" if mem >= comp or core_cycles > makespan else "compute",
         estimated=False,
         timeline=tl,
+        hbm_bytes=hbm,
         **moved,
     )

@@ -14,6 +14,7 @@ A target file holds every number of the machine with its source tag in `"_source
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -54,16 +55,19 @@ class Machine:
     l0b_bytes: int
     l0c_bytes: int
     l2_bytes: int
-    # Bandwidths.
-    gm_to_core_bytes_per_cycle: float
+    # Bandwidths. Every GM access of a core goes through the L2 at the core's L2 port rate
+    # (read / write); HBM is one resource of the chip, shared by all cores, reads and writes:
+    # the first touch of a byte and every write cost HBM time (see `npu.launch`).
+    l2_read_bytes_per_cycle: float
+    l2_write_bytes_per_cycle: float
     hbm_bytes_per_s: float
-    l2_bytes_per_s: float
     l1_to_l0a_bytes_per_cycle: float
     l1_to_l0b_bytes_per_cycle: float
     l0c_to_gm_bytes_per_cycle: float
     ub_to_l1_bytes_per_cycle: float
     l1_to_l0_startup_cycles: float
-    # Fixed heads.
+    # Fixed costs. A DMA pipe (MTE2; MTE3 and FixPipe) pays its start-up head once per kernel
+    # on each core, at its first instruction; then every copy pays its per-transfer cost.
     kernel_launch_cycles: float
     copy_in_small_limit_bytes: int
     copy_in_head_small_cycles: float
@@ -71,6 +75,9 @@ class Machine:
     copy_in_head_large_cycles: float
     copy_in_head_large_per_core_cycles: float
     copy_out_head_cycles: float
+    copy_in_transfer_cycles: float
+    l1_load_transfer_cycles: float
+    copy_out_transfer_cycles: float
     scalar_op_cycles: float
     # A vector result headed for the Cube crosses GM/L2 (910B: separate cores) or goes
     # UB -> L1 directly (combined cores).
@@ -102,12 +109,26 @@ class Machine:
         """Convert core cycles to microseconds at this machine's clock."""
         return cycles / self.clock_hz * 1e6
 
-    def dma_bytes_per_cycle(self, active_cores: int) -> float:
-        """One core's GM bandwidth when `active_cores` cores stream at once (HBM shared)."""
-        return min(self.gm_to_core_bytes_per_cycle, self.hbm_bytes_per_cycle / max(1, active_cores))
+    @property
+    def fingerprint(self) -> str:
+        """A short digest of every number of the target: tilings and prices cached for one
+        version of a target are not reused for another of the same name."""
+        text = repr(dataclasses.replace(self, sources=MappingProxyType({})))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    @property
+    def read_bytes_per_cycle(self) -> float:
+        """One core's GM read bandwidth: its L2 port (HBM time is charged chip-wide)."""
+        return self.l2_read_bytes_per_cycle
+
+    @property
+    def write_bytes_per_cycle(self) -> float:
+        """One core's GM write bandwidth: its L2 port (HBM time is charged chip-wide)."""
+        return self.l2_write_bytes_per_cycle
 
     def copy_in_head(self, nbytes: int, active_cores: int) -> float:
-        """Fixed cycles of one GM -> core copy (fitted: small and large copies differ)."""
+        """Start-up of a core's MTE2 pipe, once per kernel, sized by its first copy (fitted:
+        small and large copies differ, and the head grows with the cores started)."""
         if nbytes < self.copy_in_small_limit_bytes:
             return self.copy_in_head_small_cycles + self.copy_in_head_small_per_core_cycles * (
                 active_cores
@@ -115,6 +136,15 @@ class Machine:
         return self.copy_in_head_large_cycles + self.copy_in_head_large_per_core_cycles * (
             active_cores
         )
+
+    def copy_in_transfer(self, to_l1: bool) -> float:
+        """Fixed cycles of one copy-in once its pipe has started: GM -> L1 (a cube core's
+        panel load) or GM -> UB."""
+        return self.l1_load_transfer_cycles if to_l1 else self.copy_in_transfer_cycles
+
+    def hbm_cycles(self, nbytes: float) -> float:
+        """Cycles the chip's HBM needs for `nbytes` of traffic (reads and writes alike)."""
+        return nbytes / self.hbm_bytes_per_cycle
 
     def vector_cost(self, op: str, dtype: np.dtype) -> tuple[float, float]:
         """(k, b) of the vector instruction `op` on `dtype`.

@@ -18,7 +18,9 @@ class RunStats:
 
     `pipe_busy` sums busy cycles over the cores used; `pipe_utilization` is that sum over
     (`core_cycles` x `cores`). Bytes count data moved into each level (`gm_read` out of GM).
-    `estimated` is True for roofline estimates, which have no timeline.
+    `estimated` is True for roofline estimates, which have no timeline. `hbm_bytes` is the
+    traffic the chip's HBM served: first touches of what was read, and every write (reads that
+    hit the L2 are in `gm_read` but not here).
     """
 
     cycles: float
@@ -38,6 +40,7 @@ class RunStats:
     bound: str
     estimated: bool
     timeline: Timeline | None = field(default=None, compare=False, repr=False)
+    hbm_bytes: int = 0
 
     @property
     def gm_bytes(self) -> int:
@@ -63,6 +66,7 @@ class RunStats:
             "pipe_busy": dict(self.pipe_busy),
             "pipe_utilization": dict(self.pipe_utilization),
             **self.bytes_by_level(),
+            "hbm_bytes": self.hbm_bytes,
             "launches": self.launches,
             "cores": self.cores,
             "bound": self.bound,
@@ -100,5 +104,6 @@ def sequence(runs: Sequence[RunStats]) -> RunStats:
         bound=slowest.bound,
         estimated=any(r.estimated for r in runs),
         timeline=timeline,
+        hbm_bytes=sum(r.hbm_bytes for r in runs),
         **levels,
     )

@@ -83,7 +83,12 @@ class RmsNormMatMulKernel(Searched, Kernel):
         )  # fmt: skip
         if t.tile_k0 > t.tile_k:
             raise TilingError(f"{op}: tile_k0 {t.tile_k0} exceeds tile_k {t.tile_k}")
-        check_flag(op, a_resident=t.a_resident, double_buffer=t.double_buffer)
+        check_flag(op, a_resident=t.a_resident, double_buffer=t.double_buffer, staged=t.staged)
+        if t.staged:
+            raise TilingError(
+                f"{op}: no staged schedule (the unfused chain is the RMSNorm's nine elementwise "
+                "ops, not one kernel): staged must be 0"
+            )
         if t.cores > machine.cube_cores:
             raise TilingError(
                 f"{op}: tiling uses {t.cores} cores, {machine.name} has {machine.cube_cores} "

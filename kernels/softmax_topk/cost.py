@@ -51,7 +51,8 @@ def row_cycles(machine: Machine, plan: RowPlan, t: RowTiling) -> float:
         plan.width * plan.in_dtype.itemsize
         + sum(o.width * o.dtype.itemsize for o in plan.outs if o.emit)
     )
-    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm)
+    first_in = plan.resident_bytes[0] if plan.resident_bytes else in_bytes
+    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
 
 
 def _merge_resident(s: Stream) -> None:

@@ -17,4 +17,4 @@ def test_layernorm_reshape_gemm_is_priced_at_the_layernorm_rows() -> None:
     ]
     for fusion in result.report.fusions:
         assert fusion.prediction is not None
-        assert fusion.prediction.unfused_cycles > 1.5 * fusion.prediction.fused_cycles
+        assert fusion.prediction.unfused_cycles > 1.2 * fusion.prediction.fused_cycles

@@ -4,6 +4,8 @@ max(T_allgather, T_matmul) <= fused < T_allgather + T_matmul on a balanced shape
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from fuser.kernels import registry
@@ -70,11 +72,11 @@ def test_explicit_tilings_with_tails(tiling: T, axis: int) -> None:
     np.testing.assert_allclose(y.astype(np.float32), want.astype(np.float32), atol=1e-2, rtol=1e-2)
 
 
-def _balanced(axis: int = 1) -> tuple[list[TensorMeta], dict[str, int], TensorMeta]:
-    # 4 ranks, each shard 256 x 1024 fp16 (512 KiB per ring step), N = 256: gather and matmul
-    # take about as long on ascend910b.
+def _balanced(axis: int = 1, n: int = 1024) -> tuple[list[TensorMeta], dict[str, int], TensorMeta]:
+    # 4 ranks, each shard 256 x 1024 fp16 (512 KiB per ring step), N = 1024: gather and matmul
+    # take about as long on ascend910b (N = 2048: a shard's matmul outlasts its ring step).
     x = TensorMeta((4, 1, 256, 1024), F16)
-    w = TensorMeta((1024, 256), F16)
+    w = TensorMeta((1024, n), F16)
     return [x, w], {"group_size": 4, "axis": axis, "rank": 1}, TensorMeta((1, 1024, 1024), F16)
 
 
@@ -99,7 +101,7 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def test_link_time_is_hidden_under_the_cube_in_the_timeline() -> None:
-    metas, attrs, _ = _balanced()
+    metas, attrs, _ = _balanced(n=2048)
     # The overlap mechanism under the kernel's own default tiling: the searched pick is faster
     # and leaves less compute to hide the gather under, which is not what this test is about.
     tiling = KERNEL.default_tiling(metas, attrs, M)
@@ -170,3 +172,35 @@ def test_capacity_and_input_errors() -> None:
         KERNEL.infer([metas[0], TensorMeta((1000, 8), F16)], attrs)
     with pytest.raises(KernelError, match="shards stacked"):
         KERNEL.infer([TensorMeta((3, 1, 4, 8), F16), TensorMeta((8, 8), F16)], attrs)
+
+
+@pytest.mark.parametrize("axis", [1, 2])
+def test_staged_one_chunk_schedule_is_gather_then_multiply(axis: int) -> None:
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((2, 3, 8, 16)).astype(np.float16)
+    k = 16 * (2 if axis == 2 else 1)
+    w = (rng.standard_normal((k, 24)) * 0.2).astype(np.float16)
+    b = rng.standard_normal(24).astype(np.float16)
+    attrs = {"group_size": 2, "axis": axis, "rank": 0}
+    metas = [TensorMeta.of(a) for a in (x, w, b)]
+    base = KERNEL.default_tiling(metas, attrs, M)  # type: ignore[union-attr]
+    staged = dataclasses.replace(base, staged=1)
+    run = KERNEL.run(M, [x, w, b], attrs, tiling=staged)  # type: ignore[union-attr]
+    fused = KERNEL.run(M, [x, w, b], attrs, tiling=base)  # type: ignore[union-attr]
+    np.testing.assert_array_equal(run.outputs[0], fused.outputs[0])
+    np.testing.assert_array_equal(run.outputs[1], fused.outputs[1])
+    assert run.stats.launches == 1
+    # Nothing overlaps: the gather's link time and the multiply add up.
+    t_ag = ALLGATHER.run(M, [x], attrs, functional=False).stats.cycles  # type: ignore[union-attr]
+    timing = KERNEL.run(M, metas, attrs, tiling=staged, functional=False)  # type: ignore[union-attr]
+    assert timing.stats.cycles > t_ag
+
+
+def test_search_never_prices_the_fused_op_above_the_staged_chain() -> None:
+    from fuser.kernels.search import search
+
+    metas, attrs, _ = _balanced()
+    result = search("fuser", "AllGatherMatMul", metas, attrs, M)
+    staged = [p for p in result.candidates if p.tiling.staged]  # type: ignore[attr-defined]
+    assert len(staged) == 1
+    assert result.best.cycles <= staged[0].cycles

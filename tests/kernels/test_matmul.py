@@ -84,7 +84,7 @@ def test_any_fitting_tiling_gives_the_same_numbers(
     rng = np.random.default_rng(2)
     a = rng.standard_normal((2, 77, 300)).astype(np.float32)
     b = rng.standard_normal((300, 90)).astype(np.float32)
-    t = MatMulTiling(tm, tn, tk, min(tk0, tk), db, cores)
+    t = MatMulTiling(tm, tn, tk, min(tk0, tk), db, db, db, cores)
     refusal = _refusal(a, b, t)
     if refusal is not None:
         # A refused tiling must say which buffer overflows.
@@ -107,11 +107,11 @@ def _refusal(a: np.ndarray, b: np.ndarray, t: MatMulTiling) -> str | None:
 def test_tilings_that_do_not_fit_are_refused() -> None:
     a = np.ones((512, 512), np.float16)
     with pytest.raises(TilingError, match="L0C"):
-        _k("MatMul").run(MACHINE, [a, a], {}, tiling=MatMulTiling(256, 256, 64, 64, 1, 24))
+        _k("MatMul").run(MACHINE, [a, a], {}, tiling=MatMulTiling(256, 256, 64, 64, 1, 1, 1, 24))
     with pytest.raises(TilingError, match="L1"):
-        _k("MatMul").run(MACHINE, [a, a], {}, tiling=MatMulTiling(256, 128, 512, 32, 1, 24))
+        _k("MatMul").run(MACHINE, [a, a], {}, tiling=MatMulTiling(256, 128, 512, 32, 1, 1, 1, 24))
     with pytest.raises(TilingError, match="tile_k0"):
-        _k("MatMul").run(MACHINE, [a, a], {}, tiling=MatMulTiling(64, 64, 64, 128, 1, 24))
+        _k("MatMul").run(MACHINE, [a, a], {}, tiling=MatMulTiling(64, 64, 64, 128, 1, 1, 1, 24))
 
 
 def test_bad_inputs_say_why() -> None:
@@ -128,11 +128,11 @@ def test_cube_cycles_follow_the_block_count() -> None:
     # One core, one block: the Cube is busy ceil(m/16)*ceil(k/16)*ceil(n/16) cycles for fp16.
     a = np.ones((33, 40), np.float16)
     b = np.ones((40, 17), np.float16)
-    run = _k("MatMul").run(MACHINE, [a, b], {}, tiling=MatMulTiling(48, 32, 48, 48, 0, 1))
+    run = _k("MatMul").run(MACHINE, [a, b], {}, tiling=MatMulTiling(48, 32, 48, 48, 0, 0, 0, 1))
     assert run.stats.pipe_busy["CUBE"] == 3 * 3 * 2
     run32 = _k("MatMul").run(
         MACHINE, [a.astype(np.float32), b.astype(np.float32)], {},
-        tiling=MatMulTiling(48, 32, 48, 48, 0, 1),
+        tiling=MatMulTiling(48, 32, 48, 48, 0, 0, 0, 1),
     )  # fmt: skip
     assert run32.stats.pipe_busy["CUBE"] == 3 * 5 * 2  # fp32: k block of 8
     assert run.stats.gm_read == a.nbytes + b.nbytes
