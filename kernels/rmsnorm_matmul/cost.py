@@ -3,11 +3,13 @@ RMSNorm's vector instructions.
 
 The kernel runs LayerNormMatMul's program with other vector instructions, so its cycles are
 that model's with the vector side priced from `plan.rms_steps` instead of the LayerNorm's:
-`lnmm_cycles` takes the instruction list, and the tiling space is the same (`lnmm_space`).
+`lnmm_cycles` takes the instruction list, and the tiling space is the same (`lnmm_space`),
+plus the staged schedule (`staged.py`), priced as `fuse` prices the unfused chain's nodes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,9 +18,10 @@ from .._cost_base import LastProblem, fitting
 from .._groups import vector_cores_per_group
 from ..api import TensorMeta, Tiling
 from ..layernorm_matmul.cost import lnmm_cycles, lnmm_space
-from ..layernorm_matmul.plan import LayerNormMatMulTiling, Problem, specs
+from ..layernorm_matmul.plan import LayerNormMatMulTiling, Problem, default_tiling, specs
 from ..npu.machine import Machine
 from .plan import problem, rms_steps, round_before_scale
+from .staged import staged_cycles
 
 
 class _RmsnmmModel:
@@ -26,6 +29,7 @@ class _RmsnmmModel:
     op_type = "RmsNormMatMul"
 
     def __init__(self) -> None:
+        self._staged: dict[Any, float] = {}
         self._last = LastProblem()
 
     def _problem(self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) -> Problem:
@@ -34,7 +38,13 @@ class _RmsnmmModel:
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
-        return list(lnmm_space(machine, problem(metas, attrs)))
+        p = problem(metas, attrs)
+        space: list[Tiling] = list(lnmm_space(machine, p))
+        # The unfused chain's schedule is always a candidate: fused is never priced slower.
+        base = space[0] if space else default_tiling(p, machine)
+        assert isinstance(base, LayerNormMatMulTiling)
+        space.append(dataclasses.replace(base, staged=1))
+        return space
 
     def cost(
         self,
@@ -45,7 +55,13 @@ class _RmsnmmModel:
     ) -> float:
         assert isinstance(tiling, LayerNormMatMulTiling)
         p = self._problem(metas, attrs)
-        return lnmm_cycles(machine, p, tiling, rms_steps(p.ln, round_before_scale(attrs)))
+        rounded = round_before_scale(attrs)
+        if tiling.staged:
+            key = (tuple(metas), repr(sorted(attrs.items())), machine)
+            if key not in self._staged:  # one entry: the search prices one problem at a time
+                self._staged = {key: staged_cycles(machine, p, rounded, metas)}
+            return self._staged[key]
+        return lnmm_cycles(machine, p, tiling, rms_steps(p.ln, rounded))
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine

@@ -10,7 +10,8 @@ sum, 1/sqrt(ms + eps), x * that (* gamma), hand the rows to the Cube (through th
 workspace on 910B, UB -> L1 on a combined core). Cube core: the block resident in L1
 (`a_resident`) or `rows` x `tile_k` panels streamed from the workspace; per W tile one GM ->
 L1 copy, per `tile_k0` step L0A/L0B loads and a Cube multiply into L0C (float32); FixPipe
-writes Y with b_i added, rounded as MatMul then Add round.
+writes Y with b_i added, rounded as MatMul then Add round. With `staged=1` the kernel runs the
+unfused chain's kernels instead (`staged.py`), so the search can always fall back to them.
 
 GM (HBM) traffic: `|X| * n_split + |W| * row-blocks + |Y|` (plus gamma and biases); the
 unfused chain pays `|X|` per elementwise op of the decomposition, `2|N|` and `|W| + |Y|`.
@@ -47,6 +48,7 @@ from ..npu.memory import Queue, Tile
 from ..npu.pipes import Level, Pipe
 from ..search import Searched
 from .plan import problem, rms_rows, rms_steps, round_before_scale
+from .staged import run_staged
 
 
 class RmsNormMatMulKernel(Searched, Kernel):
@@ -84,17 +86,13 @@ class RmsNormMatMulKernel(Searched, Kernel):
         if t.tile_k0 > t.tile_k:
             raise TilingError(f"{op}: tile_k0 {t.tile_k0} exceeds tile_k {t.tile_k}")
         check_flag(op, a_resident=t.a_resident, double_buffer=t.double_buffer, staged=t.staged)
-        if t.staged:
-            raise TilingError(
-                f"{op}: no staged schedule (the unfused chain is the RMSNorm's nine elementwise "
-                "ops, not one kernel): staged must be 0"
-            )
         if t.cores > machine.cube_cores:
             raise TilingError(
                 f"{op}: tiling uses {t.cores} cores, {machine.name} has {machine.cube_cores} "
                 "cube cores"
             )
-        require_fits(op, machine, specs(problem(inputs_meta, attrs), t))
+        if not t.staged:  # the staged stages check their own tilings
+            require_fits(op, machine, specs(problem(inputs_meta, attrs), t))
 
     def default_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -113,6 +111,10 @@ class RmsNormMatMulKernel(Searched, Kernel):
     ) -> KernelRun:
         assert isinstance(tiling, LayerNormMatMulTiling)
         p = problem(inputs_meta, attrs)
+        if tiling.staged:
+            metas = self.infer(inputs_meta, attrs)
+            rounded = round_before_scale(attrs)
+            return run_staged(machine, p, rounded, inputs, inputs_meta, metas, functional, timeline)
         tm = effective(p, tiling)[0]
         work = [
             Item(m0, min(m0 + tm, p.m), part)

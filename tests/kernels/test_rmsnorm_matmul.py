@@ -153,3 +153,35 @@ def test_bad_inputs_name_the_op() -> None:
         KERNEL.infer([*metas[:2], TensorMeta((31, 16), np.float32), metas[3]], attrs)
     with pytest.raises(KernelError, match="RmsNormMatMul: b_0"):
         KERNEL.infer([*metas[:3], TensorMeta((15,), np.float32)], attrs)
+
+
+@pytest.mark.parametrize(("dtype", "rounded", "gamma"), [
+    (np.float16, 1, True), (np.float16, 0, True), (np.float32, 1, False),
+])  # fmt: skip
+def test_staged_schedule_runs_the_chain(dtype, rounded, gamma) -> None:
+    ins, attrs = make((2, 9, 40), (24, 8), (1, 0), (0, 1), dtype, rounded=rounded, gamma=gamma)
+    tiling = T(16, 1, 8, 32, 64, 32, 1, 1, 24, staged=1)
+    run = KERNEL.run(B910, ins, attrs, tiling=tiling)
+    want = reference(ins, attrs)
+    tol = 2e-2 if dtype == np.float16 else 1e-5
+    for got, ref in zip(run.outputs, want, strict=True):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), atol=tol,
+                                   rtol=tol)  # fmt: skip
+    # the chain's kernels in one launch: 6-9 RMSNorm stages, 2 MatMuls and a bias Add
+    assert run.stats.launches == 1
+    metas = [None if a is None else TensorMeta.of(a) for a in ins]
+    timing = KERNEL.run(B910, metas, attrs, tiling=tiling, functional=False).stats
+    assert timing.cycles == run.stats.cycles
+
+
+def test_the_search_never_prices_fused_above_the_staged_chain() -> None:
+    dt = np.float16
+    x, g = TensorMeta((1, 2048, 4096), dt), TensorMeta((4096,), dt)
+    ws = [TensorMeta((4096, 4096), dt)] * 3
+    attrs = {"epsilon": 1e-6, "stash_type": 1, "round_before_scale": 1, "has_bias": [0] * 3,
+             "flatten": [0] * 3}  # fmt: skip
+    result = search.search("fuser", "RmsNormMatMul", [x, g, *ws], attrs, B910)
+    staged = [c for c in result.candidates if c.tiling.staged]
+    assert len(staged) == 1
+    assert result.best.cycles <= staged[0].cycles
