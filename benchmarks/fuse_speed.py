@@ -8,7 +8,13 @@ writes each to disk, then times whole processes on the same file, in the same ru
 Each cell is the median of --repeat runs (onnxscript: one run, and only up to --onnxscript-max
 nodes, because it takes minutes beyond that). Prints a table and the targets.
 
-    python benchmarks/fuse_speed.py [--sizes 1000,10000,100000] [--repeat 3]
+`--bodies` adds what the function bodies cost (fuser writes one per fused op variant, so that
+a plain onnxruntime runs the fused model): file size and stock `InferenceSession` load time of
+the original, the fused model with bodies, and the fused model without (`--no-functions`,
+which stock onnxruntime refuses; its load time through fuser's plugin is shown instead).
+`--no-speed` skips the timing table.
+
+    python benchmarks/fuse_speed.py [--sizes 1000,10000,100000] [--repeat 3] [--bodies]
 """
 
 from __future__ import annotations
@@ -75,6 +81,72 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}"
 
 
+def load_seconds(path: Path, repeat: int, plugin: bool = False) -> float | str:
+    """Median seconds to create an InferenceSession on `path` (in this process), or why not."""
+    import onnxruntime
+
+    from fuser.ort import session
+
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        try:
+            if plugin:
+                session(str(path), kernel="reference")
+            else:
+                onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        except Exception as exc:  # stock onnxruntime has no kernel for a bare fused op
+            reason = str(exc).split(":")[-1].strip()
+            return "refused (" + (reason.split(" is not")[0] + " unknown)" if reason else ")")
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bodies_table(families: list[str], sizes: list[int], repeat: int) -> Table:
+    """Size and load time: original, fused with bodies, fused without."""
+    table = Table(
+        title="function bodies: file size and onnxruntime load time (median)",
+        title_justify="left",
+    )
+    for column in ("model", "nodes", "file", "bytes", "vs original", "stock load s", "plugin s"):
+        table.add_column(column, justify="left" if column in ("model", "file") else "right")
+    builders = {"cnn": cnn_graph, "transformer": transformer_graph}
+    fuser_cmd = [sys.executable, "-m", "fuser.cli", "fuse"]
+    with tempfile.TemporaryDirectory(prefix="fuse-bodies-") as folder:
+        work = Path(folder)
+        for family in families:
+            for size in sizes:
+                model = builders[family](size)
+                original = work / f"{family}_{size}.onnx"
+                onnx.save(model, original)
+                files = {"original": original}
+                for label, extra in (
+                    ("fused + bodies", []),
+                    ("fused, --no-functions", ["--no-functions"]),
+                ):
+                    files[label] = work / f"{family}_{size}_{len(extra)}.fused.onnx"
+                    subprocess.run(
+                        [*fuser_cmd, str(original), "-o", str(files[label]), *extra],
+                        check=True,
+                        capture_output=True,
+                        cwd=work,
+                    )
+                base = original.stat().st_size
+                for label, path in files.items():
+                    stock = load_seconds(path, repeat)
+                    plugin = load_seconds(path, repeat, plugin=True) if label != "original" else "-"
+                    table.add_row(
+                        family,
+                        str(len(model.graph.node)),
+                        label,
+                        str(path.stat().st_size),
+                        f"{path.stat().st_size / base:.3f}",
+                        stock if isinstance(stock, str) else f"{stock:.3f}",
+                        plugin if isinstance(plugin, str) else f"{plugin:.3f}",
+                    )
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,10000,100000")
@@ -87,9 +159,15 @@ def main() -> None:
         default=300.0,
         help="seconds an anchor may take before it is reported as '> limit'",
     )
+    parser.add_argument("--bodies", action="store_true", help="add the function-body cost table")
+    parser.add_argument("--no-speed", action="store_true", help="skip the fuse-time table")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     console = Console(width=160)
+    if args.bodies:
+        console.print(bodies_table(args.families.split(","), sizes, args.repeat))
+    if args.no_speed:
+        return
     fuser_cmd = [sys.executable, "-m", "fuser.cli", "fuse"]
     table = Table(title="time to fuse a model file (whole process, median)", title_justify="left")
     for column in (

@@ -20,7 +20,7 @@ from .registry import select
 from .report import FusionRecord, FusionReport, RejectionRecord
 
 if TYPE_CHECKING:
-    from .unfuse import UnfuseResult
+    from .unfused import UnfuseResult
     from .validation import ValidationResult
 
 DEFAULT_TARGET = "ascend910b"
@@ -85,6 +85,7 @@ def fuse(
         functions_mod.elem_types_from(types),
         FuseOptions(target, tuple(p.name for p in chosen), force, functions),
     )
+    seconds["finish"] = next(clock)
     if log.fusions:
         engine.verify(loaded.model, loaded.label, external=loaded.external)
     seconds["verify"] = next(clock)
@@ -195,7 +196,7 @@ def validate(
 
 def as_loaded(model: ModelSource | FusionResult | UnfuseResult) -> LoadedModel:
     """The model as loaded; a result's external tensors are found next to its input."""
-    from .unfuse import UnfuseResult
+    from .unfused import UnfuseResult
 
     if isinstance(model, FusionResult | UnfuseResult):
         source = model.source

@@ -13,7 +13,6 @@ from rich.table import Table
 from .cli_common import err, fail, out, print_json, resolve_input, same_file, split_names
 from .cli_validate import print_validation
 from .errors import FuserError, UsageError
-from .modelio import atomic_write
 
 
 def register(app: typer.Typer) -> None:
@@ -88,6 +87,8 @@ def fuse(
                 data["validation"] = validation.to_dict()
         if report is not None:
             report.parent.mkdir(parents=True, exist_ok=True)
+            from .modelio import atomic_write  # onnx only when writing
+
             atomic_write(report, json.dumps(data, indent=2).encode())
     except FuserError as exc:
         raise fail(str(exc)) from None

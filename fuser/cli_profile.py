@@ -17,7 +17,6 @@ from rich.table import Table
 
 from .cli_common import fail, out, parse_dims, print_json, resolve_input
 from .errors import FuserError
-from .modelio import atomic_write
 
 
 def register(app: typer.Typer) -> None:
@@ -58,6 +57,8 @@ def profile(
         )
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
+            from .modelio import atomic_write  # onnx only when writing
+
             atomic_write(trace, json.dumps(result.to_chrome_trace()).encode())
     except FuserError as exc:
         raise fail(str(exc)) from None

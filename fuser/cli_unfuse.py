@@ -22,7 +22,7 @@ def unfuse(
     as_json: Annotated[bool, typer.Option("--json", help="print what was inlined as JSON")] = False,
 ) -> None:
     """Write FUSED as plain ONNX: each fused node replaced by the original ops (its body)."""
-    from .unfuse import unfuse as run_unfuse
+    from .unfused import unfuse as run_unfuse
 
     try:
         source, label = resolve_input(input)

@@ -51,15 +51,22 @@ def elem_types_from(tables: Mapping[str, Mapping[str, Any]]) -> ElemTypes:
     """A lookup of element types over the per-graph type tables of `engine.infer_types`."""
 
     def lookup(name: str) -> int:
-        for table in tables.values():
-            if name in table:
-                try:
-                    return int(table[name].elem_type)
-                except KeyError:
-                    continue
-        return 0
+        info = tensor_info(name, tables)
+        return int(info.elem_type) if info is not None else 0
 
     return lookup
+
+
+def tensor_info(name: str, tables: Mapping[str, Mapping[str, Any]]) -> fusedop.TensorInfo | None:
+    """What the type tables know of `name` (any graph's table: names are unique in practice)."""
+    for table in tables.values():
+        if name in table:
+            try:
+                found = table[name]
+            except KeyError:  # a value whose proto carries no type
+                continue
+            return fusedop.TensorInfo(found.elem_type, found.shape)
+    return None
 
 
 def attach(model: onnx.ModelProto, elem_types: ElemTypes) -> int:
@@ -72,42 +79,59 @@ def attach(model: onnx.ModelProto, elem_types: ElemTypes) -> int:
     imports = {o.domain or "": o.version for o in model.opset_import}
     opset = imports.get("", imports.get("ai.onnx", 0))
     found: dict[tuple[str, str], onnx.FunctionProto] = {}
+    # Nodes of one model share a handful of bodies: build each (op, request) once.
+    built: dict[tuple[Any, ...], Body] = {}
     for node in fused_nodes(model):
         op = fusedop.registered().get(node.op_type)
         if op is None or op.body is None:
             node.ClearField("overload")
             continue
+        attributes = op.attribute_values(node)
         request = BodyRequest(
             op=op,
-            attributes=op.attribute_values(node),
+            attributes=attributes,
             inputs=tuple(bool(n) for n in node.input),
             outputs=tuple(bool(n) for n in node.output),
             input_types=tuple(elem_types(n) if n else 0 for n in node.input),
             opset=opset,
             domains={d: v for d, v in imports.items() if d},
         )
-        try:
-            body = op.body(request)
-        except BodyError as exc:
-            raise FusionError(
-                f"node '{node.name}' ({node.op_type}): no function body at opset {opset}: {exc}; "
-                "fuse with --no-functions (functions=False) to write the bare op"
-            ) from exc
-        node.overload = body.variant
-        key = (op.name, body.variant)
-        function = function_proto(op, body, opset)
-        if key in found and found[key] != function:
-            raise FusionError(
-                f"{op.name}: two different bodies named '{body.variant}' (node '{node.name}'). "
-                "This is a bug in fuser: please report it with the model"
-            )
-        found[key] = function
-        for domain, version in body.domains:
-            if imports.setdefault(domain, version) != version:
+        memo = (
+            op.name,
+            # tiling (tile_*) is the kernel's business: bodies ignore it
+            tuple(
+                (k, repr(v))
+                for k, v in sorted(attributes.items())
+                if not k.startswith(op.tiling_prefix)
+            ),
+            request.inputs,
+            request.outputs,
+            request.input_types,
+        )
+        body = built.get(memo)
+        if body is None:
+            try:
+                body = built[memo] = op.body(request)
+            except BodyError as exc:
                 raise FusionError(
-                    f"{op.name}'s body uses {domain} version {version}, the model imports "
-                    f"version {imports[domain]}"
+                    f"node '{node.name}' ({node.op_type}): no function body at opset {opset}: "
+                    f"{exc}; fuse with --no-functions (functions=False) to write the bare op"
+                ) from exc
+            key = (op.name, body.variant)
+            function = function_proto(op, body, opset)
+            if key in found and found[key] != function:
+                raise FusionError(
+                    f"{op.name}: two different bodies named '{body.variant}' (node "
+                    f"'{node.name}'). This is a bug in fuser: please report it with the model"
                 )
+            found[key] = function
+            for domain, version in body.domains:
+                if imports.setdefault(domain, version) != version:
+                    raise FusionError(
+                        f"{op.name}'s body uses {domain} version {version}, the model imports "
+                        f"version {imports[domain]}"
+                    )
+        node.overload = body.variant
     kept = [f for f in model.functions if f.domain != DOMAIN]
     del model.functions[:]
     model.functions.extend([*kept, *(found[k] for k in sorted(found))])
@@ -196,7 +220,7 @@ def _name_omitted_outputs(graph: onnx.GraphProto, tables: Mapping[str, Mapping[s
         op = fusedop.registered().get(node.op_type) if node.domain == DOMAIN else None
         if op is None or op.collective_input is None:
             continue
-        infos = [_tensor_info(name, tables) if name else None for name in node.input]
+        infos = [tensor_info(name, tables) if name else None for name in node.input]
         inferred = op.infer(infos, op.attribute_values(node))
         while len(node.output) < len(op.outputs):
             node.output.append("")
@@ -212,17 +236,6 @@ def _name_omitted_outputs(graph: onnx.GraphProto, tables: Mapping[str, Mapping[s
             if info is not None and info.elem_type:
                 shape = None if info.shape is None else list(info.shape)
                 graph.value_info.append(helper.make_tensor_value_info(name, info.elem_type, shape))
-
-
-def _tensor_info(name: str, tables: Mapping[str, Mapping[str, Any]]) -> fusedop.TensorInfo | None:
-    for table in tables.values():
-        if name in table:
-            try:
-                found = table[name]
-            except KeyError:
-                continue
-            return fusedop.TensorInfo(found.elem_type, found.shape)
-    return None
 
 
 def _fill_defaults(node: onnx.NodeProto, function: onnx.FunctionProto) -> None:

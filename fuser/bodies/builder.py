@@ -156,7 +156,7 @@ class BodyGraph:
         A node may omit trailing optional inputs and outputs, and onnxruntime binds a node to a
         function position by position and wants no more outputs than the node has: formal
         parameters past the node's count are dropped (an omitted input reads as absent, an
-        omitted output stays internal) and the omitted outputs are named in the variant.
+        omitted output stays internal), and what was dropped is named in the variant.
         """
         n_in, n_out = len(self.request.inputs), len(self.request.outputs)
         dropped_inputs = set(inputs[n_in:])
@@ -164,7 +164,7 @@ class BodyGraph:
             for i, name in enumerate(node.input):
                 if name in dropped_inputs:
                     node.input[i] = ""
-        dropped = list(outputs[n_out:])
+        dropped = [*inputs[n_in:], *outputs[n_out:]]
         parts = [*extra, *self.variant, *(f"no{name}" for name in dropped)]
         return Body(
             variant="_".join(p for p in parts if p) or "default",

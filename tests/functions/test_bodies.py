@@ -132,3 +132,38 @@ def test_a_variant_an_opset_cannot_express_is_refused_with_the_way_out(graph) ->
         fuse_all(model)
     bare = fuser.fuse(model, decider=AlwaysFuse(), functions=False).model
     assert [n.op_type for n in bare.graph.node] == ["LayerNormMatMul"]
+
+
+def test_a_node_omitting_trailing_inputs_gets_its_own_body_that_equals_the_reference() -> None:
+    """ConvBnRelu with neither bias nor BN inputs ([X, W]): the body's B is dropped (variant
+    `_noB`) and stock onnxruntime computes what the op's numpy reference computes."""
+    import numpy as np
+    import onnxruntime
+    from fuser.patterns.conv_bn_relu import CONV_BN_RELU
+    from onnx import TensorProto, helper, numpy_helper
+
+    from fuser import engine, functions
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    node = helper.make_node(
+        "ConvBnRelu", ["x", "w"], ["y"], domain=DOMAIN, name="c", relu=1, pads=[1, 0, 1, 2]
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 5, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 5, 6])],
+        [w],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid(DOMAIN, 1)]
+    )
+    assert functions.attach(model, functions.elem_types_from(engine.infer_types(model))) == 1
+    assert model.graph.node[0].overload == "folded_relu_noB"
+    assert list(model.functions[0].input) == ["X", "W"]
+    x = rng.standard_normal((2, 3, 5, 6)).astype(np.float32)
+    (y,) = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    attrs = CONV_BN_RELU.attribute_values(model.graph.node[0])
+    (expected,) = CONV_BN_RELU.reference([x, numpy_helper.to_array(w)], attrs)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 
 from fuser.fusedop import DOMAIN
@@ -229,3 +230,41 @@ def test_softmax_topk(graph: Any, dtype: str, case: tuple[Any, ...]) -> None:
     if order == "softmax_topk" and not probs:
         parts.append("noprobs")
     check(model, "SoftmaxTopK", "_".join(p for p in parts if p))
+
+
+def test_fused_nodes_in_if_branches_run_stock_and_unfuse() -> None:
+    """Bodies serve fused nodes inside subgraphs too (one function for both branches)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    import fuser
+
+    def branch(name: str) -> onnx.GraphProto:
+        k = numpy_helper.from_array(np.array([2], np.int64), f"{name}_k")
+        nodes = [
+            helper.make_node("Softmax", ["x"], [f"{name}_p"], axis=-1),
+            helper.make_node("TopK", [f"{name}_p", f"{name}_k"], [f"{name}_v", f"{name}_i"]),
+        ]
+        out = helper.make_tensor_value_info(f"{name}_v", TensorProto.FLOAT, ["N", 2])
+        return helper.make_graph(nodes, name, [], [out], [k])
+
+    node = helper.make_node("If", ["c"], ["y"], then_branch=branch("a"), else_branch=branch("b"))
+    inputs = [
+        helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 7]),
+    ]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])
+    graph = helper.make_graph([node], "g", inputs, [out])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    fused = fuse_all(model).model
+    branches = [a.g for a in fused.graph.node[0].attribute]
+    assert [[n.overload for n in b.node] for b in branches] == [["softmax_topk_noprobs"]] * 2
+    assert [f.overload for f in fused.functions] == ["softmax_topk_noprobs"]
+    stock = onnxruntime.InferenceSession(fused.SerializeToString())
+    reference = onnxruntime.InferenceSession(model.SerializeToString())
+    x = np.random.default_rng(3).standard_normal((5, 7)).astype(np.float32)
+    for c in (True, False):
+        feeds = {"c": np.array(c), "x": x}
+        np.testing.assert_array_equal(stock.run(None, feeds)[0], reference.run(None, feeds)[0])
+    plain = fuser.unfuse(fused)
+    assert all(n.domain != DOMAIN for b in plain.model.graph.node[0].attribute for n in b.g.node)
+    assert fuser.validate(model, plain).ok

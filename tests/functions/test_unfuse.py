@@ -192,3 +192,12 @@ def test_cli_unfuse_errors_are_one_line_exit_2(
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_fuser_unfuse_stays_the_function_once_its_module_is_imported() -> None:
+    """The lazy public API: a submodule named `unfuse` would replace the function on import."""
+    import importlib
+
+    module = importlib.import_module("fuser.unfused")
+    assert fuser.unfuse is module.unfuse
+    assert callable(fuser.unfuse)

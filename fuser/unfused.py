@@ -1,4 +1,5 @@
-"""`unfuse`: a fused model back to plain ONNX, each fused node replaced by its function body.
+"""`unfuse` (module `unfused`: a module named `unfuse` would shadow `fuser.unfuse`, the function,
+once imported): a fused model back to plain ONNX, each fused node replaced by its function body.
 
 The result has no `fuser` node, function or opset import, and computes what the original did
 (folded weights stay folded: it is equal to the original, not identical). A fused model written
