@@ -19,6 +19,7 @@ import onnx
 
 from ..errors import UnknownExampleError
 from .cnn import cnn_edge, conv1d, mobilenet, resnet
+from .llama import RmsNormStyle, llama
 from .moe import moe, qwen_router
 from .parallel import sp_mlp, tp_mlp
 from .transformer import LayerNormStyle, bert, gpt, gpt2
@@ -38,6 +39,11 @@ EXAMPLES: Mapping[str, Callable[[], onnx.ModelProto]] = MappingProxyType(
         "gpt-noaffine": partial(gpt, opset=13, ln=LayerNormStyle(affine=False)),
         "gpt2": gpt2,
         "gpt2-ln": partial(gpt2, opset=17),
+        "llama": llama,
+        "llama-fp16": partial(
+            llama, dtype="float16", opset=18, norm=RmsNormStyle(inverse="reciprocal")
+        ),
+        "llama-op": partial(llama, opset=23, norm=RmsNormStyle(kind="rms_op")),
         "moe": moe,
         "moe-fp16": partial(moe, dtype="float16", softmax_cast=True),
         "qwen-router": qwen_router,

@@ -12,6 +12,10 @@ Keys of the returned mapping:
 - ``layernorm_matmul``: LayerNorms whose output (through Casts) feeds at least one MatMul (as
   left operand) or Reshape -> Gemm; ``layernorm_matmuls`` counts those MatMuls/Gemms.
   Reshape -> MatMul (GPT-2's lm_head in real exports) is not counted.
+- ``rmsnorm``: RMSNormalization / SimplifiedLayerNormalization ops plus decomposed RMSNorms
+  (one per ``Sqrt`` of ``Add(ReduceMean(square(x)), eps)`` without the centering);
+  ``rmsnorm_matmul`` those whose output (after the optional Mul gamma, through Casts) feeds a
+  MatMul (left operand) or Reshape -> Gemm/MatMul; ``rmsnorm_matmuls`` counts those.
 - ``softmax_topk``: Softmax -> (Cast ->) TopK; ``topk_softmax``: TopK values -> Softmax.
 - ``allgather_matmul``: com.microsoft AllGather -> MatMul (as left operand).
 """
@@ -99,12 +103,36 @@ def _decomposed_ln_output(idx: _Index, sqrt: onnx.NodeProto) -> str | None:
     return y
 
 
-def _matmuls_on(idx: _Index, value: str) -> int:
+def _decomposed_rms_output(idx: _Index, sqrt: onnx.NodeProto) -> str | None:
+    """Walk from the Sqrt of a decomposed RMSNorm to its last value (after the Mul gamma)."""
+    add = _skip_casts(idx, sqrt.input[0])
+    if add is None or add.op_type != "Add" or _is_centered_variance(idx, add):
+        return None
+    means = [m for m in (_skip_casts(idx, v) for v in add.input) if m and m.op_type == "ReduceMean"]
+    square = _skip_casts(idx, means[0].input[0]) if means else None
+    if square is None or square.op_type not in ("Pow", "Mul"):
+        return None
+    out = sqrt.output[0]
+    inverse = [*idx.readers_of(out, "Reciprocal"), *idx.readers_of(out, "Div", 1)]
+    if (div := [d for d in idx.readers_of(out, "Div", 1) if d.input[0] == square.input[0]]) != []:
+        y = div[0].output[0]
+    elif inverse and (muls := [n for v in idx.through_casts(inverse[0].output[0])
+                               for n in idx.readers_of(v, "Mul")]):  # fmt: skip
+        y = muls[0].output[0]
+    else:
+        return None
+    gamma = [n for v in idx.through_casts(y) for n in idx.readers_of(v, "Mul")]
+    return gamma[0].output[0] if len(gamma) == 1 else y
+
+
+def _matmuls_on(idx: _Index, value: str, reshape_matmul: bool = False) -> int:
     count = 0
     for v in idx.through_casts(value):
         count += len(idx.readers_of(v, "MatMul", 0))
         for reshape in idx.readers_of(v, "Reshape", 0):
             count += len(idx.readers_of(reshape.output[0], "Gemm", 0))
+            if reshape_matmul:
+                count += len(idx.readers_of(reshape.output[0], "MatMul", 0))
     return count
 
 
@@ -114,6 +142,9 @@ KEYS = (
     "layernorm",
     "layernorm_matmul",
     "layernorm_matmuls",
+    "rmsnorm",
+    "rmsnorm_matmul",
+    "rmsnorm_matmuls",
     "softmax_topk",
     "topk_softmax",
     "allgather_matmul",
@@ -132,6 +163,13 @@ def layernorm_outputs(model: onnx.ModelProto) -> list[str]:
     return outs
 
 
+def _count_rms(idx: _Index, out: str, counts: Counter[str]) -> None:
+    counts["rmsnorm"] += 1
+    if n := _matmuls_on(idx, out, reshape_matmul=True):
+        counts["rmsnorm_matmul"] += 1
+        counts["rmsnorm_matmuls"] += n
+
+
 def count_chains(model: onnx.ModelProto) -> dict[str, int]:
     """Count the fusable-family chains in ``model``'s main graph (see the module docstring).
 
@@ -148,12 +186,16 @@ def count_chains(model: onnx.ModelProto) -> dict[str, int]:
                 counts["conv_bn_relu" if relu else "conv_bn"] += 1
         elif op == "LayerNormalization" or op == "Sqrt":
             out = node.output[0] if op == "LayerNormalization" else _decomposed_ln_output(idx, node)
-            if out is None:
-                continue
-            counts["layernorm"] += 1
-            if n := _matmuls_on(idx, out):
-                counts["layernorm_matmul"] += 1
-                counts["layernorm_matmuls"] += n
+            if out is not None:
+                counts["layernorm"] += 1
+                if n := _matmuls_on(idx, out):
+                    counts["layernorm_matmul"] += 1
+                    counts["layernorm_matmuls"] += n
+            rms = _decomposed_rms_output(idx, node) if op == "Sqrt" else None
+            if rms is not None:
+                _count_rms(idx, rms, counts)
+        elif op in ("RMSNormalization", "SimplifiedLayerNormalization"):
+            _count_rms(idx, node.output[0], counts)
         elif op == "Softmax":
             values = idx.through_casts(node.output[0])
             counts["softmax_topk"] += sum(len(idx.readers_of(v, "TopK", 0)) for v in values)

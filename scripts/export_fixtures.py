@@ -206,6 +206,44 @@ def build_qwen2_moe() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return _HiddenStates(Qwen2MoeForCausalLM(config).eval()).eval(), _token_inputs(100)
 
 
+def build_llama() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).eval()
+    _randomize_rmsnorm(model)
+    return _HiddenStates(model).eval(), _token_inputs(100)
+
+
+def build_qwen3() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = Qwen3ForCausalLM(config).eval()
+    _randomize_rmsnorm(model)
+    return _HiddenStates(model).eval(), _token_inputs(100)
+
+
+def _randomize_rmsnorm(model: nn.Module) -> None:
+    """Fresh RMSNorm weights are all 1 (the exporter may then drop the Mul): give them values."""
+    gen = torch.Generator().manual_seed(3)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data = torch.rand(p.shape, generator=gen) + 0.5
+
+
 class LegacyRouter(nn.Module):
     """The transformers 4.x Mixtral router: ``F.softmax(logits, dim=1, dtype=torch.float)``,
     top-2, renormalize, cast back to the hidden dtype (the form facts.md describes)."""
@@ -338,6 +376,38 @@ FIXTURES = [
         "the same router through dynamo: Gemm -> Softmax (fp16) -> Cast(float32) -> TopK(2)"
         " -> ReduceSum/Div -> Cast(float16)",
         dynamic={"hidden": {0: "batch", 1: "seq"}},
+        half=True,
+    ),
+    Fixture(
+        "llama-ts14",
+        build_llama,
+        "torchscript",
+        14,
+        "Llama decoder: decomposed RMSNorm (Pow 2, ReduceMean, Add eps, Sqrt, Div(1, .), Mul x,"
+        " Mul weight) -> QKV and gate/up MatMuls, final norm -> lm_head",
+        dynamic=TOKENS,
+        library="transformers",
+    ),
+    Fixture(
+        "llama-fp16-dynamo18",
+        build_llama,
+        "dynamo",
+        18,
+        "float16 Llama: RMSNorm with Cast to float32 and back (Pow, ReduceMean, Add, Sqrt,"
+        " Reciprocal, Mul, Cast, Mul weight) -> QKV and gate/up MatMuls",
+        dynamic=TOKENS,
+        library="transformers",
+        half=True,
+    ),
+    Fixture(
+        "qwen3-fp16-ts14",
+        build_qwen3,
+        "torchscript",
+        14,
+        "float16 Qwen3: RMSNorm Cast form -> QKV/gate/up MatMuls; per-head q_norm/k_norm"
+        " RMSNorms feed rotary embeddings, not a Linear (not fused)",
+        dynamic=TOKENS,
+        library="transformers",
         half=True,
     ),
     Fixture(

@@ -42,6 +42,7 @@ from .._cost_base import (
     kernel_cycles,
 )
 from .._groups import vector_cores_per_group
+from .._rows import VecStep
 from ..api import TensorMeta, Tiling
 from ..layernorm import layernorm_steps
 from ..npu.machine import Machine
@@ -60,8 +61,11 @@ from .plan import (
 from .staged import staged_cycles
 
 
-def lnmm_cycles(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> float:
-    """Predicted cycles of `t` (see the module docstring)."""
+def lnmm_cycles(
+    machine: Machine, p: Problem, t: LayerNormMatMulTiling, vector_steps: Sequence[VecStep] = ()
+) -> float:
+    """Predicted cycles of `t` (see the module docstring); `vector_steps` replaces the LayerNorm's
+    vector instructions (RmsNormMatMul runs this program with its own)."""
     tm, vr, tn, tk, tk0 = effective(p, t)
     isz = p.dtype.itemsize
     blocks = math.ceil(p.m / tm)
@@ -83,7 +87,7 @@ def lnmm_cycles(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> float
     sub_bytes = vr * d * isz
     active_vec = groups * vecs if separate else groups
     vec_ops = 0.0
-    for step in layernorm_steps(p.ln):
+    for step in vector_steps or layernorm_steps(p.ln):
         for op in step.ops:
             k, b = machine.vector_cost(op, step.dtype)
             vec_ops += k * vr * step.per_row + b

@@ -13,6 +13,7 @@ from model_checks import check, producer_op, readers, session
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "exported"
 
+RMS_MIXTRAL = {"rmsnorm": 3, "rmsnorm_matmul": 2, "rmsnorm_matmuls": 4}
 # Structural chain counts (fuser.models.inventory) per fixture; absent keys are 0.
 EXPECTED: dict[str, dict[str, int]] = {
     "cnn-ts13": {"conv_bn_relu": 5, "conv_bn": 3},
@@ -22,11 +23,19 @@ EXPECTED: dict[str, dict[str, int]] = {
     "bert-fp16-ts13": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 8},
     "gpt2-ts14": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 4},
     "gpt2-dynamo18": {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 4},
-    "mixtral-dynamo18": {"softmax_topk": 1},
-    "mixtral-fp16-dynamo18": {"softmax_topk": 1},
+    "mixtral-dynamo18": RMS_MIXTRAL | {"softmax_topk": 1},
+    "mixtral-fp16-dynamo18": RMS_MIXTRAL | {"softmax_topk": 1},
     "router-fp16-ts14": {"softmax_topk": 1},
     "router-fp16-dynamo18": {"softmax_topk": 1},
-    "qwen2moe-dynamo18": {"softmax_topk": 1},
+    "llama-ts14": {"rmsnorm": 5, "rmsnorm_matmul": 5, "rmsnorm_matmuls": 11},
+    "llama-fp16-dynamo18": {"rmsnorm": 5, "rmsnorm_matmul": 5, "rmsnorm_matmuls": 11},
+    "qwen3-fp16-ts14": {"rmsnorm": 5, "rmsnorm_matmul": 3, "rmsnorm_matmuls": 6},
+    "qwen2moe-dynamo18": {
+        "rmsnorm": 3,
+        "rmsnorm_matmul": 3,
+        "rmsnorm_matmuls": 7,
+        "softmax_topk": 1,
+    },
 }
 
 

@@ -1,0 +1,192 @@
+"""Small graph-walking checks shared by the normalization patterns (RMSNorm; LayerNorm could
+use them too): read a node's attribute or a constant, step through no-op Casts, and check the
+constants that carry meaning exactly (a one-element constant, a reduction over the last axis
+with keepdims=1, a parameter broadcasting along the last axis only).
+
+A failed check raises `NearMiss` deep in a walk; the pattern turns it into its `Rejection`, so
+every reason names the node and the value a user sees in `fuser inspect`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from fuser.fusedop import Dim
+from fuser.graph import GraphIndex
+
+
+class NearMiss(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised deep in a walk to give up with a reason naming `value` and the `nodes` at fault."""
+
+    def __init__(self, reason: str, value: str | None = None, nodes: tuple[int, ...] = ()) -> None:
+        super().__init__(reason)
+        self.reason, self.value, self.nodes = reason, value, nodes
+
+
+def attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    """The value of attribute `name` of `node`, or `default`."""
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def const(graph: GraphIndex, name: str) -> np.ndarray | None:
+    """`graph.constant`, reading a `Constant` node directly (no evaluator: cheap on big graphs)."""
+    if not name:
+        return None
+    node = graph.producer_of(name)
+    if node is not None and node.op_type == "Constant" and node.domain == "" and node.attribute:
+        a = node.attribute[0]
+        if a.name == "value":
+            return numpy_helper.to_array(a.t)
+        if a.name in ("value_float", "value_floats", "value_int", "value_ints"):
+            return np.asarray(onnx.helper.get_attribute_value(a))
+    return graph.constant(name)
+
+
+def operand_const(graph: GraphIndex, name: str) -> np.ndarray | None:
+    """`const` for an operand that is usually an activation: one whose inferred shape has a
+    symbolic dim is computed at run time, and its producers are not walked."""
+    shape = graph.shape(name)
+    if shape is not None and any(isinstance(d, str) for d in shape):
+        return None
+    return const(graph, name)
+
+
+def constant_why(graph: GraphIndex, value: str) -> str:
+    """Why `value` is not a constant, in words."""
+    if value in graph.graph_inputs:
+        if value in graph.initializers:
+            return "an overridable graph input (an initializer also listed as input)"
+        return "a graph input, not a constant"
+    return "computed at run time, not a constant"
+
+
+def only_reader(graph: GraphIndex, value: str) -> int | None:
+    """The one node reading `value` (None if several, none, or it is a graph output)."""
+    readers = graph.readers(value)
+    return readers[0] if len(readers) == 1 and not graph.is_graph_output(value) else None
+
+
+def readers_of(graph: GraphIndex, value: str, op_type: str) -> list[int]:
+    """The standard-domain readers of `value` of type `op_type`."""
+    return [
+        r
+        for r in graph.readers(value)
+        if graph.node(r).op_type == op_type and graph.node(r).domain == ""
+    ]
+
+
+def is_cast_to(node: onnx.NodeProto, elem_type: int | None) -> bool:
+    """Whether `node` is a standard Cast to `elem_type`."""
+    return node.op_type == "Cast" and node.domain == "" and attr(node, "to", 0) == elem_type
+
+
+def is_noop_cast(graph: GraphIndex, node: onnx.NodeProto) -> bool:
+    """A Cast to the dtype its input already has."""
+    source = graph.elem_type(node.input[0]) if node.input else None
+    return bool(source) and is_cast_to(node, source)
+
+
+def follow(graph: GraphIndex, value: str, members: list[int]) -> str:
+    """Step forward through no-op Casts that are a value's only reader (they join `members`)."""
+    while (reader := only_reader(graph, value)) is not None and is_noop_cast(
+        graph, graph.node(reader)
+    ):
+        members.append(reader)
+        value = graph.node(reader).output[0]
+    return value
+
+
+def rank(graph: GraphIndex, value: str) -> int | None:
+    """The rank of `value`, if shape inference knows it."""
+    shape = graph.shape(value)
+    return None if shape is None else len(shape)
+
+
+def scalar(graph: GraphIndex, value: str, what: str, node_id: int, max_rank: int | None) -> float:
+    """The value of a one-element constant (that does not raise the rank of a rank-`max_rank`
+    operand), or a near miss naming it."""
+    c = const(graph, value)
+    name = graph.describe(node_id)
+    if c is None:
+        raise NearMiss(
+            f"{what} '{value}' of '{name}' is {constant_why(graph, value)}", value, (node_id,)
+        )
+    if c.size != 1:
+        raise NearMiss(
+            f"{what} '{value}' of '{name}' has shape {list(c.shape)}, expected a single value",
+            value,
+            (node_id,),
+        )
+    if max_rank is not None and c.ndim > max_rank:
+        raise NearMiss(
+            f"{what} '{value}' of '{name}' has rank {c.ndim}, more than the input's {max_rank}",
+            value,
+            (node_id,),
+        )
+    return float(c.reshape(-1)[0])
+
+
+def reduce_axes(graph: GraphIndex, node_id: int, x_rank: int | None) -> list[int]:
+    """The axes a Reduce* node averages over (attribute or input; empty = all), negative when
+    the rank is known; a near miss if keepdims is not 1 or the axes are not constant."""
+    node = graph.node(node_id)
+    name = graph.describe(node_id)
+    keepdims = attr(node, "keepdims", 1)
+    if keepdims != 1:
+        raise NearMiss(
+            f"{node.op_type} '{name}' has keepdims={keepdims}; the statistic must keep its axis "
+            "to broadcast back over the row (keepdims=1)",
+            node.output[0],
+            (node_id,),
+        )
+    if len(node.input) > 1 and node.input[1]:
+        c = const(graph, node.input[1])
+        if c is None:
+            raise NearMiss(
+                f"axes '{node.input[1]}' of {node.op_type} '{name}' are computed at run time",
+                node.input[1],
+                (node_id,),
+            )
+        axes = [int(a) for a in c.reshape(-1)]
+    else:
+        found = attr(node, "axes", None)
+        axes = [] if found is None else [int(a) for a in found]
+    if not axes:
+        if attr(node, "noop_with_empty_axes", 0):
+            raise NearMiss(
+                f"{node.op_type} '{name}' has no axes and noop_with_empty_axes=1 (it reduces "
+                "nothing)",
+                node.output[0],
+                (node_id,),
+            )
+        if x_rank is None:
+            raise NearMiss(
+                f"{node.op_type} '{name}' reduces all axes of '{node.input[0]}', whose rank is "
+                "unknown",
+                node.input[0],
+                (node_id,),
+            )
+        axes = list(range(x_rank))
+    if x_rank is None:
+        return axes
+    return sorted(a - x_rank if a >= 0 else a for a in axes)
+
+
+def last_axis_problem(shape: Sequence[Dim], x_rank: int | None) -> str | None:
+    """Why a parameter of `shape` does not broadcast along the last axis only, or None."""
+    if x_rank is not None and len(shape) > x_rank:
+        return f"has rank {len(shape)}, more than the input's {x_rank}"
+    for i, dim in enumerate(shape[:-1]):
+        if dim != 1:
+            axis = i - len(shape)
+            where = f"axis {axis + x_rank}" if x_rank is not None else f"axis {axis}"
+            return f"has shape {list(shape)}: it varies along {where}, not only the last axis"
+    return None
