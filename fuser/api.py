@@ -96,11 +96,14 @@ def fuse(
     )
     seconds["match_rewrite"] = next(clock)
     # -- finish the output: function bodies, producer, provenance (fuser/finish.py) --
-    finish(
-        loaded.model,
-        functions_mod.elem_types_from(types),
-        FuseOptions(target, tuple(p.name for p in chosen), force, functions),
-    )
+    # Only a model that holds fused nodes is finished: one with nothing to fuse is written as
+    # it was read (normalized at most), not re-stamped or moved to a newer IR version.
+    if log.fusions or next(functions_mod.fused_nodes(loaded.model), None) is not None:
+        finish(
+            loaded.model,
+            functions_mod.elem_types_from(types),
+            FuseOptions(target, tuple(p.name for p in chosen), force, functions),
+        )
     seconds["finish"] = next(clock)
     if log.fusions or normalized:
         engine.verify(loaded.model, loaded.label, external=loaded.external)

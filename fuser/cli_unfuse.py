@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_common import fail, out, print_json, resolve_input, same_file
+from .cli_common import command_json, fail, out, print_json, resolve_input, same_file
 from .errors import FuserError, UsageError
 
 
@@ -33,9 +33,10 @@ def unfuse(
     except FuserError as exc:
         raise fail(str(exc)) from None
     if as_json:
-        print_json({"inlined": result.inlined, "written": [str(p) for p in written]})
+        data = {"inlined": result.inlined, "written": [str(p) for p in written]}
+        print_json(command_json("unfuse", label, None, data) | {"output": str(output)})
         return
     total = sum(result.inlined.values())
     detail = ", ".join(f"{op} x{n}" for op, n in result.inlined.items()) or "nothing to inline"
-    out.print(f"{label}: unfused {total} fused nodes ({detail})")
-    out.print(f"wrote {', '.join(str(p) for p in written)}")
+    out.print(f"{label}: unfused {total} fused nodes ({detail})", highlight=False, soft_wrap=True)
+    out.print(f"wrote {', '.join(str(p) for p in written)}", highlight=False, soft_wrap=True)

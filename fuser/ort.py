@@ -127,6 +127,12 @@ def session(
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     copy = onnx.ModelProto()
     copy.CopyFrom(loaded.model)
+    if not fused_ops and _bodies_need_plugin(copy):
+        # A body holding a collective (AllGatherMatMul's com.microsoft AllGather) cannot run in
+        # onnxruntime as a function: inline the bodies so the plugin serves the collective alone.
+        from .functions import inline
+
+        copy = inline(copy, _typed(copy))
     context = RunContext(kernel, target, rank, communicator)
     context_id = f"ctx{next(_CONTEXT_IDS)}"
     _CONTEXTS[context_id] = context
@@ -167,6 +173,17 @@ def session(
         sess = session_class(copy.SerializeToString(), opts, providers=providers)
     sess.fuser_context = context_id
     return sess
+
+
+def _bodies_need_plugin(model: onnx.ModelProto) -> bool:
+    """Whether a fuser function body holds a node that only the plugin runs (a collective)."""
+    _ensure_builtin_handlers()
+    return any(
+        (node.domain, node.op_type) in _HANDLERS
+        for function in model.functions
+        if function.domain == fusedop.DOMAIN
+        for node in function.node
+    )
 
 
 def _session_class() -> type[onnxruntime.InferenceSession]:

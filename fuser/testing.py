@@ -16,9 +16,11 @@ from .modelio import load_model
 from .validation import ValidationResult, validate_models
 
 
-def fuse_all(model: onnx.ModelProto, patterns: Sequence[str] | None = None) -> FusionResult:
+def fuse_all(
+    model: onnx.ModelProto, patterns: Sequence[str] | None = None, *, functions: bool = True
+) -> FusionResult:
     """Fuse every valid match (no cost-model veto), so tests see the rewrite rules alone."""
-    return fuse(model, patterns, decider=AlwaysFuse())
+    return fuse(model, patterns, decider=AlwaysFuse(), functions=functions)
 
 
 def count_ops(model: onnx.ModelProto, op_type: str, domain: str | None = None) -> int:
