@@ -20,7 +20,7 @@ rate at the same time, the chip's HBM bandwidth is over-counted (at most 2x).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -65,8 +65,10 @@ def launch_groups(
     max_groups: int,
     functional: bool,
     timeline: bool = True,
+    gm_sizes: Mapping[str, int] | None = None,
 ) -> RunStats:
-    """Run `body(group, items)` for each group's balanced share of `work`."""
+    """Run `body(group, items)` for each group's balanced share of `work` (`gm_sizes`: bytes
+    of the GM tensors the program names, as for `npu.launch.launch`)."""
     n = max(1, min(max_groups, machine.cube_cores, len(work)))
     per = vector_cores_per_group(machine)
     cores: list[Core] = []
@@ -78,7 +80,7 @@ def launch_groups(
         items = [work[i] for i in share]
         if items:
             body(Group(cube, vecs or (cube,)), items)
-    return gather(machine, name, cores, timeline)
+    return gather(machine, name, cores, timeline, gm_sizes)
 
 
 def workspace_tile(name: str) -> Tile:

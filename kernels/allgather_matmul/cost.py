@@ -131,7 +131,7 @@ class _AgmmModel:
 
     def __init__(self) -> None:
         self._last = LastProblem()
-        self._staged: dict[Any, float] = {}
+        self._staged = LastProblem()
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -153,11 +153,10 @@ class _AgmmModel:
     ) -> float:
         assert isinstance(tiling, AllGatherMatMulTiling)
         p = self._last.get(metas, attrs, lambda: _problem(OP, metas, attrs, machine))
-        if tiling.staged:
-            key = (tuple(metas), repr(sorted(attrs.items())), machine)
-            if key not in self._staged:
-                self._staged = {key: staged_cycles(machine, p, metas)}
-            return self._staged[key]
+        if tiling.staged:  # memo keyed by the machine too: the price is the machine's
+            return float(
+                self._staged.get([*metas, machine], attrs, lambda: staged_cycles(machine, p, metas))
+            )
         return agmm_cycles(machine, p, tiling)
 
     def rule_of_thumb(

@@ -265,9 +265,14 @@ class AllGatherMatMulKernel(Searched, Kernel):
         data = _data(p, inputs) if functional else None
         n_cores = min(tiling.cores, machine.cube_cores)
         program = partial(_program, p, tiling, data, steps, order, n_cores)
+        # Named GM tensors (re-read panels hit the L2): each shard as it lands, W and B.
+        w = inputs_meta[1]
+        sizes = {f"X{r}": g.shard_bytes for r in range(g.group_size)}
+        sizes["W"] = 0 if w is None else w.nbytes
+        sizes["B"] = p.n * p.dtype.itemsize
         stats = launch(
             machine, self.op_type, list(range(n_cores)), program, max_cores=n_cores,
-            functional=functional, timeline=timeline,
+            functional=functional, timeline=timeline, gm_sizes=sizes,
         )  # fmt: skip
         labels = [f"shard {r}" for r in order[1:]]
         stats = with_link(stats, machine, steps, labels, link_core=n_cores)
@@ -325,7 +330,7 @@ def _program(
     bias = None
     if p.has_bias:
         bias = q["bias"].alloc()
-        core.copy_in(bias, p.n * isz, None if data is None else data.b, label="in B")
+        core.copy_in(bias, p.n * isz, None if data is None else data.b, label="in B", gm="B")
     arrived = []
     for j, (_, end) in enumerate(steps):
         flag = Tile(f"shard {order[j + 1]} landed", Level.GM, 0)
@@ -390,10 +395,11 @@ class _Run:
             k1 = min(k0 + self.tk, p.ks)
             kk = k1 - k0
             ap = q["a_panel"].alloc()
-            core.copy_in(ap, rows * kk * isz, None if X is None else X[tile.m0 : tile.m1, k0:k1])
+            asrc = None if X is None else X[tile.m0 : tile.m1, k0:k1]
+            core.copy_in(ap, rows * kk * isz, asrc, gm=f"X{r}")
             wp = q["w_panel"].alloc()
             wsrc = None if W is None else W[w_row0 + k0 : w_row0 + k1, tile.n0 : tile.n1]
-            core.copy_in(wp, kk * cols * isz, wsrc)
+            core.copy_in(wp, kk * cols * isz, wsrc, gm="W")
             for s0 in range(0, kk, self.tk0):
                 s1 = min(s0 + self.tk0, kk)
                 a = q["a"].alloc()

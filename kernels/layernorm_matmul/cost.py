@@ -228,7 +228,7 @@ class _LnmmModel:
     op_type = "LayerNormMatMul"
 
     def __init__(self) -> None:
-        self._staged: dict[Any, float] = {}
+        self._staged = LastProblem()
         self._last = LastProblem()
 
     def _problem(self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) -> Problem:
@@ -254,11 +254,9 @@ class _LnmmModel:
     ) -> float:
         assert isinstance(tiling, LayerNormMatMulTiling)
         p = self._problem(metas, attrs)
-        if tiling.staged:
-            key = (tuple(metas), repr(sorted(attrs.items())), machine)
-            if key not in self._staged:
-                self._staged = {key: staged_cycles(machine, p, metas, attrs)}
-            return self._staged[key]
+        if tiling.staged:  # memo keyed by the machine too: the price is the machine's
+            make = lambda: staged_cycles(machine, p, metas, attrs)  # noqa: E731
+            return float(self._staged.get([*metas, machine], attrs, make))
         return lnmm_cycles(machine, p, tiling)
 
     def rule_of_thumb(

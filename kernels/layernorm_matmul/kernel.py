@@ -141,9 +141,14 @@ class LayerNormMatMulKernel(Searched, Kernel):
         ]
         data = _data(p, inputs) if functional else None
         program = partial(_program, p, tiling, data)
+        isz = p.dtype.itemsize
+        sizes = {"X": p.ln.rows * p.ln.width * isz, "ln_scale": p.ln.width * isz}
+        sizes["ln_bias"] = p.ln.width * isz
+        for i, lin in enumerate(p.linears):
+            sizes[f"W{i}"], sizes[f"b{i}"] = p.k * lin.n * isz, lin.n * isz
         stats = launch_groups(
             machine, self.op_type, work, program, max_groups=tiling.cores,
-            functional=functional, timeline=timeline,
+            functional=functional, timeline=timeline, gm_sizes=sizes,
         )  # fmt: skip
         if data is None:
             return KernelRun((), stats)
@@ -219,7 +224,7 @@ def _program(
                           ("bias", None if data is None else data.bias)):  # fmt: skip
             if name in q:
                 tile = q[name].alloc()
-                v.copy_in(tile, d * isz, arr, label=f"in {name}")
+                v.copy_in(tile, d * isz, arr, label=f"in {name}", gm=f"ln_{name}")
                 mine.append(tile)
         params.append(mine)
     bias_tiles: dict[int, Tile] = {}
@@ -227,7 +232,11 @@ def _program(
         if lin.has_bias:
             tile = cq[f"b{i}"].alloc()
             cube.copy_in(
-                tile, lin.n * isz, None if data is None else data.biases[i], label=f"in b{i}"
+                tile,
+                lin.n * isz,
+                None if data is None else data.biases[i],
+                label=f"in b{i}",
+                gm=f"b{i}",
             )
             bias_tiles[i] = tile
     steps = layernorm_steps(p.ln)
@@ -287,7 +296,7 @@ def _normalize(
     d, isz = p.ln.width, p.dtype.itemsize
     nbytes = n_rows * d * isz
     xin = q["x"].alloc()
-    v.copy_in(xin, nbytes, None if data is None else data.x_rows[r0:r1])
+    v.copy_in(xin, nbytes, None if data is None else data.x_rows[r0:r1], gm="X")
     out = q["n"].alloc()
     mine = params[j % len(group.vecs)]
     for s_i, step in enumerate(steps):
@@ -362,7 +371,7 @@ def _block_matmul(
     for k0 in range(0, p.k, tk):
         k1 = min(k0 + tk, p.k)
         w = cq["w"].alloc()
-        cube.copy_in(w, (k1 - k0) * cols * isz, None if W is None else W[k0:k1, n0:n1])
+        cube.copy_in(w, (k1 - k0) * cols * isz, None if W is None else W[k0:k1, n0:n1], gm=f"W{i}")
         if a_src.block is not None:
             a_l1, base = a_src.block, 0
         else:
