@@ -106,7 +106,7 @@ def fuse(
         )
     seconds["finish"] = next(clock)
     if log.fusions or normalized:
-        engine.verify(loaded.model, loaded.label, external=loaded.external)
+        engine.verify(loaded.model, loaded.label)
     seconds["verify"] = next(clock)
     report = FusionReport(
         target=target,

@@ -3,14 +3,16 @@
 fuser accepts what onnxruntime runs. Where onnxruntime accepts more than the ONNX spec, onnx's
 own tools see a *view* of the model (a copy; the model itself is never changed here):
 
-- External tensors become typed graph inputs: the checker would resolve their files against
-  the working directory; fuser has validated those locations itself (modelio).
+- External and large initializers become typed graph inputs: the checker would resolve
+  external files against the working directory (fuser has validated those locations itself,
+  in modelio), and neither tool needs the values of large tensors, whose copying into each
+  tool's protobuf would be most of a large model's load time.
 - ``LayerNormalization`` below opset 17: onnxruntime registers it in the ONNX domain from
   version 1 (it began as a contrib op), with opset 17's inputs, outputs, attributes and
   results (checked on onnxruntime 1.32: the same outputs at opsets 1-16 as at 17, Mean and
-  InvStdDev included). The view moves such nodes to the domain ``LEGACY_DOMAIN`` whose schema
-  has that signature and that inference, so the checker checks them and shape inference types
-  their outputs.
+  InvStdDev included). The view makes such nodes ``LEGACY_LAYERNORM`` of ``LEGACY_DOMAIN``,
+  whose schema has that signature and that inference, so the checker checks them and shape
+  inference types their outputs.
 - Graph inputs and outputs without a shape (or type), which the checker refuses ("Field
   'shape' of 'type' is required but missing") and onnxruntime runs: the view gives them an
   empty placeholder, so the checker still checks everything else, and each is reported as a
@@ -23,9 +25,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import onnx
+from google.protobuf.message import Message
 from onnx import defs, helper
 
 LEGACY_DOMAIN = "fuser.ort_legacy"
+# The op's name there: not "LayerNormalization", since a second schema of an ONNX op's name in
+# any domain breaks onnx.reference (it looks schemas up by name alone).
+LEGACY_LAYERNORM = "OrtLayerNormalizationV1"
 # The first opset whose ONNX domain defines LayerNormalization.
 LAYERNORM_OPSET = 17
 
@@ -56,7 +62,7 @@ def _layernorm_schema() -> defs.OpSchema:
         )
 
     schema = defs.OpSchema(
-        "LayerNormalization",
+        LEGACY_LAYERNORM,
         LEGACY_DOMAIN,
         1,
         "onnxruntime's LayerNormalization of opsets 1-16 (opset 17's, in the ONNX domain)",
@@ -106,7 +112,7 @@ def _infer_layernorm(ctx: onnx.shape_inference.InferenceContext) -> None:
 
 
 def _register() -> None:
-    if not defs.has("LayerNormalization", LEGACY_DOMAIN):
+    if not defs.has(LEGACY_LAYERNORM, LEGACY_DOMAIN):
         defs.register_schema(_layernorm_schema())
 
 
@@ -139,21 +145,66 @@ def _move_legacy_layernorms(model: onnx.ModelProto) -> bool:
         return False
     _register()
     for node in nodes:
-        node.domain = LEGACY_DOMAIN
+        node.op_type, node.domain = LEGACY_LAYERNORM, LEGACY_DOMAIN
     if all(o.domain != LEGACY_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(LEGACY_DOMAIN, 1))
     return True
 
 
 def inference_view(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` as shape inference should see it: the model itself unless it has legacy
-    LayerNormalization nodes (then a copy in which they are typed like onnxruntime's)."""
-    if not legacy_layernorms(model):
+    """`model` as shape inference should see it: legacy LayerNormalization nodes typed like
+    onnxruntime's, and large or external initializers as typed graph inputs (inference reads
+    only small constants' values, and copying megabytes of weights to read their types would
+    cost more than the inference). The model itself when none of that applies."""
+    hidden = _heavy_initializers(model.graph)
+    if not hidden and not legacy_layernorms(model):
         return model
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    _move_legacy_layernorms(copy)
-    return copy
+    view = _copy_hiding(model, hidden)
+    _move_legacy_layernorms(view)
+    return view
+
+
+# Initializers at least this large are seen by onnx's tools as typed graph inputs: their values
+# matter to neither the checker's structural checks nor shape inference (shapes, axes and the
+# like are small), and copying them into each tool's protobuf is most of a large model's load.
+HEAVY_BYTES = 64 * 1024
+
+
+def _heavy_initializers(graph: onnx.GraphProto) -> set[str]:
+    return {
+        t.name
+        for t in graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) >= HEAVY_BYTES
+    }
+
+
+def _copy_fields(source: Message, target: Message, skip: str) -> None:
+    for fd, value in source.ListFields():
+        if fd.name == skip:
+            continue
+        if fd.is_repeated:
+            getattr(target, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(target, fd.name).CopyFrom(value)
+        else:
+            setattr(target, fd.name, value)
+
+
+def _copy_hiding(model: onnx.ModelProto, hidden: set[str]) -> onnx.ModelProto:
+    """A copy of `model` in which the main graph's `hidden` initializers are typed inputs
+    instead (never copied: the copy is made field by field around them)."""
+    view = onnx.ModelProto()
+    _copy_fields(model, view, "graph")
+    graph = model.graph
+    _copy_fields(graph, view.graph, "initializer")
+    view.graph.initializer.extend(t for t in graph.initializer if t.name not in hidden)
+    declared = {v.name for v in graph.input}
+    view.graph.input.extend(
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in graph.initializer
+        if t.name in hidden and t.name not in declared
+    )
+    return view
 
 
 def missing_type(value: onnx.ValueInfoProto) -> str | None:
@@ -176,26 +227,14 @@ def _untyped_io(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.ValueInfoPro
             yield kind, value, missing
 
 
-def checker_view(model: onnx.ModelProto, *, external: bool) -> View:
+def checker_view(model: onnx.ModelProto) -> View:
     """`model` as onnx's checker should see it (the model itself when nothing needs hiding)."""
-    initializers = model.graph.initializer
-    outside = [t for t in initializers if t.data_location == onnx.TensorProto.EXTERNAL]
+    hidden = _heavy_initializers(model.graph)
     untyped = list(_untyped_io(model.graph))
-    if not (external and outside) and not untyped and not legacy_layernorms(model):
+    if not hidden and not untyped and not legacy_layernorms(model):
         return View(model)
-    view = onnx.ModelProto()
-    view.CopyFrom(model)
+    view = _copy_hiding(model, hidden)
     graph = view.graph
-    if external and outside:
-        kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
-        declared = {v.name for v in graph.input}
-        graph.input.extend(
-            helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-            for t in outside
-            if t.name not in declared
-        )
     _move_legacy_layernorms(view)
     warnings = []
     by_name = {(k, v.name): v for k, v in _view_io(graph)}

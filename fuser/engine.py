@@ -52,7 +52,7 @@ def check_structure(loaded: LoadedModel) -> tuple[str, ...]:
     """onnx's checker on the model as `checkview` presents it (external tensors unread,
     onnxruntime's legacy ops typed); one line on failure. Returns what the checker would have
     refused but onnxruntime runs (warnings: fuser fuses such a model anyway)."""
-    view = checker_view(loaded.model, external=loaded.external)
+    view = checker_view(loaded.model)
     try:
         onnx.checker.check_model(view.model, full_check=False)
     except onnx.checker.ValidationError as exc:
@@ -282,12 +282,12 @@ def _trim(names: tuple[str, ...]) -> list[str]:
     return trimmed
 
 
-def verify(model: onnx.ModelProto, label: str, *, external: bool) -> None:
+def verify(model: onnx.ModelProto, label: str) -> None:
     """The checker on the rewritten model, seen as the input was (`checkview`): the output is
     never less valid than the input. Each fused node's shape inference was checked against the
     original graph when it was made; a failure here is fuser's bug, so say so."""
     try:
-        onnx.checker.check_model(checker_view(model, external=external).model, full_check=False)
+        onnx.checker.check_model(checker_view(model).model, full_check=False)
     except Exception as exc:
         raise FusionError(
             f"{label}: the fused model failed verification ({_first_line(exc)}); nothing was "

@@ -4,6 +4,9 @@ an output no less valid than the input that computes the same, and leaves the in
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -306,3 +309,45 @@ def test_unknown_example_is_a_usage_error_listing_the_known_ones() -> None:
     assert message.startswith("unknown example model 'nope'; known: ")
     assert all(name in message for name in EXAMPLES)
     assert isinstance(caught.value, FuserError) and isinstance(caught.value, KeyError)
+
+
+def test_reading_legacy_layernorm_leaves_onnx_reference_working() -> None:
+    """The schema behind the legacy view must not shadow the ONNX op of the same name: onnx's
+    reference runtime (fuser's constant folding uses it) indexes schemas by name alone, when
+    first imported, so this runs in a fresh interpreter."""
+    code = (
+        "import onnx, fuser\n"
+        "from onnx import TensorProto as T, helper as h\n"
+        "n = h.make_node('LayerNormalization', ['x', 's'], ['y'])\n"
+        "s = h.make_tensor('s', T.FLOAT, [4], [1, 2, 3, 4])\n"
+        "x = h.make_tensor_value_info('x', T.FLOAT, [2, 4])\n"
+        "y = h.make_tensor_value_info('y', T.FLOAT, [2, 4])\n"
+        "g = h.make_graph([n], 'g', [x], [y], [s])\n"
+        "fuser.fuse(h.make_model(g, opset_imports=[h.make_opsetid('', 13)]), cache=False)\n"
+        "from onnx.reference import ReferenceEvaluator\n"
+        "print('reference ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0 and "reference ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_heavy_initializers_are_typed_but_not_copied_into_the_views() -> None:
+    """onnx's tools see a large weight as a typed input: its type and shape still reach the
+    passes, the checker still checks the rest, and the model itself keeps its data."""
+    from fuser import checkview, engine
+
+    model = layernorm_matmul()
+    big = np.arange(64 * 1024, dtype=np.float32).reshape(8, -1)  # 256 KB
+    model.graph.initializer[2].CopyFrom(numpy_helper.from_array(big, "w"))
+    model.graph.output[0].type.tensor_type.shape.dim[2].dim_value = big.shape[1]
+    view = checkview.inference_view(model)
+    assert [t.name for t in view.graph.initializer] == ["g", "b"]
+    assert "w" in [v.name for v in view.graph.input]
+    types = engine.infer_types(model)[""]
+    assert types["w"].shape == big.shape and types["m"].shape == (2, 3, big.shape[1])
+    assert len(model.graph.initializer[2].raw_data) == big.nbytes
+    model.graph.node.append(helper.make_node("NoSuchOp", ["y"], ["z"], name="bad"))
+    with pytest.raises(ModelLoadError, match="NoSuchOp"):
+        fuser.fuse(model, cache=False)
