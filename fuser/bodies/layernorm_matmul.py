@@ -3,14 +3,19 @@ LayerNormalization op exists only from opset 17), then each MatMul (+ bias Add).
 
 The normalized axes `axis..rank-1` are reached without knowing the rank: Flatten(X, axis) makes
 them one axis of a 2-D tensor, the statistics are taken over it, and the result is reshaped
-back to X's shape. Statistics are computed as `reference` says: stash_type=1 in float32 (the
-input's dtype if that is wider, i.e. double), stash_type=0 in the input dtype; the normalized
-value is rounded to the input dtype before scale and bias. A flattened output (Reshape -> Gemm,
+back to X's shape. Statistics are computed as accurately as onnxruntime's LayerNormalization
+kernel computes them (which is also what runs an original decomposed chain: its optimizer
+replaces the chain by the kernel), whatever stash_type says: in float32 at least (double stays
+double), and in two passes (the mean corrected by the mean deviation from it, then the centred
+variance), so a float16 row [300, -300, 0, 0] does not overflow in the square and a constant
+row normalizes to exactly 0. The normalized value is rounded to the input dtype before scale
+and bias, each rounded, as `reference` does. A flattened output (Reshape -> Gemm,
 folded at fuse time into W_i/b_i) is Flatten(N, -1) before its MatMul.
 
-Variants: `<dtype>_stats<dtype>`, then `scale`/`bias` when the affine inputs are present, then
-one part per MatMul: `mm`, `b` if it has a bias, `f` if flattened (e.g. `mmb_mm_mmbf`).
-axis and epsilon are passed by reference (epsilon through a Constant from opset 12).
+Variants: `<dtype>_stats<dtype>` (the input's, the statistics'), then `scale`/`bias` when the
+affine inputs are present, then one part per MatMul: `mm`, `b` if it has a bias, `f` if
+flattened (e.g. `mmb_mm_mmbf`). axis and epsilon are passed by reference (epsilon through a
+Constant from opset 12).
 """
 
 from __future__ import annotations
@@ -34,12 +39,12 @@ def build(request: BodyRequest) -> Body:
     x_type = request.input_types[0] if request.input_types else 0
     if not x_type:
         raise BodyError("the element type of X is unknown")
-    wide = int(attrs["stash_type"]) == 1 and x_type != TensorProto.DOUBLE
-    stats = TensorProto.FLOAT if wide else x_type
+    stats = x_type if x_type == TensorProto.DOUBLE else TensorProto.FLOAT
 
     xs = g.op("Cast", "X", to=stats) if stats != x_type else "X"
     flat = g.op("Flatten", xs, refs={"axis": "axis"})
-    mean = g.reduce("ReduceMean", flat, [1], since=18)
+    rough = g.reduce("ReduceMean", flat, [1], since=18)
+    mean = g.op("Add", rough, g.reduce("ReduceMean", g.op("Sub", flat, rough), [1], since=18))
     d = g.op("Sub", flat, mean)
     var = g.reduce("ReduceMean", g.op("Mul", d, d), [1], since=18)
     eps = g.scalar("epsilon")

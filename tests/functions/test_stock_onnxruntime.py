@@ -152,10 +152,9 @@ LN_CASES = [
 def test_layernorm_matmul(graph: Any, dtype: str, case: tuple[Any, ...]) -> None:
     form, opset, affine, axis, linears, residual, tail = case
     model = ln_model(graph, dtype, form, opset, affine, axis, linears, residual)
-    # The op keeps stash_type=1 (statistics in float32); the decomposed form computes them in
-    # the input dtype (stash_type=0): the same body for float32, not for float16.
-    stats = "float32" if form == "op" else dtype
-    check(model, "LayerNormMatMul", f"{dtype}_stats{stats}_{tail}")
+    # statistics in float32 at least whatever stash_type (as onnxruntime's kernel, which also
+    # runs the decomposed chain), so float16 and float32 bodies both compute them in float32
+    check(model, "LayerNormMatMul", f"{dtype}_statsfloat32_{tail}")
 
 
 def test_layernorm_matmul_widened_float16_statistics_in_float32(graph: Any) -> None:
@@ -268,3 +267,41 @@ def test_fused_nodes_in_if_branches_run_stock_and_unfuse() -> None:
     plain = fuser.unfuse(fused)
     assert all(n.domain != DOMAIN for b in plain.model.graph.node[0].attribute for n in b.g.node)
     assert fuser.validate(model, plain).ok
+
+
+def test_layernorm_matmul_double_keeps_statistics_in_double(graph: Any) -> None:
+    """stash_type=1 means float32 *at least*: a double LayerNorm's body casts only epsilon
+    (a float32 Constant) to double, never X or the normalized value."""
+    model = ln_model(graph, "float64", "op", 17, True, -1, "mmb", False)
+    fused = check(model, "LayerNormMatMul", "float64_statsfloat64_scale_bias_mmb")
+    (body,) = [f for f in fused.functions if f.name == "LayerNormMatMul"]
+    casts = [n for n in body.node if n.op_type == "Cast"]
+    constants = {n.output[0] for n in body.node if n.op_type == "Constant"}
+    assert len(casts) == 1
+    assert casts[0].input[0] in constants
+
+
+@pytest.mark.parametrize(("form", "opset"), [("decomposed", 13), ("decomposed", 18), ("op", 17)])
+def test_float16_layernorm_body_keeps_statistics_in_float32_on_edge_rows(
+    graph: Any, form: str, opset: int
+) -> None:
+    """A float16 row [300, -300, 0, ...] squares past float16's range, and a constant row must
+    normalize to exactly 0. onnxruntime's kernel (which also runs the decomposed chain) keeps
+    the statistics in float32, and so does every float16 body, decomposed original or not:
+    it casts X to float32 first. (On the CPU provider float16 Reduce* run in float32 anyway,
+    so the edge rows agree either way there; the Cast is what other runtimes see.)"""
+    model = ln_model(graph, "float16", form, opset, True, -1, "mmb", True)
+    fused = fuse_all(model).model
+    (body,) = [f for f in fused.functions if f.name == "LayerNormMatMul"]
+    first = body.node[0]
+    assert (first.op_type, list(first.input)) == ("Cast", ["X"])
+    assert onnx.helper.get_attribute_value(first.attribute[0]) == onnx.TensorProto.FLOAT
+    x = np.zeros((2, SEQ, HIDDEN), np.float16)
+    x[0, 0, :2] = [300, -300]
+    x[1] = 7.0
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    actual = onnxruntime.InferenceSession(fused.SerializeToString()).run(None, {"x": x})
+    for e, a in zip(expected, actual, strict=True):
+        assert np.isfinite(e).all()
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a.astype(np.float32), e.astype(np.float32), rtol=1e-2, atol=1e-2)
