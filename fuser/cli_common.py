@@ -178,6 +178,14 @@ class ReadableGroup(TyperGroup):
             for param in [*command.params, *([help_option] if help_option else [])]:
                 if getattr(param, "metavar", None) is None:
                     param.metavar = _metavar(param)
+                if param.param_type_name == "argument":
+                    # typer prints an argument's Python type (`<str>`) beside its name, and
+                    # has no setting for it: the help text says what the argument is.
+                    setattr(param, "display_type_rich", _no_type)  # noqa: B010 (a method: mypy)
+
+
+def _no_type(ctx: Any) -> None:
+    return None
 
 
 def _metavar(param: Any) -> str:

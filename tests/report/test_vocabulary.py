@@ -4,6 +4,7 @@ near-misses have the same keys wherever they appear (docs/json.md)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,6 @@ def test_version_and_readable_help() -> None:
     assert done.exit_code == 0 and done.stdout.strip() == f"fuser {fuser.__version__}"
     for command in ("fuse", "inspect", "validate", "report", "profile", "tune", "patterns"):
         shown = runner.invoke(app, [command, "--help"], env={"COLUMNS": "120"}).stdout
-        assert "<bool>" not in shown and "<list" not in shown and "<path>" not in shown, command
+        assert not re.search(r"<(bool|str|int|path|list)", shown), command
     fuse_help = runner.invoke(app, ["fuse", "--help"], env={"COLUMNS": "120"}).stdout
     assert "--target" in fuse_help and "TARGET" in fuse_help and "FILE" in fuse_help
