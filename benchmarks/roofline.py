@@ -145,14 +145,6 @@ def relu(n: int) -> Case:
     return Case("Relu", f"{n // 2**20} Mi", build, 0.0, 4.0 * n)
 
 
-def add(n: int) -> Case:
-    def build() -> onnx.ModelProto:
-        node = helper.make_node("Add", ["X", "Z"], ["Y"])
-        return _model([node], [_vi("X", (n,)), _vi("Z", (n,))], [_vi("Y", (n,))])
-
-    return Case("Add", f"{n // 2**20} Mi", build, 0.0, 6.0 * n)
-
-
 def cases(quick: bool) -> list[Case]:
     """The kernels and shapes of the table (targets on the default, large shapes)."""
     if quick:
@@ -168,7 +160,6 @@ def cases(quick: bool) -> list[Case]:
         _with(layernorm_matmul(8, 512, 1024, 4096), 0.7),
         softmax_topk(65536, 64, 2),
         relu(64 << 20),
-        add(16 << 20),
     ]
 
 

@@ -9,11 +9,16 @@ For a match, `CostModelDecider` prices
   kernel's timing-only simulation at its default tiling (what would run); ops without a kernel
   by the roofline estimate (`registry.estimate`); views (Reshape, Squeeze, ...) cost nothing.
 
-A fusion predicted no faster is refused with the reason "cost model predicts fused X cycles >=
-unfused Y cycles on T" unless `force`. For static shapes the chosen tiling goes onto the fused
-node as `tile_<field>` attributes. With symbolic dims no tiling is stored: the kernel computes
-it at run time from the actual shapes through the same search (`Kernel.run` -> `host_tiling`);
-the prices then use `symbolic_size` for every symbolic dim, and the reason says so.
+A fusion predicted slower is refused with the reason "cost model predicts fused X cycles >
+unfused Y cycles on T" unless `force` (every fused kernel's space holds its unfused chain's own
+schedule, so that only happens where the fused op cannot run that schedule for less). For
+static shapes the chosen tiling goes onto the fused node as `tile_<field>` attributes. With
+symbolic dims no tiling is stored: the kernel computes it at run time from the actual shapes
+through the same search (`Kernel.run` -> `host_tiling`), so the decision must hold at every
+size: symbolic dims named in `dims` take that size, the others each size of
+`symbolic_range` (default 1, 16, 256, 4096) in turn, the fusion is refused if it is slower at
+any of them, and the reason says over which range it was decided (the prediction reported is
+the one at `symbolic_size`).
 
 Chosen tilings are kept in the tuning cache (`fuser.tuning_cache`) keyed by op, shapes, dtype,
 target and fuser version, so a second run reuses them without searching.
@@ -21,6 +26,7 @@ target and fuser version, so a second run reuses them without searching.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +44,8 @@ from .tuning_cache import CacheKey, TuningCache
 
 #: Size given to a symbolic (or unknown) dim when pricing a match with symbolic shapes.
 SYMBOLIC_SIZE = 256
+#: Sizes a symbolic dim takes in turn: a decision at symbolic shapes must hold at each.
+SYMBOLIC_RANGE = (1, 16, 256, 4096)
 
 #: Ops that only reinterpret a tensor (no data movement on the NPU): priced at zero.
 _FREE_OPS = frozenset(
@@ -71,6 +79,10 @@ class CostModelDecider:
     cache: TuningCache | None = None
     symbolic_size: int = SYMBOLIC_SIZE
     _memo: dict[Hashable, Any] = field(default_factory=dict, repr=False)
+    #: Sizes of named symbolic dims (e.g. from `--dim`); the others range over
+    #: `symbolic_range`.
+    dims: Mapping[str, int] = field(default_factory=dict)
+    symbolic_range: tuple[int, ...] = SYMBOLIC_RANGE
 
     @classmethod
     def for_target(
@@ -109,24 +121,44 @@ class CostModelDecider:
         except UnpriceableError as e:
             # Nothing to compare: the pattern's own checks already accepted the match.
             return Decision(fuse=True, reason=f"not priced by the cost model: {e}")
-        note = (
-            f" (symbolic dims priced at {self.symbolic_size}; tiling chosen at run time)"
-            if fused.symbolic
-            else ""
-        )
+        note = ""
+        slower: tuple[int, Priced, Priced] | None = None
+        if fused.symbolic:
+            sizes = sorted({*self.symbolic_range, self.symbolic_size})
+            for s in sizes:
+                if s == self.symbolic_size:
+                    f, u = fused, unfused
+                else:
+                    other = dataclasses.replace(self, symbolic_size=s, _memo=self._memo)
+                    try:
+                        f, u = other.price_fused(graph, match), other.price_unfused(graph, match)
+                    except UnpriceableError:
+                        continue
+                if f.cycles > u.cycles and slower is None:
+                    slower = (s, f, u)
+            named = "".join(f", {k}={v}" for k, v in sorted(self.dims.items()))
+            note = (
+                f" (symbolic dims decided over sizes {sizes[0]}..{sizes[-1]} "
+                f"({', '.join(map(str, sizes))}{named}), prediction at {self.symbolic_size}; "
+                "tiling chosen at run time)"
+            )
         prediction = Prediction(fused.cycles, unfused.cycles, dict(fused.tiling))
-        if fused.cycles >= unfused.cycles and not self.force:
+        if fused.cycles > unfused.cycles and slower is None:
+            slower = (self.symbolic_size, fused, unfused)
+        if slower is not None and not self.force:
+            size, f, u = slower
+            at = f" at symbolic size {size}" if fused.symbolic else ""
             return Decision(
                 fuse=False,
                 reason=(
-                    f"cost model predicts fused {fused.cycles:.0f} cycles >= unfused "
-                    f"{unfused.cycles:.0f} cycles on {self.target}{note}"
+                    f"cost model predicts fused {f.cycles:.0f} cycles > unfused "
+                    f"{u.cycles:.0f} cycles on {self.target}{at}{note}"
                 ),
                 prediction=prediction,
             )
         attrs = {} if fused.symbolic else {f"tile_{k}": v for k, v in fused.tiling.items()}
         reason = f"predicted {unfused.cycles / max(fused.cycles, 1.0):.2f}x faster{note}"
-        if fused.cycles >= unfused.cycles:
+        if slower is not None:
             reason = f"forced: predicted slower{note}"
         return Decision(fuse=True, reason=reason, prediction=prediction, attributes=attrs)
 
@@ -312,7 +344,8 @@ class CostModelDecider:
                     dims.append(d)
                 else:
                     symbolic = True
-                    dims.append(sizes.setdefault(str(d), self.symbolic_size))
+                    size = self.dims.get(str(d), self.symbolic_size)
+                    dims.append(sizes.setdefault(str(d), size))
             try:
                 dtype = helper.tensor_dtype_to_np_dtype(elem)
             except (KeyError, ValueError) as e:

@@ -27,6 +27,12 @@ def bodies(model: onnx.ModelProto) -> list[onnx.FunctionProto]:
     return [f for f in model.functions if f.domain == DOMAIN]
 
 
+def test_every_registered_pattern_op_declares_a_body() -> None:
+    """A new fused op (or pattern) without `FusedOp.body` would be written bare: refuse that."""
+    missing = [op.name for p in all_patterns() for op in p.ops if op.body is None]
+    assert not missing
+
+
 def test_every_fused_op_type_has_a_body() -> None:
     seen = set()
     for name in EXAMPLES:

@@ -268,3 +268,15 @@ def test_fused_nodes_in_if_branches_run_stock_and_unfuse() -> None:
     plain = fuser.unfuse(fused)
     assert all(n.domain != DOMAIN for b in plain.model.graph.node[0].attribute for n in b.g.node)
     assert fuser.validate(model, plain).ok
+
+
+def test_layernorm_matmul_double_keeps_statistics_in_double(graph: Any) -> None:
+    """stash_type=1 means float32 *at least*: a double LayerNorm's body casts only epsilon
+    (a float32 Constant) to double, never X or the normalized value."""
+    model = ln_model(graph, "float64", "op", 17, True, -1, "mmb", False)
+    fused = check(model, "LayerNormMatMul", "float64_statsfloat64_scale_bias_mmb")
+    (body,) = [f for f in fused.functions if f.name == "LayerNormMatMul"]
+    casts = [n for n in body.node if n.op_type == "Cast"]
+    constants = {n.output[0] for n in body.node if n.op_type == "Constant"}
+    assert len(casts) == 1
+    assert casts[0].input[0] in constants
