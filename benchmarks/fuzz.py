@@ -6,7 +6,7 @@ surroundings with traps); each is fused with every match accepted and judged
 with the original in onnxruntime on five input sets). Prints the outcomes, the fused instances
 per family and every case that is not ok, with its seed (rerun one with --first SEED --n 1).
 
-    python benchmarks/fuzz.py [--n 2000] [--first 0] [--kernel npu|reference]
+    python benchmarks/fuzz.py [--n 2000] [--first 0] [--kernel npu|reference] [--jobs J]
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import argparse
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "fuzz"))
 
-from fuzz_check import OUTCOMES, check_case, tally
+from fuzz_check import OUTCOMES, Result, check_case, tally
 from fuzz_graphs import FAMILIES, make_case
 from rich.console import Console
 from rich.table import Table
@@ -27,19 +29,34 @@ from rich.table import Table
 BAD = ("wrong", "invalid", "crash")
 
 
+def _run_seeds(seeds: list[int], kernel: str) -> list[tuple[Result, list[str]]]:
+    """Each seed's result and the families its case planted (one worker's share)."""
+    out = []
+    for seed in seeds:
+        case = make_case(seed)
+        out.append((check_case(case, kernel=kernel), case.planted))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=2000, help="number of graphs")
     parser.add_argument("--first", type=int, default=0, help="first seed")
     parser.add_argument("--kernel", default="npu", choices=("npu", "reference"))
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     args = parser.parse_args()
     console = Console()
     start = time.perf_counter()
-    results, planted = [], Counter()
-    for seed in range(args.first, args.first + args.n):
-        case = make_case(seed)
-        planted.update(case.planted)
-        results.append(check_case(case, kernel=args.kernel))
+    seeds = list(range(args.first, args.first + args.n))
+    chunks = [seeds[i : i + 25] for i in range(0, len(seeds), 25)]
+    work = partial(_run_seeds, kernel=args.kernel)
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            done = list(pool.map(work, chunks))
+    else:
+        done = [work(chunk) for chunk in chunks]
+    results = [r for chunk in done for r, _ in chunk]
+    planted = Counter(f for chunk in done for _, families in chunk for f in families)
     elapsed = time.perf_counter() - start
     outcomes, fused = tally(results)
 

@@ -42,10 +42,12 @@ def test_the_profile_exercises_every_family() -> None:
         _RESULTS[seed] = check_case(make_case(seed))
     results = [_RESULTS[s] for s in range(FIRST, FIRST + N)]
     outcomes, fused = tally(results)
+    assert outcomes["discarded"] <= 0.05 * N, outcomes
+    if N < 100:  # a handful of seeds (FUSER_FUZZ_N=10) need not cover every family
+        return
     planted = {f for s in range(FIRST, FIRST + N) for f in make_case(s).planted}
     assert planted == set(FAMILIES)
     assert set(fused) == set(PATTERN_OF.values()), fused
-    assert outcomes["discarded"] <= 0.05 * N, outcomes
     assert outcomes["nothing fused"] > 0, outcomes
 
 
