@@ -331,7 +331,7 @@ def validate_rank(
     models' collectives (and isolated runs of gathering fused nodes) meet in `sessions`'
     communicator.
     """
-    from .ort import run_node
+    from .ort import held_constants, run_node
 
     worst: dict[tuple[str, str, str], OutputComparison] = {}
     init_f = {t.name: t for t in plan.fused.model.graph.initializer}
@@ -373,7 +373,7 @@ def validate_rank(
         clock["at"] = time.perf_counter()
         actual = _run_fused(plan, sessions.fused, feeds)
         tick("fused")
-        values = {**feeds, **expected}
+        values = {**held_constants(sessions.fused), **feeds, **expected}
         alone: dict[str, dict[str, np.ndarray]] = {}
         for info in plan.nodes:
             args = [
