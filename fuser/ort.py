@@ -384,6 +384,11 @@ _EXACT_ON_WIRE = {
 }
 
 
+def held_constants(sess: Any) -> Mapping[str, np.ndarray]:
+    """The constant inputs of plugin nodes a `session` holds on the Python side (weights)."""
+    return _CONSTANTS.get(getattr(sess, "fuser_context", ""), {})
+
+
 def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
     """A node's attributes as plain Python values (strings decoded), as handlers receive them."""
     attrs: dict[str, Any] = {}

@@ -19,7 +19,15 @@ place (`fuser.compare`).
 
 A model with com.microsoft AllGather runs as `group_size` ranks, one session per rank in its own
 thread, each rank with distinct inputs. `validate_rank` validates one rank given its sessions and
-communicator, so another transport (MPI) can run the ranks in separate processes.
+communicator, so another transport (MPI) can run the ranks in separate processes:
+
+    plan = plan_validation(original, fused)                  # fuser.validate_plan
+    sessions = open_sessions(plan, rank=r, communicator=c)   # this rank's sessions
+    found = validate_rank(plan, sessions, rank=r)            # this rank's comparisons
+    result = merge_ranks(plan, [found_0, found_1, ...], runs=3, seed=0, kernel="npu")
+
+What was found is `fuser.validation_result`; inputs are drawn by `fuser.validate_inputs` and
+compared by `fuser.compare`.
 """
 
 from __future__ import annotations
@@ -28,28 +36,45 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import onnx
 
-from .compare import DEFAULT_TOLERANCE, Comparison, compare_topk, compare_values
+from .compare import DEFAULT_TOLERANCE, compare_topk, compare_values
 from .errors import FuserError, ValidationInputError, ValidationRunError
 from .fusedop import DOMAIN
 from .graph import node_subgraphs
 from .modelio import LoadedModel, read_tensor
-from .validate_inputs import InputSpec, input_specs, make_feeds, runtime_inputs, symbolic_dims
+from .validate_inputs import make_feeds, symbolic_dims
+from .validate_plan import (
+    FusedNodeInfo,
+    TopKPair,
+    ValidationPlan,
+    group_size,
+    lowest_float_upstream,
+    plan_validation,
+)
+from .validation_result import (
+    OutputComparison,
+    ValidationResult,
+    as_output,
+    compare,
+    keep_worst,
+)
 
 __all__ = [
     "DEFAULT_TOLERANCE",
     "FusedNodeInfo",
     "OutputComparison",
     "RankSessions",
+    "TopKPair",
     "ValidationPlan",
     "ValidationResult",
     "compare",
     "group_size",
+    "keep_worst",
     "lowest_float_upstream",
     "merge_ranks",
     "open_sessions",
@@ -60,383 +85,6 @@ __all__ = [
 
 Progress = Callable[[int, int], None]  # (steps done, steps in all)
 MAX_NARROWED = 6  # op types of the float64 copy that may fall back to float32 kernels
-
-
-@dataclass(frozen=True)
-class OutputComparison:
-    """The worst case over all runs and ranks for one compared value.
-
-    `where` is "output" (a graph output) or "node" (an output of fused node `node`); `mode` is
-    how the fused side was computed: "model" (the fused model run whole), "isolated" (the node
-    alone, fed the original's values) or "stock" (plain onnxruntime, function bodies).
-    """
-
-    name: str
-    dtype: str
-    max_abs: float
-    max_rel: float
-    tolerance: float
-    ok: bool
-    detail: str = ""
-    where: str = "output"
-    mode: str = "model"
-    node: str = ""
-    op: str = ""
-    pattern: str = ""
-    replaced: tuple[str, ...] = ()
-    run: int = 0
-    rank: int = 0
-    worst_index: tuple[int, ...] = ()
-    expected: float = 0.0
-    actual: float = 0.0
-
-    def message(self) -> str:
-        """One line naming what differs, where it came from, the run and the worst element."""
-        if self.where == "node":
-            what = f"fused node '{self.node}' ({self.op}"
-            what += f", pattern {self.pattern}" if self.pattern else ""
-            what += f", replaced {', '.join(self.replaced)}" if self.replaced else ""
-            what += f") output '{self.name}'"
-        else:
-            what = f"output '{self.name}'"
-        how = {"isolated": " run alone on the original's inputs", "stock": " in stock onnxruntime"}
-        worst = (
-            f" at {list(self.worst_index)}: original {self.expected:.6g}, fused {self.actual:.6g}"
-            if self.max_abs != float("inf")
-            else ""
-        )
-        detail = f" ({self.detail})" if self.detail else ""
-        return (
-            f"{what}{how.get(self.mode, '')} differs on run {self.run}, rank {self.rank}{worst}; "
-            f"max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}, tolerance "
-            f"{self.tolerance:.0e}{detail}"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "max_abs": self.max_abs,
-            "max_rel": self.max_rel,
-            "tolerance": self.tolerance,
-            "ok": self.ok,
-            "detail": self.detail,
-            "where": self.where,
-            "mode": self.mode,
-            "node": self.node,
-            "op": self.op,
-            "pattern": self.pattern,
-            "replaced": list(self.replaced),
-            "run": self.run,
-            "rank": self.rank,
-            "worst_index": list(self.worst_index),
-            "expected": self.expected,
-            "actual": self.actual,
-        }
-
-
-@dataclass(frozen=True)
-class ValidationResult:
-    """Outcome of comparing two models: graph outputs, fused nodes, and the stock run."""
-
-    ok: bool
-    outputs: tuple[OutputComparison, ...]
-    runs: int
-    ranks: int
-    seed: int
-    kernel: str
-    nodes: tuple[OutputComparison, ...] = ()
-    stock: str = "not applicable: the fused model has no function bodies"
-    stock_outputs: tuple[OutputComparison, ...] = ()
-    seconds: Mapping[str, float] = field(default_factory=dict)  # where the time went
-
-    @property
-    def failures(self) -> tuple[OutputComparison, ...]:
-        """Every failed comparison, fused nodes first (the cause), then graph outputs."""
-        every = (*self.nodes, *self.outputs, *self.stock_outputs)
-        order = {"isolated": 0, "model": 1, "stock": 2}
-        bad = [c for c in every if not c.ok]
-        return tuple(sorted(bad, key=lambda c: (c.where != "node", order.get(c.mode, 3))))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "runs": self.runs,
-            "ranks": self.ranks,
-            "seed": self.seed,
-            "kernel": self.kernel,
-            "outputs": [o.to_dict() for o in self.outputs],
-            "nodes": [o.to_dict() for o in self.nodes],
-            "stock": self.stock,
-            "stock_outputs": [o.to_dict() for o in self.stock_outputs],
-            "failures": [c.message() for c in self.failures],
-            "seconds": dict(self.seconds),
-        }
-
-
-def compare(
-    name: str,
-    expected: np.ndarray,
-    actual: np.ndarray,
-    rtol: float | None,
-    atol: float | None,
-    precision: str | None = None,
-    noise: np.ndarray | None = None,
-) -> OutputComparison:
-    """Compare one value; `rtol`/`atol` (numpy allclose) override the dtype's default."""
-    found = compare_values(expected, actual, rtol=rtol, atol=atol, precision=precision, noise=noise)
-    return _as_output(name, found)
-
-
-def _as_output(name: str, c: Comparison, **where: Any) -> OutputComparison:
-    return OutputComparison(
-        name,
-        c.dtype,
-        c.max_abs,
-        c.max_rel,
-        c.tolerance,
-        c.ok,
-        c.detail,
-        worst_index=c.worst_index,
-        expected=c.expected,
-        actual=c.actual,
-        **where,
-    )
-
-
-# The com.microsoft collectives (fuser.collective runs them): their group_size is the rank count.
-COLLECTIVE_OPS = (("com.microsoft", "AllGather"), ("com.microsoft", "AllReduce"))
-
-
-def group_size(model: onnx.ModelProto) -> int:
-    """Ranks a model needs: the group_size of its collectives (1 if it has none)."""
-    sizes: set[int] = set()
-
-    def visit(graph: onnx.GraphProto) -> None:
-        for node in graph.node:
-            if (node.domain, node.op_type) in COLLECTIVE_OPS or (
-                node.domain == DOMAIN and any(a.name == "group_size" for a in node.attribute)
-            ):
-                sizes.update(a.i for a in node.attribute if a.name == "group_size")
-            for sub in node_subgraphs(node):
-                visit(sub)
-
-    visit(model.graph)
-    if len(sizes) > 1:
-        raise ValidationInputError(f"collectives disagree on group_size: {sorted(sizes)}")
-    return sizes.pop() if sizes else 1
-
-
-def lowest_float_upstream(
-    model: onnx.ModelProto, outputs: Sequence[str], types: Mapping[str, Any] | None = None
-) -> dict[str, str | None]:
-    """Per output, the least precise float dtype among the values it is computed from.
-
-    A float32 output computed from float16 values carries float16 error (onnxruntime's CPU
-    provider even computes some float16 ops in float32 and drops roundings the fused op
-    keeps), so its tolerance comes from there, not from its own dtype.
-    """
-    from .engine import infer_types
-    from .graph import TypeTable
-
-    table = (types if types is not None else infer_types(model)).get("") or TypeTable()
-    producer = {out: node for node in model.graph.node for out in node.output if out}
-    rank = {"float64": 0, "float32": 1, "float16": 2, "bfloat16": 3}  # bfloat16: 8-bit mantissa
-    lowest_of: dict[str, str | None] = {}
-
-    def own(value: str) -> str | None:
-        vt = table.get(value)
-        if vt is None or not vt.elem_type:
-            return None
-        name = onnx.helper.tensor_dtype_to_np_dtype(vt.elem_type).name
-        return name if name in rank else None
-
-    def lower(a: str | None, b: str | None) -> str | None:
-        if a is None or b is None:
-            return a or b
-        return a if rank[a] >= rank[b] else b
-
-    # Iterative post-order walk with memo: large graphs share most of their upstream.
-    for output in outputs:
-        stack: list[tuple[str, bool]] = [(output, False)]
-        while stack:
-            value, expanded = stack.pop()
-            if value in lowest_of:
-                continue
-            node = producer.get(value)
-            if node is None:
-                lowest_of[value] = own(value)
-                continue
-            if not expanded:
-                stack.append((value, True))
-                stack.extend((i, False) for i in node.input if i and i not in lowest_of)
-                continue
-            found = own(value)
-            for i in node.input:
-                if i:
-                    found = lower(found, lowest_of.get(i))
-            lowest_of[value] = found
-    return {o: lowest_of.get(o) for o in outputs}
-
-
-@dataclass(frozen=True)
-class FusedNodeInfo:
-    """A fused node of the fused model's main graph, and what messages say about it."""
-
-    node: onnx.NodeProto = field(compare=False)
-    name: str
-    op: str
-    pattern: str
-    replaced: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class TopKPair:
-    """The (values, indices) outputs of a TopK-like node: compared together."""
-
-    values: str
-    indices: str
-    axis: int
-    is_sorted: bool
-
-
-@dataclass(frozen=True)
-class ValidationPlan:
-    """What to run and compare, worked out once from the two models (shared by every rank)."""
-
-    original: LoadedModel = field(compare=False)
-    fused: LoadedModel = field(compare=False)
-    specs: tuple[InputSpec, ...]
-    outputs: tuple[str, ...]
-    nodes: tuple[FusedNodeInfo, ...]
-    expose_original: tuple[str, ...]  # values of the original made graph outputs
-    expose_fused: tuple[str, ...]  # values of the fused model made graph outputs
-    topk: Mapping[str, TopKPair]  # by values name and by indices name
-    precision: Mapping[str, str | None]
-    ranks: int
-    has_functions: bool
-    given: Mapping[str, np.ndarray] = field(default_factory=dict, compare=False)
-
-
-def plan_validation(
-    original: LoadedModel,
-    fused: LoadedModel,
-    *,
-    inputs: Mapping[str, Any] | None = None,
-    dims: Mapping[str, int] | None = None,
-    dim_size: int = 3,
-    replaced: Mapping[str, Sequence[str]] | None = None,
-    types: Mapping[str, Any] | None = None,
-) -> ValidationPlan:
-    """Work out the inputs, the fused nodes and the values to expose on each side.
-
-    `replaced` maps a fused node's name to the original nodes it replaced (a FusionResult's
-    report knows them; otherwise the node's doc_string is quoted). `types` is the original's
-    inferred type table (`engine.infer_types`), if already computed.
-    """
-    from .engine import infer_types
-
-    ranks = max(group_size(original.model), group_size(fused.model))
-    outputs = tuple(o.name for o in original.model.graph.output)
-    fused_outputs = {o.name for o in fused.model.graph.output}
-    missing = [n for n in outputs if n not in fused_outputs]
-    if missing:
-        raise ValidationInputError(
-            f"{fused.label}: lacks output '{missing[0]}' of {original.label}"
-        )
-    ins_o = {v.name for v in runtime_inputs(original.model)}
-    ins_f = {v.name for v in runtime_inputs(fused.model)}
-    if ins_o != ins_f:
-        extra = sorted(ins_f - ins_o)
-        what = f"takes input '{extra[0]}'" if extra else f"lacks input '{sorted(ins_o - ins_f)[0]}'"
-        raise ValidationInputError(
-            f"{fused.label}: {what} of {original.label}; is it a fusion of that model?"
-            if not extra
-            else f"{fused.label}: {what}, which {original.label} does not; is it a fusion of "
-            "that model?"
-        )
-    produced_o = _produced(original.model.graph)
-    produced_f = _produced(fused.model.graph)
-    init_f = {t.name for t in fused.model.graph.initializer}
-    inputs_o = {v.name for v in original.model.graph.input}
-    nodes = tuple(
-        _node_info(n, replaced or {}) for n in fused.model.graph.node if n.domain == DOMAIN
-    )
-    wanted_o: list[str] = []
-    wanted_f: list[str] = []
-    for info in nodes:
-        for name in info.node.output:
-            if name and name in produced_o:
-                wanted_o.append(name)
-                wanted_f.append(name)
-        for name in info.node.input:
-            if not name or name in init_f or name in inputs_o:
-                continue
-            (wanted_o if name in produced_o else wanted_f).append(name)
-    topk = _topk_pairs(original.model.graph) | _topk_pairs(fused.model.graph)
-    for pair in list(topk.values()):
-        for name in (pair.values, pair.indices):
-            if name in produced_o and (name in wanted_o or name in outputs):
-                for partner in (pair.values, pair.indices):
-                    if partner in produced_o and partner in produced_f:
-                        wanted_o.append(partner)
-                        wanted_f.append(partner)
-    expose_o = tuple(dict.fromkeys(n for n in wanted_o if n not in outputs))
-    expose_f = tuple(dict.fromkeys(n for n in wanted_f if n in produced_f and n not in outputs))
-    if types is None:
-        from .ort import skeleton
-
-        types = infer_types(skeleton(original.model))
-    precision = lowest_float_upstream(original.model, [*outputs, *expose_o], types)
-    specs = tuple(input_specs(original.model, dims or {}, dim_size))
-    given = {k: np.asarray(v) for k, v in (inputs or {}).items()}
-    has_functions = any(f.domain == DOMAIN for f in fused.model.functions)
-    return ValidationPlan(
-        original,
-        fused,
-        specs,
-        outputs,
-        nodes,
-        expose_o,
-        expose_f,
-        topk,
-        precision,
-        ranks,
-        has_functions,
-        given,
-    )
-
-
-def _produced(graph: onnx.GraphProto) -> set[str]:
-    return {o for n in graph.node for o in n.output if o}
-
-
-def _node_info(node: onnx.NodeProto, replaced: Mapping[str, Sequence[str]]) -> FusedNodeInfo:
-    from .registry import all_patterns
-
-    patterns = [p.name for p in all_patterns() if any(op.name == node.op_type for op in p.ops)]
-    known = tuple(replaced.get(node.name, ()))
-    if not known and node.doc_string:
-        known = (node.doc_string.splitlines()[0][:200],)
-    return FusedNodeInfo(node, node.name, node.op_type, "/".join(patterns), known)
-
-
-def _topk_pairs(graph: onnx.GraphProto) -> dict[str, TopKPair]:
-    pairs: dict[str, TopKPair] = {}
-    for node in graph.node:
-        attrs = {a.name: a for a in node.attribute}
-        topk = (node.domain in ("", "ai.onnx") and node.op_type == "TopK") or (
-            node.domain == DOMAIN and "sorted" in attrs
-        )
-        if topk and len(node.output) >= 2 and node.output[0] and node.output[1]:
-            axis = attrs["axis"].i if "axis" in attrs else -1
-            is_sorted = attrs["sorted"].i != 0 if "sorted" in attrs else True
-            previous = pairs.get(node.output[1])
-            if previous is not None:
-                is_sorted = is_sorted and previous.is_sorted
-            pair = TopKPair(node.output[0], node.output[1], axis, is_sorted)
-            pairs[node.output[0]] = pairs[node.output[1]] = pair
-    return pairs
 
 
 @dataclass
@@ -683,7 +331,7 @@ def validate_rank(
     models' collectives (and isolated runs of gathering fused nodes) meet in `sessions`'
     communicator.
     """
-    from .ort import run_node
+    from .ort import held_constants, run_node
 
     worst: dict[tuple[str, str, str], OutputComparison] = {}
     init_f = {t.name: t for t in plan.fused.model.graph.initializer}
@@ -703,14 +351,7 @@ def validate_rank(
             clock["at"] = now
 
     def keep(c: OutputComparison) -> None:
-        key = (c.mode, c.node, c.name)
-        previous = worst.get(key)
-        if (
-            previous is None
-            or (previous.ok and not c.ok)
-            or (previous.ok == c.ok and c.max_rel > previous.max_rel)
-        ):
-            worst[key] = c
+        keep_worst(worst, c)
 
     for run in range(runs):
         feeds = make_feeds(list(plan.specs), run=run, rank=rank, seed=seed, given=plan.given)
@@ -732,7 +373,7 @@ def validate_rank(
         clock["at"] = time.perf_counter()
         actual = _run_fused(plan, sessions.fused, feeds)
         tick("fused")
-        values = {**feeds, **expected}
+        values = {**held_constants(sessions.fused), **feeds, **expected}
         alone: dict[str, dict[str, np.ndarray]] = {}
         for info in plan.nodes:
             args = [
@@ -893,7 +534,7 @@ class _Judge:
                 noise=self.noise.get(pair.values),
                 perturbed_indices=self.moved.get(pair.indices),
             )
-            return [_as_output(name, values if name == pair.values else indices, **base)]
+            return [as_output(name, values if name == pair.values else indices, **base)]
         found = compare_values(
             self.expected[name],
             actual[name],
@@ -903,7 +544,7 @@ class _Judge:
             noise=self.noise.get(name),
             truth=self.truth.get(name),
         )
-        return [_as_output(name, found, **base)]
+        return [as_output(name, found, **base)]
 
     def node(
         self, info: FusedNodeInfo, actual: Mapping[str, np.ndarray], *, mode: str
@@ -938,14 +579,7 @@ def merge_ranks(
     worst: dict[tuple[str, str, str], OutputComparison] = {}
     for comparisons in per_rank:
         for c in comparisons:
-            key = (c.mode, c.node, c.name)
-            previous = worst.get(key)
-            if (
-                previous is None
-                or (previous.ok and not c.ok)
-                or (previous.ok == c.ok and c.max_rel > previous.max_rel)
-            ):
-                worst[key] = c
+            keep_worst(worst, c)
     every = list(worst.values())
     outputs = tuple(worst[("model", "", n)] for n in plan.outputs if ("model", "", n) in worst)
     nodes = tuple(c for c in every if c.where == "node" and c.mode != "stock")

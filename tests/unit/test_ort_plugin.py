@@ -94,3 +94,39 @@ def test_a_session_survives_later_sessions_of_other_models() -> None:
         np.testing.assert_array_equal(y, np.full(3, 2, np.float32))
         (z,) = second.run(None, {"a": np.array([2**40, -3], np.int64)})
         np.testing.assert_array_equal(z, np.array([2**40, -3], np.int64))  # int64 exact on the wire
+
+
+def test_constant_inputs_stay_exact_and_run_node_agrees_with_the_session() -> None:
+    """Weights are held on the Python side in their own dtype: an int64 beyond 2**53 (which a
+    float64 wire would round) arrives exactly; the node run alone agrees."""
+    from onnx import numpy_helper
+
+    from fuser.ort import run_node
+
+    big = np.array([2**60 + 1, 2**60 + 5], np.int64)
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17, "fuser.test" : 1]>
+    g (float[3] x) => (float[3] y, int64[2] z) <float[3] t> {
+        t = fuser.test.Explode(x)
+        y = Neg(t)
+        z = fuser.test.Echo(x, big)
+    }
+    """)
+    model.graph.initializer.append(numpy_helper.from_array(big, "big"))
+    sess = session(model)
+    y, z = sess.run(None, {"x": -np.ones(3, np.float32)})
+    np.testing.assert_array_equal(z, [1, 5])  # 2**60 + 1 survived, minus 2**60
+    np.testing.assert_array_equal(y, np.full(3, 2, np.float32))
+    echo = next(n for n in model.graph.node if n.op_type == "Echo")
+    (alone,) = run_node(echo, [-np.ones(3, np.float32), big])
+    np.testing.assert_array_equal(alone, [1, 5])
+
+
+def _echo(
+    inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any], ctx: RunContext
+) -> Sequence[np.ndarray]:
+    assert inputs[1] is not None
+    return (inputs[1] - np.int64(2**60),)
+
+
+register_handler("fuser.test", "Echo", _echo)

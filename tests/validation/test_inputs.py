@@ -61,11 +61,12 @@ def test_negative_and_empty_dims_are_symbolic() -> None:
     dims = model.graph.input[0].type.tensor_type.shape.dim
     dims[0].Clear()
     dims[0].dim_value = -1  # PaddleOCR's dynamic dims
+    dims[1].Clear()  # an empty dim
     out = model.graph.output[0].type.tensor_type.shape.dim
-    out[0].Clear()  # an empty dim
+    out[0].Clear()
     (spec,) = input_specs(model, {}, 4)
-    assert spec.shape == (4, 5)
-    assert symbolic_dims(model) == ["x[0]"]
+    assert spec.shape == (4, 4)
+    assert symbolic_dims(model) == ["x[0]", "x[1]"]
     assert validate(model, model, kernel="reference", dim_size=4).ok
 
 
@@ -118,3 +119,16 @@ def test_wrong_given_input_shapes_are_fuser_errors() -> None:
         validate(model, model, kernel="reference", inputs={"x": np.ones((2, 4), np.float32)})
     with pytest.raises(ValidationInputError, match="no model input named 'z'"):
         validate(model, model, kernel="reference", inputs={"z": np.ones(5, np.float32)})
+
+
+def test_progress_is_reported_up_to_the_last_step() -> None:
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[N, 5] x) => (float[N, 5] y) { y = Relu(x) }
+    """)
+    seen: list[tuple[int, int]] = []
+    assert validate(
+        model, model, kernel="reference", runs=2, progress=lambda d, t: seen.append((d, t))
+    ).ok
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and done[-1] == seen[-1][1] == 6  # 3 steps per run
