@@ -140,6 +140,7 @@ def cost_table(big: bool, runs: int, only: list[str]) -> None:
             del model
             fuse(str(original), decider=AlwaysFuse()).save(fused_path)
             size_mb = sum(p.stat().st_size for p in Path(folder).glob(original.name + "*")) / 2**20
+            shown_mb = f"{size_mb:.0f}" if size_mb >= 1 else f"{size_mb:.2f}"
             for kernel in ("reference", "npu"):
                 done = subprocess.run(
                     [sys.executable, "-c", CHILD, str(original), str(fused_path), kernel,
@@ -148,14 +149,14 @@ def cost_table(big: bool, runs: int, only: list[str]) -> None:
                 )  # fmt: skip
                 if done.returncode != 0:
                     tail = done.stderr.strip().splitlines()[-1:]
-                    table.add_row(name, f"{size_mb:.0f}", "", kernel, f"failed: {tail}")
+                    table.add_row(name, shown_mb, "", kernel, f"failed: {tail}")
                     continue
                 data = json.loads(done.stdout.strip().splitlines()[-1])
                 steps = ", ".join(f"{k} {v:.2f}" for k, v in data["seconds"].items() if v >= 0.01)
                 table.add_row(
-                    name, f"{size_mb:.0f}", str(data["nodes"]), kernel,
+                    name, shown_mb, str(data["nodes"]), kernel,
                     "yes" if data["ok"] else "NO", f"{data['wall']:.1f}", f"{data['rss_mb']:.0f}",
-                    f"{data['rss_mb'] / size_mb:.1f}", steps,
+                    f"{data['rss_mb'] / size_mb:.1f}" if size_mb >= 10 else "-", steps,
                 )  # fmt: skip
             for path in Path(folder).iterdir():
                 path.unlink()

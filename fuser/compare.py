@@ -134,6 +134,11 @@ def _exact(expected: np.ndarray, actual: np.ndarray) -> Comparison:
     mismatches = int(np.count_nonzero(differ))
     if not mismatches:
         return Comparison(dtype, 0.0, 0.0, 0.0, True)
+    if expected.dtype.kind not in "biu":  # strings: no distance, only where they differ
+        first = tuple(int(i) for i in np.argwhere(differ)[0]) if differ.ndim else ()
+        return Comparison(
+            dtype, float("inf"), float("inf"), 0.0, False, f"{mismatches} elements differ", first
+        )
     e, a = expected.astype(np.int64), actual.astype(np.int64)
     diff = np.abs(e - a)
     index = tuple(int(i) for i in np.unravel_index(int(np.argmax(diff)), diff.shape))

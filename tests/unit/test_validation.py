@@ -40,3 +40,10 @@ def test_float32_output_of_float16_values_gets_float16_tolerance() -> None:
     off = expected + np.float32(1e-3)
     assert compare("y", expected, off, None, None, "float16").ok
     assert not compare("y", expected, off, None, None, "float32").ok
+
+
+def test_string_outputs_compare_exactly() -> None:
+    a = np.array(["a", "b", "c"], dtype=object)
+    assert compare("s", a, a.copy(), None, None).ok
+    result = compare("s", a, np.array(["a", "x", "c"], dtype=object), None, None)
+    assert not result.ok and result.detail == "1 elements differ" and result.worst_index == (1,)

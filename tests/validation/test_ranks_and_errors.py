@@ -101,3 +101,22 @@ def test_cli_names_the_broken_node_and_exits_1(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
     assert f"mismatch: fused node '{node.name}' (ConvBnRelu, pattern conv_bn_relu" in done.stdout
+
+
+def test_fuse_validate_takes_the_validation_flags(tmp_path: Path) -> None:
+    import json
+
+    original = get_example("cnn-edge")
+    onnx.save(original, tmp_path / "m.onnx")
+    value = original.graph.input[0]
+    shape = [d.dim_value or 2 for d in value.type.tensor_type.shape.dim]
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    done = _fuser(
+        "fuse", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "f.onnx"), "--validate",
+        "--input", f"{value.name}={tmp_path / 'x.npy'}", "--kernel", "reference", "--runs", "1",
+        "--dim-size", "2", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    validation = json.loads(done.stdout)["validation"]
+    assert validation["ok"] and validation["runs"] == 1 and validation["kernel"] == "reference"
+    assert {c["mode"] for c in validation["nodes"]} == {"model", "isolated"}
