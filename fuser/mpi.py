@@ -42,8 +42,10 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 # What launchers put in each process's environment, so the CLI can tell `mpiexec -n 4 fuser ...`
-# from a plain run without importing (or requiring) mpi4py: MPICH/Hydra, Open MPI, PMIx, Slurm.
-WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+# from a plain run without importing (or requiring) mpi4py: MPICH's Hydra (and srun with PMI),
+# Open MPI. Not allocation-wide variables such as SLURM_NTASKS: a plain `fuser validate` inside
+# an allocation is one process, not a rank.
+WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 TIMEOUT_VARIABLE = "FUSER_COLLECTIVE_TIMEOUT"
 MAX_DIMS = 16
 _NOTICE_TAG = 17

@@ -20,6 +20,9 @@ from .graph import node_subgraphs
 from .modelio import LoadedModel
 from .validate_inputs import InputSpec, input_specs, runtime_inputs
 
+# The com.microsoft collectives (fuser.collective runs them): their group_size is the rank count.
+COLLECTIVE_OPS = (("com.microsoft", "AllGather"), ("com.microsoft", "AllReduce"))
+
 
 def group_size(model: onnx.ModelProto) -> int:
     """Ranks a model needs: the group_size of its collectives (1 if it has none)."""
@@ -27,7 +30,7 @@ def group_size(model: onnx.ModelProto) -> int:
 
     def visit(graph: onnx.GraphProto) -> None:
         for node in graph.node:
-            if (node.domain, node.op_type) == ("com.microsoft", "AllGather") or (
+            if (node.domain, node.op_type) in COLLECTIVE_OPS or (
                 node.domain == DOMAIN and any(a.name == "group_size" for a in node.attribute)
             ):
                 sizes.update(a.i for a in node.attribute if a.name == "group_size")

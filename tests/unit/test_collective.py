@@ -120,3 +120,28 @@ def test_per_rank_validation_on_threads_stops_every_rank_on_one_failure(tmp_path
     assert result.error.startswith("rank 2 (") and "tiling attributes missing" in result.error
     for other in result.per_rank[:2]:
         assert other.stopped_by.startswith("rank 2: ") and not other.ok
+
+
+def test_the_cli_sees_an_mpi_launch_only_from_per_process_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fuser import mpi
+
+    for name in (*mpi.WORLD_SIZE_VARIABLES, "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert mpi.launched_world_size() == 1
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # an allocation, not a launched rank
+    assert mpi.launched_world_size() == 1
+    monkeypatch.setenv("PMI_SIZE", "4")  # MPICH's mpiexec -n 4
+    assert mpi.launched_world_size() == 4
+
+
+def test_a_bad_collective_timeout_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fuser import mpi
+    from fuser.errors import UsageError
+
+    monkeypatch.setenv(mpi.TIMEOUT_VARIABLE, "soon")
+    with pytest.raises(UsageError, match=r"FUSER_COLLECTIVE_TIMEOUT='soon': expected seconds"):
+        mpi.collective_timeout()
+    monkeypatch.setenv(mpi.TIMEOUT_VARIABLE, "2.5")
+    assert mpi.collective_timeout() == 2.5

@@ -13,13 +13,16 @@ from pathlib import Path
 import onnx
 from fuser.models import tp_mlp
 
+from fuser.mpi import WORLD_SIZE_VARIABLES
+
 FUSER = [sys.executable, "-m", "fuser.cli"]
 
 
 def _fuser(*args: str, hash_seed: str = "0") -> subprocess.CompletedProcess[str]:
     # Outside the repository, so the installed package (patterns/ mapped in) is the one imported.
     env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-    env.pop("PMI_SIZE", None)  # a plain run, even when the tests themselves run under mpiexec
+    for name in WORLD_SIZE_VARIABLES:  # a plain run, even when the tests run under mpiexec
+        env.pop(name, None)
     return subprocess.run(
         [*FUSER, *args], capture_output=True, text=True, cwd="/", env=env, timeout=300
     )
