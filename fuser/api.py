@@ -69,11 +69,14 @@ def fuse(
     cache: bool | str | os.PathLike[str] | None = None,
     decider: Decider | None = None,
     functions: bool = True,
+    dims: Mapping[str, int] | None = None,
 ) -> FusionResult:
     """Fuse the operator chains of `model` (a path, bytes or ModelProto; never modified).
 
     With `functions` (the default) each fused op type gets a function body in the model, so
     a plain `onnxruntime.InferenceSession` runs it; `functions=False` writes the bare ops.
+    `dims` gives named symbolic dims a size for pricing (as `--dim`); the cost model decides
+    the others over a range of sizes.
 
     >>> result = fuse("model.onnx")                      # doctest: +SKIP
     >>> result.report.summary                            # doctest: +SKIP
@@ -92,7 +95,7 @@ def fuse(
     seconds = {"load": next(clock)}
     before = engine.count_nodes(loaded.model.graph)
     log = engine.run_passes(
-        loaded, chosen, decider or _default_decider(target, force, cache), types
+        loaded, chosen, decider or _default_decider(target, force, cache, dims), types
     )
     seconds["match_rewrite"] = next(clock)
     # -- finish the output: function bodies, producer, provenance (fuser/finish.py) --
@@ -142,7 +145,10 @@ def check_target(target: str) -> None:
 
 
 def _default_decider(
-    target: str, force: bool, cache: bool | str | os.PathLike[str] | None
+    target: str,
+    force: bool,
+    cache: bool | str | os.PathLike[str] | None,
+    dims: Mapping[str, int] | None = None,
 ) -> Decider:
     """The target's cost model: prices each match and supplies its tiling.
 
@@ -150,7 +156,7 @@ def _default_decider(
     """
     from .costmodel import CostModelDecider
 
-    decider: Decider = CostModelDecider.for_target(target, force=force, cache=cache)
+    decider: Decider = CostModelDecider.for_target(target, force=force, cache=cache, dims=dims)
     return decider
 
 

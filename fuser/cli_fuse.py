@@ -100,6 +100,7 @@ def fuse(
                 force=force,
                 cache=False if no_cache else cache,
                 functions=not no_functions,
+                dims=parse_dims(dim or []),  # the cost model prices named dims at these sizes
             )
         validation = None
         if validate:  # --input, --kernel, --runs, --dim, --dim-size: as `fuser validate`

@@ -92,15 +92,24 @@ class CostModelDecider:
         force: bool = False,
         cache: CacheOption = None,
         symbolic_size: int = SYMBOLIC_SIZE,
+        dims: Mapping[str, int] | None = None,
     ) -> CostModelDecider:
         """The decider for `target` (a shipped name or a target JSON path).
 
         `cache`: None or True = the user's tuning cache, False = none, a path = that file, or
-        a `TuningCache`.
+        a `TuningCache`. `dims`: sizes of named symbolic dims (`--dim`); the others are decided
+        over `symbolic_range`.
         """
         from .kernels.npu.machine import load_target
 
-        return cls(target, load_target(target), force, _open_cache(cache), symbolic_size)
+        return cls(
+            target,
+            load_target(target),
+            force,
+            _open_cache(cache),
+            symbolic_size,
+            dims=dict(dims or {}),
+        )
 
     # -- the decision -------------------------------------------------------------------------
     def decide(self, graph: GraphIndex, match: Match) -> Decision:
