@@ -13,8 +13,8 @@ For a case (fuzz_graphs.make_case) the checks are, in order:
    dtype's tolerance ("wrong" if not). A difference the original itself shows between
    onnxruntime's optimized and unoptimized runs is the original's own rounding noise: the
    fused result may sit on either side of it;
-5. `STOCK_ONNXRUNTIME_CHECK`, when set, runs the fused model in stock onnxruntime (fused ops
-   through their ONNX function bodies) — the one place to wire that check.
+5. the fused model runs in stock onnxruntime (`STOCK_ONNXRUNTIME_CHECK`: fused ops through
+   their ONNX function bodies, nothing of fuser registered) and equals the original too.
 """
 
 from __future__ import annotations
@@ -47,9 +47,20 @@ LARGE = {np.dtype(np.float16): 8.0, np.dtype(np.float32): 100.0, np.dtype(np.flo
 Feeds = list[dict[str, np.ndarray]]  # one feed dict per rank
 Runner = Callable[[onnx.ModelProto, Feeds], list[dict[str, np.ndarray]]]
 
-# Set by whoever wires stock onnxruntime (fused ops through their function bodies): called
-# with (fused model, feeds of one rank) and returns the outputs by name, or raises. None: off.
-STOCK_ONNXRUNTIME_CHECK: Callable[[onnx.ModelProto, dict[str, np.ndarray]], dict] | None = None
+
+def stock_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The fused model in a plain onnxruntime session, nothing of fuser's registered: its
+    fused ops run their ONNX function bodies."""
+    sess = onnxruntime.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds), strict=True))
+
+
+# Called with (fused model, feeds of one rank); returns the outputs by name, or raises.
+# None turns the stock-onnxruntime check off.
+STOCK_ONNXRUNTIME_CHECK: Callable[[onnx.ModelProto, dict[str, np.ndarray]], dict] | None = stock_run
 
 onnxruntime.set_default_logger_severity(3)
 
@@ -254,31 +265,38 @@ def check_case(case: Case, kernel: str = "npu") -> Result:
     near_ties = 0
     plain: list[list[Outputs]] | None = None
     exact: list[list[Outputs]] | None = None
-    for i, (kind, want_ranks, got_ranks) in enumerate(
-        zip(INPUT_SETS, originals, actual, strict=True)
-    ):
-        for rank, (want, got) in enumerate(zip(want_ranks, got_ranks, strict=True)):
-            judge = partial(compare, exact_indices=kind == "ties", unordered=case.unordered)
-            diff, ties = judge(want, got)
+
+    def mismatch(i: int, rank: int, got: Outputs) -> tuple[_Diff | None, int]:
+        """How `got` differs from the original on input set i, beyond the original's own
+        rounding: the fused result may equal its unoptimized run, or be closer to exact,
+        i.e. equal the original computed in float64."""
+        nonlocal plain, exact
+        judge = partial(compare, exact_indices=INPUT_SETS[i] == "ties", unordered=case.unordered)
+        diff, ties = judge(originals[i][rank], got)
+        if diff is None:
+            return None, ties
+        plain = plain or _run_original(case, sets, optimize=False)
+        if judge(plain[i][rank], got)[0] is None:
+            return None, 0
+        exact = exact or _run_exact(case, sets)
+        if exact and judge(_rounded(exact[i][rank], originals[i][rank]), got)[0] is None:
+            return None, 0
+        return diff, 0
+
+    for i, (kind, got_ranks) in enumerate(zip(INPUT_SETS, actual, strict=True)):
+        for rank, got in enumerate(got_ranks):
+            diff, ties = mismatch(i, rank, got)
             if diff is not None:
-                # The original's own rounding: the fused result may equal its unoptimized run,
-                # or be closer to exact, i.e. equal the original computed in float64.
-                plain = plain or _run_original(case, sets, optimize=False)
-                if judge(plain[i][rank], got)[0] is None:
-                    continue
-                exact = exact or _run_exact(case, sets)
-                if exact and judge(_rounded(exact[i][rank], want), got)[0] is None:
-                    continue
                 where = f" (rank {rank})" if case.group_size > 1 else ""
                 return Result(seed, "wrong", fused, f"{kind}{where}: '{diff.output}' {diff.why}")
             near_ties += ties
     if STOCK_ONNXRUNTIME_CHECK is not None and fused and case.group_size == 1:
-        for kind, feeds, want_ranks in zip(INPUT_SETS, sets, originals, strict=True):
+        for i, (kind, feeds) in enumerate(zip(INPUT_SETS, sets, strict=True)):
             try:
                 stock = STOCK_ONNXRUNTIME_CHECK(model, feeds[0])
             except Exception as exc:
                 return Result(seed, "invalid", fused, f"stock onnxruntime: {_line(exc)}")
-            diff, _ = compare(want_ranks[0], stock, exact_indices=kind == "ties")
+            diff, _ = mismatch(i, 0, stock)
             if diff is not None:
                 return Result(seed, "wrong", fused, f"stock onnxruntime, {kind}: {diff.why}")
     return Result(seed, "ok" if fused else "nothing fused", fused, near_ties=near_ties)
