@@ -165,7 +165,7 @@ def cost_table(big: bool, runs: int, only: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-per-family", type=int, default=3)
+    parser.add_argument("--max-per-family", type=int, default=1000, help="cap (default: all)")
     parser.add_argument("--runs", type=int, default=1, help="runs per validate in the cost table")
     parser.add_argument("--big", action="store_true", help="also a 2.5 GB model (external data)")
     parser.add_argument("--skip-mutants", action="store_true")
