@@ -14,7 +14,8 @@ For a case (fuzz_graphs.make_case) the checks are, in order:
    onnxruntime's optimized and unoptimized runs is the original's own rounding noise: the
    fused result may sit on either side of it;
 5. the fused model runs in stock onnxruntime (`STOCK_ONNXRUNTIME_CHECK`: fused ops through
-   their ONNX function bodies, nothing of fuser registered) and equals the original too.
+   their ONNX function bodies, nothing of fuser registered) and equals the original too,
+   judged the same way.
 """
 
 from __future__ import annotations
@@ -192,16 +193,30 @@ def compare(
     unordered: frozenset[str] = frozenset(),
 ) -> tuple[_Diff | None, int]:
     """The first output that differs (None if all agree), and how many TopK index differences
-    were near ties (accepted when every float output agrees and ties need not be exact).
-    Outputs in `unordered` are compared sorted along their last axis."""
+    were near ties (see `differences`)."""
+    diffs, ties = differences(expected, actual, exact_indices, unordered)
+    return (diffs[0] if diffs else None), ties
+
+
+def differences(
+    expected: dict[str, np.ndarray],
+    actual: dict[str, np.ndarray],
+    exact_indices: bool,
+    unordered: frozenset[str] = frozenset(),
+) -> tuple[list[_Diff], int]:
+    """Every output that differs, and how many TopK index differences were near ties
+    (accepted when every float output agrees and ties need not be exact). Outputs in
+    `unordered` are compared sorted along their last axis."""
     if list(expected) != list(actual):
-        return _Diff("", f"outputs {list(actual)} instead of {list(expected)}"), 0
+        return [_Diff("", f"outputs {list(actual)} instead of {list(expected)}")], 0
+    diffs: list[_Diff] = []
     int_diffs: list[str] = []
     for name, want in expected.items():
         got = actual[name]
         if got.dtype != want.dtype or got.shape != want.shape:
             why = f"{got.dtype}{list(got.shape)} instead of {want.dtype}{list(want.shape)}"
-            return _Diff(name, why), 0
+            diffs.append(_Diff(name, why))
+            continue
         if name in unordered and want.ndim:
             want, got = np.sort(want, axis=-1), np.sort(got, axis=-1)
         if want.dtype.kind == "f":
@@ -216,14 +231,14 @@ def compare(
             if not same_nonfinite or not bool(np.all(close | ~finite)):
                 gap = np.abs(g - w)
                 err = float(gap[~np.isnan(gap)].max()) if (~np.isnan(gap)).any() else np.nan
-                return _Diff(name, f"max abs diff {err:.3g} (scale {scale:.3g})"), 0
+                diffs.append(_Diff(name, f"max abs diff {err:.3g} (scale {scale:.3g})"))
         elif not np.array_equal(got, want):
             int_diffs.append(name)
     if int_diffs and exact_indices:
-        return _Diff(int_diffs[0], "integer output differs on exact ties"), 0
-    if int_diffs and not any(v.dtype.kind == "f" for v in expected.values()):
-        return _Diff(int_diffs[0], "integer output differs"), 0
-    return None, len(int_diffs)
+        diffs += [_Diff(n, "integer output differs on exact ties") for n in int_diffs]
+    elif int_diffs and (diffs or not any(v.dtype.kind == "f" for v in expected.values())):
+        diffs += [_Diff(n, "integer output differs") for n in int_diffs]
+    return diffs, (0 if diffs else len(int_diffs))
 
 
 def check_case(case: Case, kernel: str = "npu") -> Result:
@@ -266,39 +281,44 @@ def check_case(case: Case, kernel: str = "npu") -> Result:
     plain: list[list[Outputs]] | None = None
     exact: list[list[Outputs]] | None = None
 
-    def mismatch(i: int, rank: int, got: Outputs) -> tuple[_Diff | None, int]:
-        """How `got` differs from the original on input set i, beyond the original's own
-        rounding: the fused result may equal its unoptimized run, or be closer to exact,
-        i.e. equal the original computed in float64."""
+    def beyond_noise(i: int, rank: int, got: Outputs) -> tuple[list[_Diff], int]:
+        """The outputs of `got` that differ from the original on input set i beyond the
+        original's own rounding: an output may equal the original's unoptimized run instead,
+        or be closer to exact, i.e. equal the original computed in float64."""
         nonlocal plain, exact
-        judge = partial(compare, exact_indices=INPUT_SETS[i] == "ties", unordered=case.unordered)
-        diff, ties = judge(originals[i][rank], got)
-        if diff is None:
-            return None, ties
+        want = originals[i][rank]
+        judge = partial(
+            differences, exact_indices=INPUT_SETS[i] == "ties", unordered=case.unordered
+        )
+        diffs, ties = judge(want, got)
+        if not diffs:
+            return [], ties
         plain = plain or _run_original(case, sets, optimize=False)
-        if judge(plain[i][rank], got)[0] is None:
-            return None, 0
         exact = exact or _run_exact(case, sets)
-        if exact and judge(_rounded(exact[i][rank], originals[i][rank]), got)[0] is None:
-            return None, 0
-        return diff, 0
+        others = [plain[i][rank], *([_rounded(exact[i][rank], want)] if exact else [])]
+        for other in others:
+            left = {d.output for d in judge(other, got)[0]}
+            diffs = [d for d in diffs if d.output in left]
+        return diffs, ties
 
     for i, (kind, got_ranks) in enumerate(zip(INPUT_SETS, actual, strict=True)):
         for rank, got in enumerate(got_ranks):
-            diff, ties = mismatch(i, rank, got)
-            if diff is not None:
-                where = f" (rank {rank})" if case.group_size > 1 else ""
-                return Result(seed, "wrong", fused, f"{kind}{where}: '{diff.output}' {diff.why}")
+            diffs, ties = beyond_noise(i, rank, got)
             near_ties += ties
+            if diffs:
+                where = f" (rank {rank})" if case.group_size > 1 else ""
+                first = diffs[0]
+                return Result(seed, "wrong", fused, f"{kind}{where}: '{first.output}' {first.why}")
     if STOCK_ONNXRUNTIME_CHECK is not None and fused and case.group_size == 1:
         for i, (kind, feeds) in enumerate(zip(INPUT_SETS, sets, strict=True)):
             try:
                 stock = STOCK_ONNXRUNTIME_CHECK(model, feeds[0])
             except Exception as exc:
                 return Result(seed, "invalid", fused, f"stock onnxruntime: {_line(exc)}")
-            diff, _ = mismatch(i, 0, stock)
-            if diff is not None:
-                return Result(seed, "wrong", fused, f"stock onnxruntime, {kind}: {diff.why}")
+            diffs, _ = beyond_noise(i, 0, stock)
+            if diffs:
+                why = f"'{diffs[0].output}' {diffs[0].why}"
+                return Result(seed, "wrong", fused, f"stock onnxruntime, {kind}: {why}")
     return Result(seed, "ok" if fused else "nothing fused", fused, near_ties=near_ties)
 
 

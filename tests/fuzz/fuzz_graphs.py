@@ -85,6 +85,7 @@ class Case:
 class _Scope:
     """Nodes, initializers and outputs of one graph being built (main graph or a subgraph)."""
 
+    serial: int = 0  # which scope (weights are shared within one scope only)
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     inits: list[onnx.TensorProto] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
@@ -193,7 +194,7 @@ class Builder:
 
     def weight(self, shape: tuple[int, ...], base: str, scale: float | None = None) -> str:
         """A weight, sometimes the same tensor as an earlier one of that shape (shared)."""
-        key = (*shape, self.elem, id(self.scope))
+        key = (*shape, self.elem, self.scope.serial)
         if key in self.shared and self.chance(0.4):
             self.traps.append("shared weight")
             return self.shared[key]
@@ -499,7 +500,7 @@ BUILDERS: dict[str, Callable[[Builder], None]] = {
 def _in_subgraph(b: Builder, family: str, kind: str) -> None:
     """Build `family` inside an If (both branches: the second a renamed copy) or a Loop body."""
     outer = b.scope
-    inner = _Scope()
+    inner = _Scope(serial=b.counter + 1)
     b.scope = inner
     BUILDERS[family](b)
     b.scope = outer
