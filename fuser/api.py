@@ -180,9 +180,12 @@ def inspect(
     patterns: str | Sequence[str] | None = None,
     disable: str | Sequence[str] = (),
     target: str = DEFAULT_TARGET,
+    *,
+    dims: Mapping[str, int] | None = None,
 ) -> Inspection:
-    """What `fuse` would do, without keeping the result: matches and near-misses."""
-    result = fuse(model, patterns, disable, target)
+    """What `fuse` would do, without keeping the result: matches and near-misses (`dims`:
+    sizes of named symbolic dims for the cost model, as in `fuse`)."""
+    result = fuse(model, patterns, disable, target, dims=dims)
     return Inspection(result.report.fusions, result.report.rejected)
 
 

@@ -7,8 +7,10 @@ from typing import Annotated
 import typer
 
 from .cli_common import (
+    DimOption,
     command_json,
     fail,
+    parse_dims,
     print_items,
     print_json,
     resolve_input,
@@ -29,13 +31,15 @@ def inspect(
     ] = None,
     target: Annotated[str, typer.Option(help="NPU target whose cost model decides")] = "ascend910b",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    dim: DimOption = None,
 ) -> None:
     """List every match and every near-miss, with its reason and nodes."""
     from .api import inspect as run_inspect
 
     try:
         source, label = resolve_input(input)
-        found = run_inspect(source, split_names(patterns), target=target)
+        dims = parse_dims(dim or [])  # the cost model's sizes for named symbolic dims
+        found = run_inspect(source, split_names(patterns), target=target, dims=dims)
     except FuserError as exc:
         raise fail(str(exc)) from None
     if as_json:

@@ -18,7 +18,18 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .cli_common import command_json, err, out, print_json, print_table, resolve_input, table
+from .cli_common import (
+    DimOption,
+    DimSizeOption,
+    command_json,
+    err,
+    out,
+    parse_dims,
+    print_json,
+    print_table,
+    resolve_input,
+    table,
+)
 from .errors import FuserError, UsageError
 
 
@@ -49,6 +60,8 @@ def tune(
     ] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="do not use the cache")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    dim: DimOption = None,
+    dim_size: DimSizeOption = 256,  # what fuse prices a symbolic dim at when none is given
 ) -> None:
     """Rank each fused node's tilings by the cost model; with --simulate, check them."""
     from .kernels.api import KernelError
@@ -84,7 +97,7 @@ def tune(
                 fused = _fused_model(model, target)
                 results = tune_model(
                     fused, machine, node=node, simulate=simulate, top=top, cache=store,
-                    progress=progress,
+                    progress=progress, symbolic_size=dim_size, dims=parse_dims(dim or []),
                 )  # fmt: skip
     except (FuserError, KernelError, ValueError, KeyError) as e:
         err.print(f"error: {e}")

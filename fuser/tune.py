@@ -186,10 +186,15 @@ def fused_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 
 def node_metas(
-    model: onnx.ModelProto, node: onnx.NodeProto, symbolic_size: int = SYMBOLIC_SIZE
+    model: onnx.ModelProto,
+    node: onnx.NodeProto,
+    symbolic_size: int = SYMBOLIC_SIZE,
+    dims: Mapping[str, int] | None = None,
 ) -> tuple[list[Any], dict[str, Any]]:
-    """Input metas (symbolic dims at `symbolic_size`; stacked shards for gathering ops) and
-    plain attributes of a fused node, from shape inference of the fused model."""
+    """Input metas (a symbolic dim at `dims[name]`, else `symbolic_size`; stacked shards for
+    gathering ops) and plain attributes of a fused node, from shape inference of the fused
+    model."""
+    sizes = dims or {}
     from . import engine, fusedop
     from .kernels.api import TensorMeta
 
@@ -210,8 +215,11 @@ def node_metas(
             unknown.append(len(metas))
             metas.append(TensorMeta((), dtype))
             continue
-        dims = tuple(d if isinstance(d, int) and d >= 0 else symbolic_size for d in vt.shape)
-        metas.append(TensorMeta(dims, dtype))
+        shape = tuple(
+            d if isinstance(d, int) and d >= 0 else sizes.get(str(d), symbolic_size)
+            for d in vt.shape
+        )
+        metas.append(TensorMeta(shape, dtype))
     for i in unknown:
         metas[i] = _guess_input(metas, i, symbolic_size)
         if metas[i] is None:
@@ -246,8 +254,10 @@ def tune_model(
     cache: TuningCache | None = None,
     progress: Progress | None = None,
     symbolic_size: int = SYMBOLIC_SIZE,
+    dims: Mapping[str, int] | None = None,
 ) -> list[NodeTuning]:
-    """Tune every fused node of `model` (or only the one named `node`)."""
+    """Tune every fused node of `model` (or only the one named `node`); symbolic dims at
+    `dims[name]`, else `symbolic_size`."""
     nodes = fused_nodes(model)
     if node is not None:
         nodes = [n for n in nodes if n.name == node]
@@ -255,7 +265,7 @@ def tune_model(
             raise ValueError(f"no fused node named {node!r}")
     out: list[NodeTuning] = []
     for n in nodes:
-        metas, attrs = node_metas(model, n, symbolic_size)
+        metas, attrs = node_metas(model, n, symbolic_size, dims)
         out.append(
             tune_op(
                 n.op_type, metas, attrs, machine, name=n.name, simulate=simulate, top=top,
