@@ -12,6 +12,7 @@ import onnx
 
 from . import engine
 from . import functions as functions_mod
+from .body_check import BodyCheckedDecider
 from .decide import Decider
 from .errors import UsageError
 from .finish import FuseOptions, finish
@@ -94,9 +95,16 @@ def fuse(
     warnings = engine.check_structure(loaded)
     seconds = {"load": next(clock)}
     before = engine.count_nodes(loaded.model.graph)
-    log = engine.run_passes(
-        loaded, chosen, decider or _default_decider(target, force, cache, dims), types
-    )
+    decider = decider or _default_decider(target, force, cache, dims)
+    if functions:  # a fusion that could not carry its body is refused now, with its reason
+        imports = {o.domain or "": o.version for o in loaded.model.opset_import}
+        decider = BodyCheckedDecider(
+            decider,
+            imports.get("", imports.get("ai.onnx", 0)),
+            {d: v for d, v in imports.items() if d},
+            functions_mod.elem_types_from(types),
+        )
+    log = engine.run_passes(loaded, chosen, decider, types)
     seconds["match_rewrite"] = next(clock)
     # -- finish the output: function bodies, producer, provenance (fuser/finish.py) --
     # Only a model that holds fused nodes is finished: one with nothing to fuse is written as

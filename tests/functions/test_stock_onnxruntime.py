@@ -303,3 +303,25 @@ def test_float16_layernorm_body_keeps_statistics_in_float32_on_edge_rows(
         assert np.isfinite(e).all()
         assert np.isfinite(a).all()
         np.testing.assert_allclose(a.astype(np.float32), e.astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
+# -- a variant the model's opset cannot write as a body: refused at decision time -----------
+
+
+def test_no_body_at_the_models_opset_is_a_near_miss_not_an_error(graph: Any) -> None:
+    model = ln_model(graph, "float32", "decomposed", 10, True, -1, "mmb", False)
+    for result in (fuse_all(model), fuser.fuse(model, cache=False)):
+        assert result.report.summary["layernorm_matmul"] == 0
+        (miss,) = [r for r in result.report.rejected if r.pattern == "layernorm_matmul"]
+        assert "no ONNX function body at opset 10" in miss.reason
+        assert "--no-functions" in miss.reason
+        # what was written still runs in stock onnxruntime: nothing fused, nothing lost
+        onnxruntime.InferenceSession(result.model.SerializeToString())
+    bare = fuse_all(model, functions=False)
+    assert bare.report.summary["layernorm_matmul"] == 1 and not bare.model.functions
+
+
+def test_a_body_the_opset_allows_is_not_refused(graph: Any) -> None:
+    model = ln_model(graph, "float32", "decomposed", 13, True, -1, "mmb", False)
+    result = fuse_all(model)
+    assert result.report.summary["layernorm_matmul"] == 1 and result.model.functions
