@@ -13,7 +13,6 @@ from fuser.models import get_example
 import fuser
 from fuser import finish
 from fuser.decide import AlwaysFuse
-from fuser.errors import FusionError
 from fuser.fusedop import DOMAIN
 from fuser.registry import all_patterns
 from fuser.testing import fuse_all
@@ -134,8 +133,11 @@ def test_a_variant_an_opset_cannot_express_is_refused_with_the_way_out(graph) ->
     n = g.op("Div", d, g.op("Sqrt", g.op("Add", var, g.const(1e-5, "eps"))))
     g.outputs.append(g.op("MatMul", n, g.const(np.ones((8, 3)), "w")))
     model = g.model()
-    with pytest.raises(FusionError, match=r"LayerNormMatMul.*opset 10.*--no-functions"):
-        fuse_all(model)
+    refused = fuse_all(model).report.rejected
+    assert any(
+        "no ONNX function body at opset 10" in r.reason and "--no-functions" in r.reason
+        for r in refused
+    )
     bare = fuser.fuse(model, decider=AlwaysFuse(), functions=False).model
     assert [n.op_type for n in bare.graph.node] == ["LayerNormMatMul"]
 
