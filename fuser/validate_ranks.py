@@ -79,7 +79,13 @@ class RankOutcome:
             "stopped_by": self.stopped_by,
             "seconds": round(self.seconds, 4),
             "peak_rss_mb": round(self.peak_rss_mb, 1),
-            "outputs": [c.to_dict() for c in self.comparisons if c.where == "output"],
+            # as in ValidationResult: graph outputs of the fused model, then the stock run's
+            "outputs": [
+                c.to_dict() for c in self.comparisons if c.where == "output" and c.mode != "stock"
+            ],
+            "stock_outputs": [
+                c.to_dict() for c in self.comparisons if c.where == "output" and c.mode == "stock"
+            ],
             "failures": [c.message() for c in self.comparisons if not c.ok],
         }
 
