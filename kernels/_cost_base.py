@@ -156,6 +156,14 @@ def kernel_cycles(
     return machine.kernel_launch_cycles + max(core_cycles + heads, machine.hbm_cycles(gm_bytes))
 
 
+def l2_spill(machine: Machine, footprint: float, again: float) -> float:
+    """HBM bytes of `again` repeated reads of tensors of `footprint` bytes: none while they fit
+    the L2, else the share that no longer fits misses (as `npu.launch.hbm_bytes` charges)."""
+    if footprint <= 0:
+        return 0.0
+    return again * max(0.0, 1.0 - machine.l2_bytes / footprint)
+
+
 def dma(machine: Machine, nbytes: float, active: int = 1, to_l1: bool = False) -> float:
     """One GM -> core copy once the pipe has started: transfer cost + bytes at the L2 port."""
     if nbytes <= 0:
