@@ -226,8 +226,9 @@ def print_layernorm_matmul(machine: Machine) -> None:
         "Why the effect shrinks on this machine (issue 9): repeated reads hit the 192 MiB L2 and "
         "only first touches and writes cost HBM time, so N's round trip (written once, read back "
         "from L2) costs little; the MatMul kernel now runs near its roofline (per-level double "
-        "buffering, 128x256 tiles), while the fused kernel's own Cube schedule has not been "
-        "re-tuned yet. "
+        "buffering, 128x256 tiles), and the fused kernel runs that same Cube pipeline "
+        "(matmul/pipeline.py: 128x256 blocks from the L2 workspace, L1 and L0A/B double, L0C "
+        "single), so what it saves is N's round trip and two launches, not Cube time. "
         + (
             f"So the search picks the unfused chain's own schedule inside the fused op "
             f"(staged: {fused.us:.1f} us, 6 activation accesses, one launch) over the fused "

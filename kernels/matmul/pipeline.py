@@ -46,12 +46,16 @@ def k_walk(
     a_panel: APanel,
     b_panel: BPanel,
     b_first: bool = False,
+    acc: Tile | None = None,
+    init: bool = True,
 ) -> Tile:
-    """Accumulate A[rows, k] @ B[k, cols] into a fresh L0C tile and return it (the caller's
-    FixPipe writes it out). `b_first` issues each chunk's B copy before A's (a fused kernel
-    whose A waits on the vector cores lets its first W copy run meanwhile)."""
+    """Accumulate A[rows, k] @ B[k, cols] into L0C and return the accumulator (the caller's
+    FixPipe writes it out): a fresh tile, or `acc` (a K split over several walks: `init`
+    False adds to what it holds). `b_first` issues each chunk's B copy before A's (a fused
+    kernel whose A waits on the vector cores lets its first W copy run meanwhile)."""
     isz = dtype.itemsize
-    acc = q.acc.alloc()
+    if acc is None:
+        acc = q.acc.alloc()
     for k0 in range(0, k, tk):
         k1 = min(k0 + tk, k)
         if b_first:
@@ -66,7 +70,7 @@ def k_walk(
             core.load_l0(a, ap, rows * (s1 - s0) * isz, partial(cols_of, s0 - base, s1 - base))
             b = q.b.alloc()
             core.load_l0(b, bp, (s1 - s0) * cols * isz, partial(rows_of, s0 - k0, s1 - k0))
-            core.mmad(acc, a, b, rows, s1 - s0, cols, dtype, init=s0 == 0)
+            core.mmad(acc, a, b, rows, s1 - s0, cols, dtype, init=init and s0 == 0)
     return acc
 
 
