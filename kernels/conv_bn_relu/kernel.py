@@ -110,13 +110,15 @@ class _ConvKernel(Kernel):
             self.op_type, tile_h=t.tile_h, tile_w=t.tile_w, tile_co=t.tile_co, tile_ci=t.tile_ci,
             cores=t.cores,
         )  # fmt: skip
-        check_flag(self.op_type, double_buffer=t.double_buffer)
+        check_flag(self.op_type, double_buffer=t.double_buffer, fold_taps=t.fold_taps)
         if t.cores > machine.cube_cores:
             raise TilingError(
                 f"{self.op_type}: tiling uses {t.cores} cores, {machine.name} has "
                 f"{machine.cube_cores} cube cores"
             )
         g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
+        if t.fold_taps and g.group > 1:
+            raise TilingError(f"{self.op_type}: fold_taps needs group = 1, got {g.group}")
         require_fits(self.op_type, machine, conv_specs(g, x.dtype, has_b or has_bn, t))
 
     def default_tiling(
@@ -239,8 +241,9 @@ def _program(
         acc = q["acc"].alloc()
         first = True
         rows, cols = g.halo(rows_out, cols_out)
-        for c0 in range(ci_lo, ci_hi, t.tile_ci):
-            c1 = min(c0 + t.tile_ci, ci_hi)
+        step = ci_hi - ci_lo if t.fold_taps else t.tile_ci
+        for c0 in range(ci_lo, ci_hi, step):
+            c1 = min(c0 + step, ci_hi)
             cc = c1 - c0
             xt = q["x"].alloc()
             core.copy_in(
@@ -266,6 +269,24 @@ def _program(
             a_bytes, b_bytes = m * cc * isz, cc * nco * isz
             qa, qb = q["a"], q["b"]
             functional = data is not None
+            if t.fold_taps:
+                # K = channels x taps in steps of tile_ci rows (one Load3D over every tap).
+                kf = cc * g.taps
+                for s0 in range(0, kf, t.tile_ci):
+                    s1 = min(s0 + t.tile_ci, kf)
+                    a = qa.alloc()
+                    cols_fn = (
+                        partial(_img2col_folded, g, rows_out, cols_out, s0, s1)
+                        if functional
+                        else None
+                    )
+                    core.load_l0(a, xt, m * (s1 - s0) * isz, cols_fn, label="img2col")
+                    b = qb.alloc()
+                    rows_fn = partial(_taps_folded, s0, s1) if functional else None
+                    core.load_l0(b, wt, (s1 - s0) * nco * isz, rows_fn, label="load w")
+                    core.mmad(acc, a, b, m, s1 - s0, nco, dtype, init=first)
+                    first = False
+                continue
             for i in range(g.kh):
                 for j in range(g.kw):
                     # The L1 -> L0 transforms are numpy work: built only in functional mode.
@@ -337,6 +358,21 @@ def _img2col(g: ConvGeometry, i: int, j: int, rows: int, cols: int, xt: np.ndarr
     r, c = i * g.dh, j * g.dw
     win = xt[:, r : r + (rows - 1) * g.sh + 1 : g.sh, c : c + (cols - 1) * g.sw + 1 : g.sw]
     return win.reshape(xt.shape[0], rows * cols).T
+
+
+def _img2col_folded(
+    g: ConvGeometry, rows: int, cols: int, s0: int, s1: int, xt: np.ndarray
+) -> np.ndarray:
+    """L0A operand [m, s1 - s0]: columns s0..s1 of the block's img2col over every tap, K in
+    W's order (channel, tap row, tap column)."""
+    taps = [_img2col(g, i, j, rows, cols, xt) for i in range(g.kh) for j in range(g.kw)]
+    full = np.stack(taps, axis=2)  # [m, channels, taps]
+    return full.reshape(full.shape[0], -1)[:, s0:s1]
+
+
+def _taps_folded(s0: int, s1: int, wt: np.ndarray) -> np.ndarray:
+    """L0B operand [s1 - s0, co]: rows s0..s1 of the weights with K = channels x taps."""
+    return wt.reshape(wt.shape[0], -1)[:, s0:s1].T
 
 
 def _tap(i: int, j: int, wt: np.ndarray) -> np.ndarray:
