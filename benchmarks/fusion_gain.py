@@ -35,11 +35,11 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 from fuser.kernels import registry  # noqa: E402
-from fuser.kernels._rows import RowTiling  # noqa: E402
 from fuser.kernels.api import Input, Kernel, KernelError, TensorMeta, meta_of  # noqa: E402
 from fuser.kernels.npu.machine import Machine, load_target  # noqa: E402
 from fuser.kernels.npu.stats import RunStats, sequence  # noqa: E402
 from fuser.kernels.search import host_tiling, model_for, search  # noqa: E402
+from fuser.kernels.softmax_topk import SoftmaxTopKTiling as Rows  # noqa: E402
 from fuser.models import EXAMPLES, get_example  # noqa: E402
 from rich import box  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -343,8 +343,8 @@ def print_softmax_topk_sweep(machine: Machine) -> None:
     for t in range(1, 33):
         tiles = math.ceil(points / t)
         cores = min(machine.vector_cores, tiles)
-        single = _time("fuser", "SoftmaxTopK", machine, [x], attrs, tiling=RowTiling(t, 0, cores))
-        double = _time("fuser", "SoftmaxTopK", machine, [x], attrs, tiling=RowTiling(t, 1, cores))
+        single = _time("fuser", "SoftmaxTopK", machine, [x], attrs, tiling=Rows(t, 0, cores))
+        double = _time("fuser", "SoftmaxTopK", machine, [x], attrs, tiling=Rows(t, 1, cores))
         curve[t] = (single.us, double.us, cores, math.ceil(tiles / cores))
         rows.append((str(t), str(tiles), str(cores), str(math.ceil(tiles / cores)),
                      f"{single.us:.2f}", f"{double.us:.2f}",
