@@ -14,11 +14,13 @@ tile_w in {8, 16, 32, 64, 128, 256, Wo}, tile_h in {1, 2, 4, 8, 16, 32, the most
 single or double buffering, all / half / a quarter of the cube cores, filtered by the kernel's
 buffer specs and deduplicated by the effective (clipped) sizes. Where the input channels are
 not a multiple of the Cube's k0 (a 3-channel stem), the same shapes with the taps folded into
-K (`fold_taps`, L0 steps of {32 .. 256} rows of K = channels x taps) too.
+K (`fold_taps`, L0 steps of {32 .. 256} rows of K = channels x taps) too. Where a block holds a whole output
+map, 2 and 4 images per block (`tile_n`) too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -43,7 +45,7 @@ from ..npu.machine import Machine
 from ..registry import get_kernel
 from .geometry import ConvGeometry
 from .kernel import _ConvKernel
-from .tiling import ConvTiling, conv_specs, effective, fold_saves, n_items
+from .tiling import ConvTiling, conv_specs, effective, fold_saves, images, n_items
 
 
 def conv_cycles(
@@ -59,9 +61,10 @@ def conv_cycles(
     lo, hi = g.channel_range(0, co)
     width = hi - lo
     rows, cols = g.halo(th, tw)
-    m = th * tw
+    nimg = images(g, t)
+    m = th * tw * nimg
     x_rows, x_cols = min(rows, g.h), min(cols, g.w)
-    per_block = g.n * math.ceil(g.ho / th) * math.ceil(g.wo / tw)
+    per_block = math.ceil(g.n / nimg) * math.ceil(g.ho / th) * math.ceil(g.wo / tw)
     # Channel blocks a core meets: a contiguous share of L blocks crosses (L - 1) / B block
     # boundaries on average.
     co_changes = min(float(per_core), 1 + (per_core - 1) / per_block)
@@ -78,7 +81,7 @@ def conv_cycles(
     for cc, count in chunks:
         if cc <= 0 or count <= 0:
             continue
-        x_bytes = cc * x_rows * x_cols * isz
+        x_bytes = nimg * cc * x_rows * x_cols * isz
         w_bytes = co * cc * g.taps * isz
         # L0 steps of the chunk: one per tap of cc channels, or (taps folded into K) steps of
         # ci rows of K = cc x taps.
@@ -124,7 +127,7 @@ def conv_cycles(
     s.busy["FIXP"] = fix * per_core
     s.drain = fix
     gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
-    first_in = (width if t.fold_taps else min(ci, width)) * x_rows * x_cols * isz
+    first_in = nimg * (width if t.fold_taps else min(ci, width)) * x_rows * x_cols * isz
     return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
 
 
@@ -154,6 +157,34 @@ def conv_space(
                 out.append(t)
         if fold_saves(g, hi - lo, k0):
             out.extend(_folded(machine, g, dtype, has_params, co, hi - lo, tws, seen))
+    out.extend(_batched(machine, g, dtype, has_params, out, seen))
+    return out
+
+
+def _batched(
+    machine: Machine,
+    g: ConvGeometry,
+    dtype: np.dtype,
+    has_params: bool,
+    whole: Sequence[ConvTiling],
+    seen: set[tuple[int, ...]],
+) -> list[ConvTiling]:
+    """The tilings whose block is a whole output map, with 2 or 4 images per block
+    (`tile_n`: small maps such as 7x7 get more GEMM rows per weight copy)."""
+    out = []
+    for t in whole:
+        th, tw = effective(g, t)[:2]
+        if th < g.ho or tw < g.wo or t.tile_n > 1:
+            continue
+        for tn in (2, 4):
+            if tn > g.n:
+                continue
+            b = dataclasses.replace(t, tile_n=tn)
+            key = (*effective(g, b), b.double_buffer, min(b.cores, n_items(g, b)), b.fold_taps, tn)
+            if key in seen or not fitting(machine, conv_specs(g, dtype, has_params, b)):
+                continue
+            seen.add(key)
+            out.append(b)
     return out
 
 

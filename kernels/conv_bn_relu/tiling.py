@@ -27,7 +27,9 @@ class ConvTiling(Tiling):
     `fold_taps` 1: the taps folded into K (small Cin): all of a block's input channels in one
     L1 chunk, and K = channels x taps walked in L0 steps of `tile_ci` rows of it (img2col
     over every tap at once), so a 3-channel 7x7 stem multiplies K = 147 (10 blocks of 16)
-    instead of 49 taps each padded from 3 to 16 channels."""
+    instead of 49 taps each padded from 3 to 16 channels. `tile_n` images per block (small
+    images: a block of several whole 7x7 maps multiplies more rows per weight copy, so the
+    weights are re-read for every `tile_n` images instead of every image)."""
 
     tile_h: int
     tile_w: int
@@ -36,6 +38,7 @@ class ConvTiling(Tiling):
     double_buffer: int
     cores: int
     fold_taps: int = 0
+    tile_n: int = 1
 
 
 def effective(g: ConvGeometry, t: ConvTiling) -> tuple[int, int, int, int]:
@@ -46,6 +49,11 @@ def effective(g: ConvGeometry, t: ConvTiling) -> tuple[int, int, int, int]:
     if t.fold_taps:
         return th, tw, co, min(t.tile_ci, (hi - lo) * g.taps)
     return th, tw, co, min(t.tile_ci, hi - lo)
+
+
+def images(g: ConvGeometry, t: ConvTiling) -> int:
+    """Images per block, clipped to the batch."""
+    return max(1, min(t.tile_n, g.n))
 
 
 def fold_saves(g: ConvGeometry, width: int, k0: int) -> bool:
@@ -64,11 +72,12 @@ def conv_specs(
     isz = dtype.itemsize
     depth = 2 if t.double_buffer else 1
     rows, cols = g.halo(th, tw)
-    m = th * tw
+    nimg = images(g, t)
+    m = th * tw * nimg
     # Folded: the chunk holds all of the block's channels (`ci` is then the folded K step).
     cx = g.channel_range(0, co)[1] if t.fold_taps else ci
     specs = [
-        QueueSpec(Level.L1, "x", cx * rows * cols * isz, depth),
+        QueueSpec(Level.L1, "x", nimg * cx * rows * cols * isz, depth),
         QueueSpec(Level.L1, "w", co * cx * g.taps * isz, depth),
         QueueSpec(Level.L0A, "a", m * ci * isz, depth),
         QueueSpec(Level.L0B, "b", ci * co * isz, depth),
@@ -83,7 +92,10 @@ def conv_specs(
 def n_items(g: ConvGeometry, t: ConvTiling) -> int:
     """Output blocks of a tiling."""
     th, tw, co, _ = effective(g, t)
-    return g.n * math.ceil(g.ho / th) * math.ceil(g.wo / tw) * math.ceil(g.cout / co)
+    return (
+        math.ceil(g.n / images(g, t)) * math.ceil(g.ho / th) * math.ceil(g.wo / tw)
+        * math.ceil(g.cout / co)
+    )  # fmt: skip
 
 
 def estimate_cycles(g: ConvGeometry, dtype: np.dtype, t: ConvTiling, machine: Machine) -> float:

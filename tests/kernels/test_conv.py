@@ -226,3 +226,39 @@ def test_folded_taps_cut_the_cube_work_of_a_small_cin_stem() -> None:
     with pytest.raises(TilingError, match="fold_taps needs group = 1"):
         _kernel(FUSED).run(MACHINE, [xg, wg, bg, *bng], CASES[1][2],
                            tiling=ConvTiling(1, 4, 16, 16, 1, 2, fold_taps=1))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "tiling",
+    [
+        ConvTiling(7, 7, 16, 16, 1, 24, tile_n=2),  # batch 3: blocks of 2 images and a tail of 1
+        ConvTiling(7, 7, 32, 32, 0, 2, tile_n=4),  # more images per block than the batch
+        ConvTiling(7, 7, 16, 32, 1, 3, fold_taps=1, tile_n=2),
+    ],
+)
+def test_blocks_of_several_images_give_the_same_numbers(tiling: ConvTiling) -> None:
+    x, w, b, bn = _data((3, 12, 7, 7), (40, 12, 3, 3), np.float32, seed=8)
+    inputs = [x, w, b, *bn]
+    attrs = {"pads": [1, 1, 1, 1], "relu": 1}
+    want = _kernel(FUSED).run(MACHINE, inputs, attrs, tiling=ConvTiling(7, 7, 16, 16, 1, 24))
+    got = _kernel(FUSED).run(MACHINE, inputs, attrs, tiling=tiling)
+    np.testing.assert_allclose(got.outputs[0], want.outputs[0], rtol=1e-5, atol=1e-4)
+    metas = [TensorMeta.of(a) for a in inputs]
+    timing = _kernel(FUSED).run(MACHINE, metas, attrs, tiling=tiling, functional=False)
+    assert timing.stats == got.stats
+
+
+def test_images_per_block_cut_the_weight_reads() -> None:
+    """Weights are copied per block (several K chunks): 2 images per block read them half as
+    often."""
+    x, w, b, bn = _data((4, 64, 7, 7), (32, 64, 3, 3), np.float16, seed=9)
+    inputs = [x, w, b, *bn]
+    attrs = {"pads": [1, 1, 1, 1], "relu": 1}
+    reads = {}
+    for tn in (1, 2):
+        t = ConvTiling(7, 7, 32, 32, 1, 4, tile_n=tn)
+        reads[tn] = _kernel(FUSED).run(MACHINE, inputs, attrs, tiling=t).stats.gm_read
+    # X is read the same either way (halo tiles of whole 7x7 maps); the weights and the five
+    # parameter rows once per block: 4 blocks (one per core) against 2.
+    per_block = w.nbytes + 5 * 32 * 2
+    assert reads[1] - reads[2] == per_block * (4 - 2)
