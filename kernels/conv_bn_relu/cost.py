@@ -12,10 +12,10 @@ the parameters are copied (and BN folded on the scalar unit). The slowest core h
 Space: tile_co on 16-multiples {16 .. 256}, tile_ci on k0 (32-byte) multiples {16 .. 256},
 tile_w in {8, 16, 32, 64, 128, 256, Wo}, tile_h in {1, 2, 4, 8, 16, 32, the most that fit},
 single or double buffering, all / half / a quarter of the cube cores, filtered by the kernel's
-buffer specs and deduplicated by the effective (clipped) sizes. Where the input channels are
-not a multiple of the Cube's k0 (a 3-channel stem), the same shapes with the taps folded into
-K (`fold_taps`, L0 steps of {32 .. 256} rows of K = channels x taps) too. Where a block holds a whole output
-map, 2 and 4 images per block (`tile_n`) too.
+buffer specs and deduplicated by the effective (clipped) sizes. Where the input channels are not
+a multiple of the Cube's k0 (a 3-channel stem), the same shapes with the taps folded into K
+(`fold_taps`, L0 steps of {32 .. 256} rows of K = channels x taps) too. Where a block holds a
+whole output map, 2 and 4 images per block (`tile_n`) too.
 """
 
 from __future__ import annotations

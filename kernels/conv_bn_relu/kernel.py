@@ -3,15 +3,16 @@
     Y = relu?( BN?( Conv(X, W, B) ) ),  GEMM view: M = N*Ho*Wo, K = Cin/group*Kh*Kw, N = Cout
 
 A work item is one output block: `tile_n` images, `tile_h` x `tile_w` output pixels each (the
-GEMM's m), `tile_co` output channels (its n). Items are split over the cube cores in balanced ranges.
-For each item the core walks the K dimension: per chunk of `tile_ci` input channels it copies
-the input rows the block reads, halo included ((rows - 1) * stride + (Kh - 1) * dilation + 1),
-and the weights into L1 (MTE2); then, per kernel tap, MTE1 builds the L0A operand from L1
-(img2col, as Load3D does) and loads the tap's weights into L0B, and the Cube accumulates in
-L0C (float32, also for float16 inputs). With `fold_taps` (small Cin) the chunk holds all the
-block's channels and K = channels x taps is walked in steps instead (one img2col over every
-tap), so the Cube no longer pads each tap's few channels to its k0. FixPipe writes the block to GM through the epilogue:
-per-channel scale and shift (BN folded, or bias) and Relu, cast to the output dtype.
+GEMM's m), `tile_co` output channels (its n). Items are split over the cube cores in balanced
+ranges. For each item the core walks the K dimension: per chunk of `tile_ci` input channels it
+copies the input rows the block reads, halo included ((rows - 1) * stride + (Kh - 1) * dilation
++ 1), and the weights into L1 (MTE2); then, per kernel tap, MTE1 builds the L0A operand from L1
+(img2col, as Load3D does) and loads the tap's weights into L0B, and the Cube accumulates in L0C
+(float32, also for float16 inputs). With `fold_taps` (small Cin) the chunk holds all the block's
+channels and K = channels x taps is walked in steps instead (one img2col over every tap), so the
+Cube no longer pads each tap's few channels to its k0. FixPipe writes the block to GM through
+the epilogue: per-channel scale and shift (BN folded, or bias) and Relu, cast to the output
+dtype.
 
 Grouped convolutions (depthwise included) run as dense GEMMs over the groups a channel block
 covers, with block-diagonal weights: the Cube pays for the zeros, as group packing does on
