@@ -148,11 +148,19 @@ class LastProblem:
 
 
 def kernel_cycles(
-    machine: Machine, core_cycles: float, gm_bytes: float, first_in: float, active: int
+    machine: Machine,
+    core_cycles: float,
+    gm_bytes: float,
+    first_in: float,
+    active: int,
+    out_head: bool = True,
 ) -> float:
     """Launch + the slowest core with its DMA pipes' start-up heads (MTE2 sized by the first
-    copy `first_in`, then the copy-out head), never below the compulsory GM traffic over HBM."""
-    heads = machine.copy_in_head(int(first_in), active) + machine.copy_out_head_cycles
+    copy `first_in`, then the copy-out head unless `out_head` is False: the caller's stream
+    already carries it on its copy-out pipe), never below the compulsory GM traffic over HBM."""
+    heads = machine.copy_in_head(int(first_in), active)
+    if out_head:
+        heads += machine.copy_out_head_cycles
     return machine.kernel_launch_cycles + max(core_cycles + heads, machine.hbm_cycles(gm_bytes))
 
 
