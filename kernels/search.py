@@ -40,7 +40,7 @@ from .registry import all_models, get_kernel
 
 #: Bumped when a cost model or the simulated machine changes what a tiling costs, so that
 #: tuning-cache entries priced by an older model are not reused (`cache_target`).
-MODEL_REVISION = 5
+MODEL_REVISION = 6
 
 EXHAUSTIVE_LIMIT = 4096
 #: Tiling fields that are switches or core counts rather than tile sizes.
