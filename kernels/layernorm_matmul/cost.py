@@ -45,6 +45,7 @@ from .._cost_base import (
 from .._groups import vector_cores_per_group
 from ..api import TensorMeta, Tiling
 from ..layernorm import layernorm_steps
+from ..matmul.cost import even_splits
 from ..npu.machine import Machine
 from ..npu.pipes import Level
 from .plan import (
@@ -206,7 +207,9 @@ def lnmm_space(machine: Machine, p: Problem) -> list[LayerNormMatMulTiling]:
             # does) and the narrower fixed widths.
             part = min(round_up(math.ceil(p.max_n / ns), machine.cube_n), round_up(p.max_n, 16))
             tns = sorted(
-                {w for w in (64, 128, 256) if w < part} | ({part} if part <= 512 else set())
+                {w for w in (64, 128, 256) if w < part}
+                | ({part} if part <= 512 else set())
+                | even_splits(part, machine.cube_n)  # as MatMul's space (fuller last waves)
             )
             for tn, tk, tk0, res in itertools.product(tns, tks, tk0s, (1, 0)):
                 if tk0 > tk:
