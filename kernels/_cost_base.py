@@ -148,12 +148,28 @@ class LastProblem:
 
 
 def kernel_cycles(
-    machine: Machine, core_cycles: float, gm_bytes: float, first_in: float, active: int
+    machine: Machine,
+    core_cycles: float,
+    gm_bytes: float,
+    first_in: float,
+    active: int,
+    out_head: bool = True,
 ) -> float:
     """Launch + the slowest core with its DMA pipes' start-up heads (MTE2 sized by the first
-    copy `first_in`, then the copy-out head), never below the compulsory GM traffic over HBM."""
-    heads = machine.copy_in_head(int(first_in), active) + machine.copy_out_head_cycles
+    copy `first_in`, then the copy-out head unless `out_head` is False: the caller's stream
+    already carries it on its copy-out pipe), never below the compulsory GM traffic over HBM."""
+    heads = machine.copy_in_head(int(first_in), active)
+    if out_head:
+        heads += machine.copy_out_head_cycles
     return machine.kernel_launch_cycles + max(core_cycles + heads, machine.hbm_cycles(gm_bytes))
+
+
+def l2_spill(machine: Machine, footprint: float, again: float) -> float:
+    """HBM bytes of `again` repeated reads of tensors of `footprint` bytes: none while they fit
+    the L2, else the share that no longer fits misses (as `npu.launch.hbm_bytes` charges)."""
+    if footprint <= 0:
+        return 0.0
+    return again * max(0.0, 1.0 - machine.l2_bytes / footprint)
 
 
 def dma(machine: Machine, nbytes: float, active: int = 1, to_l1: bool = False) -> float:

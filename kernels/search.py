@@ -40,7 +40,7 @@ from .registry import all_models, get_kernel
 
 #: Bumped when a cost model or the simulated machine changes what a tiling costs, so that
 #: tuning-cache entries priced by an older model are not reused (`cache_target`).
-MODEL_REVISION = 2
+MODEL_REVISION = 7
 
 EXHAUSTIVE_LIMIT = 4096
 #: Tiling fields that are switches or core counts rather than tile sizes.
@@ -155,10 +155,13 @@ def _beam(
         groups.setdefault(_shape_key(t), []).append(t)
     heads = [Priced(g[0], model.cost(metas, attrs, g[0], machine)) for g in groups.values()]
     heads.sort(key=lambda p: p.cycles)
-    out: list[Priced] = []
+    # Every priced head stays a candidate (e.g. a fused op's staged schedule, a shape of its
+    # own); the best BEAM shapes add their other variants.
+    out: list[Priced] = list(heads)
     for h in heads[:BEAM]:
         out.extend(
-            Priced(t, model.cost(metas, attrs, t, machine)) for t in groups[_shape_key(h.tiling)]
+            Priced(t, model.cost(metas, attrs, t, machine))
+            for t in groups[_shape_key(h.tiling)][1:]
         )
     return out
 

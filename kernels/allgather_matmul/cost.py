@@ -36,6 +36,7 @@ from .._cost_base import (
 )
 from .._link import ring_arrivals
 from ..api import TensorMeta, Tiling
+from ..matmul.cost import even_splits
 from ..npu.machine import Machine
 from .kernel import AllGatherMatMulTiling, _effective, _Problem, _problem, _specs
 from .staged import staged_cycles
@@ -101,8 +102,11 @@ def _chunks(total: int, step: int) -> list[tuple[int, int]]:
 def agmm_space(machine: Machine, p: _Problem) -> list[AllGatherMatMulTiling]:
     """Fitting tilings (see the module docstring)."""
     k0 = machine.cube_k_block(p.dtype)
-    ms = aligned_sizes(p.m, machine.cube_m, (16, 32, 64, 128, 256))
-    ns = aligned_sizes(p.n, machine.cube_n, (16, 32, 64, 128, 256))
+    # As MatMul's space: the even splits between 128 and 256 too (fuller last waves).
+    ms = sorted({*aligned_sizes(p.m, machine.cube_m, (16, 32, 64, 128, 256)),
+                 *even_splits(p.m, machine.cube_m)})  # fmt: skip
+    ns = sorted({*aligned_sizes(p.n, machine.cube_n, (16, 32, 64, 128, 256)),
+                 *even_splits(p.n, machine.cube_n)})  # fmt: skip
     ks = aligned_sizes(p.ks, k0, (128, 256, 512, 1024))
     k0s = aligned_sizes(p.ks, k0, (32, 64, 128, 256))
     accs = (1, 2, 4, 8) if p.k_gather else (1, 2)

@@ -43,6 +43,7 @@ from .._levels import overflow
 from .._link import arrival_order, ring_arrivals, with_link
 from ..allgather import Gather, concat_shards, gather_spec
 from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
+from ..matmul.pipeline import L0Queues, k_walk
 from ..npu.core import Core
 from ..npu.launch import launch, split_balanced
 from ..npu.machine import Machine
@@ -391,22 +392,22 @@ class _Run:
         rows, cols = tile.m1 - tile.m0, tile.n1 - tile.n0
         X = None if self.data is None else self.data.shards[r]
         W = None if self.data is None else self.data.w
-        for k0 in range(0, p.ks, self.tk):
-            k1 = min(k0 + self.tk, p.ks)
-            kk = k1 - k0
+
+        def a_panel(k0: int, k1: int) -> tuple[Tile, int]:
             ap = q["a_panel"].alloc()
             asrc = None if X is None else X[tile.m0 : tile.m1, k0:k1]
-            core.copy_in(ap, rows * kk * isz, asrc, gm=f"X{r}")
+            core.copy_in(ap, rows * (k1 - k0) * isz, asrc, gm=f"X{r}")
+            return ap, k0
+
+        def w_panel(k0: int, k1: int) -> Tile:
             wp = q["w_panel"].alloc()
             wsrc = None if W is None else W[w_row0 + k0 : w_row0 + k1, tile.n0 : tile.n1]
-            core.copy_in(wp, kk * cols * isz, wsrc, gm="W")
-            for s0 in range(0, kk, self.tk0):
-                s1 = min(s0 + self.tk0, kk)
-                a = q["a"].alloc()
-                core.load_l0(a, ap, rows * (s1 - s0) * isz, partial(_cols, s0, s1))
-                b = q["b"].alloc()
-                core.load_l0(b, wp, (s1 - s0) * cols * isz, partial(_rows, s0, s1))
-                core.mmad(acc, a, b, rows, s1 - s0, cols, p.dtype, init=first and k0 + s0 == 0)
+            core.copy_in(wp, (k1 - k0) * cols * isz, wsrc, gm="W")
+            return wp
+
+        l0 = L0Queues(q["a"], q["b"], q["acc"])
+        k_walk(core, l0, rows, cols, p.ks, self.tk, self.tk0, p.dtype, a_panel, w_panel,
+               acc=acc, init=first)  # fmt: skip
 
     def write(self, acc: Tile, tile: _Tile, out: np.ndarray | None) -> None:
         """FixPipe the tile to GM with B added, rounded to T."""
@@ -417,14 +418,6 @@ class _Run:
             acc, rows * cols * self.isz, dst, partial(_epilogue, self.p.dtype, tile.n0, tile.n1),
             reads=reads,
         )  # fmt: skip
-
-
-def _cols(s0: int, s1: int, panel: np.ndarray) -> np.ndarray:
-    return panel[:, s0:s1]
-
-
-def _rows(s0: int, s1: int, panel: np.ndarray) -> np.ndarray:
-    return panel[s0:s1]
 
 
 def _epilogue(dtype: np.dtype, n0: int, n1: int, acc: np.ndarray, *bias: np.ndarray) -> np.ndarray:

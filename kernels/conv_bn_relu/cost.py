@@ -12,11 +12,15 @@ the parameters are copied (and BN folded on the scalar unit). The slowest core h
 Space: tile_co on 16-multiples {16 .. 256}, tile_ci on k0 (32-byte) multiples {16 .. 256},
 tile_w in {8, 16, 32, 64, 128, 256, Wo}, tile_h in {1, 2, 4, 8, 16, 32, the most that fit},
 single or double buffering, all / half / a quarter of the cube cores, filtered by the kernel's
-buffer specs and deduplicated by the effective (clipped) sizes.
+buffer specs and deduplicated by the effective (clipped) sizes. Where the input channels are not
+a multiple of the Cube's k0 (a 3-channel stem), the same shapes with the taps folded into K
+(`fold_taps`, L0 steps of {32 .. 256} rows of K = channels x taps) too. Where a block holds a
+whole output map, 2 and 4 images per block (`tile_n`) too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -41,7 +45,7 @@ from ..npu.machine import Machine
 from ..registry import get_kernel
 from .geometry import ConvGeometry
 from .kernel import _ConvKernel
-from .tiling import ConvTiling, conv_specs, effective, n_items
+from .tiling import ConvTiling, conv_specs, effective, fold_saves, images, n_items
 
 
 def conv_cycles(
@@ -57,31 +61,40 @@ def conv_cycles(
     lo, hi = g.channel_range(0, co)
     width = hi - lo
     rows, cols = g.halo(th, tw)
-    m = th * tw
+    nimg = images(g, t)
+    m = th * tw * nimg
     x_rows, x_cols = min(rows, g.h), min(cols, g.w)
-    per_block = g.n * math.ceil(g.ho / th) * math.ceil(g.wo / tw)
+    per_block = math.ceil(g.n / nimg) * math.ceil(g.ho / th) * math.ceil(g.wo / tw)
     # Channel blocks a core meets: a contiguous share of L blocks crosses (L - 1) / B block
     # boundaries on average.
     co_changes = min(float(per_core), 1 + (per_core - 1) / per_block)
     s = Stream()
-    single = width <= ci
+    single = width <= ci or bool(t.fold_taps)
     # Parameter copies (and BN folding) once per channel block the core meets.
     params = {"MTE2": 0.0, "SCALAR": 0.0}
     if has_b or has_bn:
         params["MTE2"] = dma(machine, (5 if has_bn else 1) * co * isz, cores, True)
         if has_bn:
             params["SCALAR"] = 4 * co * machine.scalar_op_cycles
-    chunk_steps = per_core * math.ceil(width / ci)
-    for cc, count in ((ci, width // ci), (width % ci, 1)):
+    chunks = [(width, 1)] if t.fold_taps else [(ci, width // ci), (width % ci, 1)]
+    chunk_steps = per_core * (1 if t.fold_taps else math.ceil(width / ci))
+    for cc, count in chunks:
         if cc <= 0 or count <= 0:
             continue
-        x_bytes = cc * x_rows * x_cols * isz
+        x_bytes = nimg * cc * x_rows * x_cols * isz
         w_bytes = co * cc * g.taps * isz
-        mte1 = g.taps * (
-            2 * machine.l1_to_l0_startup_cycles + m * cc * isz / machine.l1_to_l0a_bytes_per_cycle
-            + cc * co * isz / machine.l1_to_l0b_bytes_per_cycle
+        # L0 steps of the chunk: one per tap of cc channels, or (taps folded into K) steps of
+        # ci rows of K = cc x taps.
+        full, tail = divmod(cc * g.taps, ci)
+        l0_steps = [(ci, full), (tail, 1 if tail else 0)] if t.fold_taps else [(cc, g.taps), (0, 0)]
+        n_l0 = sum(c for _, c in l0_steps)
+        mte1 = sum(
+            c * (2 * machine.l1_to_l0_startup_cycles
+                 + m * kk * isz / machine.l1_to_l0a_bytes_per_cycle
+                 + kk * co * isz / machine.l1_to_l0b_bytes_per_cycle)
+            for kk, c in l0_steps
         )  # fmt: skip
-        cube = g.taps * cube_blocks(m, cc, co, k0)
+        cube = sum(c * cube_blocks(m, kk, co, k0) for kk, c in l0_steps)
         # Weights: every chunk, or (one chunk holding all) only when the channels change;
         # parameters when the channels change. Spread over the chunk steps so one step stands
         # for the stream's mix (its fill and drain).
@@ -104,17 +117,17 @@ def conv_cycles(
                 + dma(machine, w_bytes, cores, True)
                 + params["MTE2"]
             )
-            s.first = Stage({"MTE2": prologue, "MTE1": mte1 / g.taps, "CUBE": cube / g.taps})
+            s.first = Stage({"MTE2": prologue, "MTE1": mte1 / n_l0, "CUBE": cube / n_l0})
             # After a copy-bound stream, the last chunk's taps (MTE1 and Cube overlapping)
             # still run: as MTE1 the longer of the two, as Cube one tap.
             s.last = Stage(
-                {"MTE2": mte2, "MTE1": max(mte1, cube) - cube / g.taps, "CUBE": cube / g.taps}
+                {"MTE2": mte2, "MTE1": max(mte1, cube) - cube / n_l0, "CUBE": cube / n_l0}
             )
     fix = dma_out(machine, m * co * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
     s.busy["FIXP"] = fix * per_core
     s.drain = fix
     gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
-    first_in = min(ci, width) * x_rows * x_cols * isz
+    first_in = nimg * (width if t.fold_taps else min(ci, width)) * x_rows * x_cols * isz
     return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
 
 
@@ -142,6 +155,64 @@ def conv_space(
                     continue
                 seen.add(key)
                 out.append(t)
+        if fold_saves(g, hi - lo, k0):
+            out.extend(_folded(machine, g, dtype, has_params, co, hi - lo, tws, seen))
+    out.extend(_batched(machine, g, dtype, has_params, out, seen))
+    return out
+
+
+def _batched(
+    machine: Machine,
+    g: ConvGeometry,
+    dtype: np.dtype,
+    has_params: bool,
+    whole: Sequence[ConvTiling],
+    seen: set[tuple[int, ...]],
+) -> list[ConvTiling]:
+    """The tilings whose block is a whole output map, with 2 or 4 images per block
+    (`tile_n`: small maps such as 7x7 get more GEMM rows per weight copy)."""
+    out = []
+    for t in whole:
+        th, tw = effective(g, t)[:2]
+        if th < g.ho or tw < g.wo or t.tile_n > 1:
+            continue
+        for tn in (2, 4):
+            if tn > g.n:
+                continue
+            b = dataclasses.replace(t, tile_n=tn)
+            key = (*effective(g, b), b.double_buffer, min(b.cores, n_items(g, b)), b.fold_taps, tn)
+            if key in seen or not fitting(machine, conv_specs(g, dtype, has_params, b)):
+                continue
+            seen.add(key)
+            out.append(b)
+    return out
+
+
+def _folded(
+    machine: Machine,
+    g: ConvGeometry,
+    dtype: np.dtype,
+    has_params: bool,
+    co: int,
+    width: int,
+    tws: Sequence[int],
+    seen: set[tuple[int, ...]],
+) -> list[ConvTiling]:
+    """Tilings with the taps folded into K (`fold_taps`): L0 steps of the folded K."""
+    k0 = machine.cube_k_block(dtype)
+    out = []
+    for ks, tw in itertools.product(aligned_sizes(width * g.taps, k0, (32, 64, 128, 256)), tws):
+        m_max = max(1, machine.l0a_bytes // max(1, ks * dtype.itemsize))
+        ths = {min(g.ho, h) for h in (1, 2, 4, 8, 16, 32)} | {max(1, min(g.ho, m_max // tw))}
+        for th, db, cores in itertools.product(
+            sorted(ths), (1, 0), core_counts(machine.cube_cores)
+        ):
+            t = ConvTiling(th, tw, co, ks, db, cores, fold_taps=1)
+            key = (*effective(g, t), db, min(cores, n_items(g, t)), 1)
+            if key in seen or not fitting(machine, conv_specs(g, dtype, has_params, t)):
+                continue
+            seen.add(key)
+            out.append(t)
     return out
 
 

@@ -2,14 +2,17 @@
 
     Y = relu?( BN?( Conv(X, W, B) ) ),  GEMM view: M = N*Ho*Wo, K = Cin/group*Kh*Kw, N = Cout
 
-A work item is one output block: image n, `tile_h` x `tile_w` output pixels (the GEMM's m),
-`tile_co` output channels (its n). Items are split over the cube cores in balanced ranges.
-For each item the core walks the K dimension: per chunk of `tile_ci` input channels it copies
-the input rows the block reads, halo included ((rows - 1) * stride + (Kh - 1) * dilation + 1),
-and the weights into L1 (MTE2); then, per kernel tap, MTE1 builds the L0A operand from L1
-(img2col, as Load3D does) and loads the tap's weights into L0B, and the Cube accumulates in
-L0C (float32, also for float16 inputs). FixPipe writes the block to GM through the epilogue:
-per-channel scale and shift (BN folded, or bias) and Relu, cast to the output dtype.
+A work item is one output block: `tile_n` images, `tile_h` x `tile_w` output pixels each (the
+GEMM's m), `tile_co` output channels (its n). Items are split over the cube cores in balanced
+ranges. For each item the core walks the K dimension: per chunk of `tile_ci` input channels it
+copies the input rows the block reads, halo included ((rows - 1) * stride + (Kh - 1) * dilation
++ 1), and the weights into L1 (MTE2); then, per kernel tap, MTE1 builds the L0A operand from L1
+(img2col, as Load3D does) and loads the tap's weights into L0B, and the Cube accumulates in L0C
+(float32, also for float16 inputs). With `fold_taps` (small Cin) the chunk holds all the block's
+channels and K = channels x taps is walked in steps instead (one img2col over every tap), so the
+Cube no longer pads each tap's few channels to its k0. FixPipe writes the block to GM through
+the epilogue: per-channel scale and shift (BN folded, or bias) and Relu, cast to the output
+dtype.
 
 Grouped convolutions (depthwise included) run as dense GEMMs over the groups a channel block
 covers, with block-diagonal weights: the Cube pays for the zeros, as group packing does on
@@ -35,11 +38,12 @@ from ..npu.memory import Tile
 from ..npu.pipes import Level
 from ..search import Searched
 from .geometry import ConvGeometry, conv_geometry
-from .tiling import ConvTiling, conv_specs, default_conv_tiling, effective
+from .tiling import ConvTiling, conv_specs, default_conv_tiling, effective, images
 
 
 class _Item(NamedTuple):
     n: int
+    n1: int  # images n..n1 (tile_n per block)
     h0: int
     h1: int
     w0: int
@@ -110,13 +114,16 @@ class _ConvKernel(Kernel):
             self.op_type, tile_h=t.tile_h, tile_w=t.tile_w, tile_co=t.tile_co, tile_ci=t.tile_ci,
             cores=t.cores,
         )  # fmt: skip
-        check_flag(self.op_type, double_buffer=t.double_buffer)
+        check_flag(self.op_type, double_buffer=t.double_buffer, fold_taps=t.fold_taps)
+        check_positive(self.op_type, tile_n=t.tile_n)
         if t.cores > machine.cube_cores:
             raise TilingError(
                 f"{self.op_type}: tiling uses {t.cores} cores, {machine.name} has "
                 f"{machine.cube_cores} cube cores"
             )
         g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
+        if t.fold_taps and g.group > 1:
+            raise TilingError(f"{self.op_type}: fold_taps needs group = 1, got {g.group}")
         require_fits(self.op_type, machine, conv_specs(g, x.dtype, has_b or has_bn, t))
 
     def default_tiling(
@@ -140,11 +147,21 @@ class _ConvKernel(Kernel):
         assert isinstance(tiling, ConvTiling)
         g, x, has_b, has_bn = self._geometry(inputs_meta, attrs)
         th, tw, co, _ = effective(g, tiling)
+        tn = images(g, tiling)
         # Channel blocks outermost: a core's consecutive blocks share their weights.
         work = [
-            _Item(n, h0, min(h0 + th, g.ho), w0, min(w0 + tw, g.wo), c0, min(c0 + co, g.cout))
+            _Item(
+                n,
+                min(n + tn, g.n),
+                h0,
+                min(h0 + th, g.ho),
+                w0,
+                min(w0 + tw, g.wo),
+                c0,
+                min(c0 + co, g.cout),
+            )
             for c0 in range(0, g.cout, co)
-            for n in range(g.n)
+            for n in range(0, g.n, tn)
             for h0 in range(0, g.ho, th)
             for w0 in range(0, g.wo, tw)
         ]
@@ -219,7 +236,8 @@ def _program(
     w_block = -1
     for it in items:
         rows_out, cols_out, nco = it.h1 - it.h0, it.w1 - it.w0, it.co1 - it.co0
-        m = rows_out * cols_out
+        nimg = it.n1 - it.n
+        m = rows_out * cols_out * nimg
         ci_lo, ci_hi = g.channel_range(it.co0, it.co1)
         # Per-channel parameters stay in L1 while consecutive blocks share their channels.
         if (has_b or has_bn) and it.co0 != params_block:
@@ -239,8 +257,9 @@ def _program(
         acc = q["acc"].alloc()
         first = True
         rows, cols = g.halo(rows_out, cols_out)
-        for c0 in range(ci_lo, ci_hi, t.tile_ci):
-            c1 = min(c0 + t.tile_ci, ci_hi)
+        step = ci_hi - ci_lo if t.fold_taps else t.tile_ci
+        for c0 in range(ci_lo, ci_hi, step):
+            c1 = min(c0 + step, ci_hi)
             cc = c1 - c0
             xt = q["x"].alloc()
             core.copy_in(
@@ -266,11 +285,33 @@ def _program(
             a_bytes, b_bytes = m * cc * isz, cc * nco * isz
             qa, qb = q["a"], q["b"]
             functional = data is not None
+            if t.fold_taps:
+                # K = channels x taps in steps of tile_ci rows (one Load3D over every tap).
+                kf = cc * g.taps
+                for s0 in range(0, kf, t.tile_ci):
+                    s1 = min(s0 + t.tile_ci, kf)
+                    a = qa.alloc()
+                    cols_fn = (
+                        partial(_img2col_folded, g, nimg, rows_out, cols_out, s0, s1)
+                        if functional
+                        else None
+                    )
+                    core.load_l0(a, xt, m * (s1 - s0) * isz, cols_fn, label="img2col")
+                    b = qb.alloc()
+                    rows_fn = partial(_taps_folded, s0, s1) if functional else None
+                    core.load_l0(b, wt, (s1 - s0) * nco * isz, rows_fn, label="load w")
+                    core.mmad(acc, a, b, m, s1 - s0, nco, dtype, init=first)
+                    first = False
+                continue
             for i in range(g.kh):
                 for j in range(g.kw):
                     # The L1 -> L0 transforms are numpy work: built only in functional mode.
                     a = qa.alloc()
-                    img2col = partial(_img2col, g, i, j, rows_out, cols_out) if functional else None
+                    img2col = (
+                        partial(_img2col_images, g, nimg, i, j, rows_out, cols_out)
+                        if functional
+                        else None
+                    )
                     core.load_l0(a, xt, a_bytes, img2col, label="img2col")
                     b = qb.alloc()
                     tap = partial(_tap, i, j) if functional else None
@@ -280,8 +321,10 @@ def _program(
         core.fixpipe(
             acc,
             m * nco * isz,
-            None if data is None else data.y[it.n, it.co0 : it.co1, it.h0 : it.h1, it.w0 : it.w1],
-            partial(_epilogue, dtype, relu, rows_out, cols_out, has_b or has_bn),
+            None
+            if data is None
+            else data.y[it.n : it.n1, it.co0 : it.co1, it.h0 : it.h1, it.w0 : it.w1],
+            partial(_epilogue, dtype, relu, nimg, rows_out, cols_out, has_b or has_bn),
             reads=(params,) if params is not None else (),
             label="fixpipe out",
         )
@@ -295,8 +338,8 @@ def _fold_bn(eps: float, p: np.ndarray) -> np.ndarray:
 
 
 def _epilogue(
-    dtype: np.dtype, relu: bool, rows: int, cols: int, has_params: bool, acc: np.ndarray,
-    *params: np.ndarray,
+    dtype: np.dtype, relu: bool, nimg: int, rows: int, cols: int, has_params: bool,
+    acc: np.ndarray, *params: np.ndarray,
 ) -> np.ndarray:  # fmt: skip
     y = acc
     if has_params:
@@ -305,8 +348,14 @@ def _epilogue(
         y = y * p[1].astype(np.float32) + shift if p.shape[0] == 2 else y + shift
     if relu:
         y = np.maximum(y, 0.0)
-    # L0C holds [m, co]; GM wants [co, rows, cols] (FixPipe's layout conversion).
-    return y.astype(dtype).T.reshape(-1, rows, cols)
+    # L0C holds [images x pixels, co]; GM wants [images, co, rows, cols] (FixPipe's layout
+    # conversion).
+    return (
+        y.astype(dtype)
+        .reshape(nimg, rows * cols, -1)
+        .transpose(0, 2, 1)
+        .reshape(nimg, -1, rows, cols)
+    )
 
 
 def _valid_bytes(g: ConvGeometry, it: _Item, cc: int, rows: int, cols: int, isz: int) -> int:
@@ -315,7 +364,7 @@ def _valid_bytes(g: ConvGeometry, it: _Item, cc: int, rows: int, cols: int, isz:
     c0 = it.w0 * g.sw - g.pad_left
     vr = max(0, min(r0 + rows, g.h) - max(r0, 0))
     vc = max(0, min(c0 + cols, g.w) - max(c0, 0))
-    return max(1, cc * vr * vc * isz)
+    return max(1, (it.n1 - it.n) * cc * vr * vc * isz)
 
 
 def _halo_tile(
@@ -324,11 +373,11 @@ def _halo_tile(
     """The input window of a block with its halo, zeros where it falls in the padding."""
     r0 = it.h0 * g.sh - g.pad_top
     q0 = it.w0 * g.sw - g.pad_left
-    tile = np.zeros((c1 - c0, rows, cols), x.dtype)
+    tile = np.zeros((it.n1 - it.n, c1 - c0, rows, cols), x.dtype)
     a, b = max(r0, 0), min(r0 + rows, g.h)
     c, d = max(q0, 0), min(q0 + cols, g.w)
     if a < b and c < d:
-        tile[:, a - r0 : b - r0, c - q0 : d - q0] = x[it.n, c0:c1, a:b, c:d]
+        tile[:, :, a - r0 : b - r0, c - q0 : d - q0] = x[it.n : it.n1, c0:c1, a:b, c:d]
     return tile
 
 
@@ -337,6 +386,30 @@ def _img2col(g: ConvGeometry, i: int, j: int, rows: int, cols: int, xt: np.ndarr
     r, c = i * g.dh, j * g.dw
     win = xt[:, r : r + (rows - 1) * g.sh + 1 : g.sh, c : c + (cols - 1) * g.sw + 1 : g.sw]
     return win.reshape(xt.shape[0], rows * cols).T
+
+
+def _img2col_images(
+    g: ConvGeometry, nimg: int, i: int, j: int, rows: int, cols: int, xt: np.ndarray
+) -> np.ndarray:
+    """L0A operand [images x m, cc] of tap (i, j) for the block's images, image-major."""
+    return np.concatenate([_img2col(g, i, j, rows, cols, xt[n]) for n in range(nimg)])
+
+
+def _img2col_folded(
+    g: ConvGeometry, nimg: int, rows: int, cols: int, s0: int, s1: int, xt: np.ndarray
+) -> np.ndarray:
+    """L0A operand [images x m, s1 - s0]: columns s0..s1 of the block's img2col over every
+    tap, K in W's order (channel, tap row, tap column)."""
+    taps = [
+        _img2col_images(g, nimg, i, j, rows, cols, xt) for i in range(g.kh) for j in range(g.kw)
+    ]
+    full = np.stack(taps, axis=2)  # [m, channels, taps]
+    return full.reshape(full.shape[0], -1)[:, s0:s1]
+
+
+def _taps_folded(s0: int, s1: int, wt: np.ndarray) -> np.ndarray:
+    """L0B operand [s1 - s0, co]: rows s0..s1 of the weights with K = channels x taps."""
+    return wt.reshape(wt.shape[0], -1)[:, s0:s1].T
 
 
 def _tap(i: int, j: int, wt: np.ndarray) -> np.ndarray:
@@ -368,7 +441,7 @@ def _signature(g: ConvGeometry, it: _Item) -> tuple[int, ...]:
     rows, cols = g.halo(it.h1 - it.h0, it.w1 - it.w0)
     lo, hi = g.channel_range(it.co0, it.co1)
     return (
-        it.h1 - it.h0, it.w1 - it.w0, it.co0, it.co1 - it.co0, hi - lo,
+        it.n1 - it.n, it.h1 - it.h0, it.w1 - it.w0, it.co0, it.co1 - it.co0, hi - lo,
         _valid_bytes(g, it, 1, rows, cols, 1),
     )  # fmt: skip
 

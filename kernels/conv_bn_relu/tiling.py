@@ -23,7 +23,13 @@ from .geometry import ConvGeometry
 @dataclass(frozen=True)
 class ConvTiling(Tiling):
     """Output block `tile_h` x `tile_w` pixels x `tile_co` channels; K step `tile_ci` input
-    channels per tap; double buffering (0/1) of L1, L0 and L0C; cube cores used."""
+    channels per tap; double buffering (0/1) of L1, L0 and L0C; cube cores used.
+    `fold_taps` 1: the taps folded into K (small Cin): all of a block's input channels in one
+    L1 chunk, and K = channels x taps walked in L0 steps of `tile_ci` rows of it (img2col
+    over every tap at once), so a 3-channel 7x7 stem multiplies K = 147 (10 blocks of 16)
+    instead of 49 taps each padded from 3 to 16 channels. `tile_n` images per block (small
+    images: a block of several whole 7x7 maps multiplies more rows per weight copy, so the
+    weights are re-read for every `tile_n` images instead of every image)."""
 
     tile_h: int
     tile_w: int
@@ -31,13 +37,29 @@ class ConvTiling(Tiling):
     tile_ci: int
     double_buffer: int
     cores: int
+    fold_taps: int = 0
+    tile_n: int = 1
 
 
 def effective(g: ConvGeometry, t: ConvTiling) -> tuple[int, int, int, int]:
-    """Tile sizes clipped to the problem: (rows, cols, out channels, K-step channels)."""
+    """Tile sizes clipped to the problem: (rows, cols, out channels, K step: channels per
+    tap, or with `fold_taps` rows of the folded K = channels x taps)."""
     th, tw, co = min(t.tile_h, g.ho), min(t.tile_w, g.wo), min(t.tile_co, g.cout)
     lo, hi = g.channel_range(0, co)
+    if t.fold_taps:
+        return th, tw, co, min(t.tile_ci, (hi - lo) * g.taps)
     return th, tw, co, min(t.tile_ci, hi - lo)
+
+
+def images(g: ConvGeometry, t: ConvTiling) -> int:
+    """Images per block, clipped to the batch."""
+    return max(1, min(t.tile_n, g.n))
+
+
+def fold_saves(g: ConvGeometry, width: int, k0: int) -> bool:
+    """Whether folding the taps into K needs fewer Cube K blocks than one multiply per tap
+    (input channels `width` not a multiple of the Cube's k0)."""
+    return g.group == 1 and g.taps > 1 and -(-width * g.taps // k0) < g.taps * -(-width // k0)
 
 
 def conv_specs(
@@ -50,10 +72,13 @@ def conv_specs(
     isz = dtype.itemsize
     depth = 2 if t.double_buffer else 1
     rows, cols = g.halo(th, tw)
-    m = th * tw
+    nimg = images(g, t)
+    m = th * tw * nimg
+    # Folded: the chunk holds all of the block's channels (`ci` is then the folded K step).
+    cx = g.channel_range(0, co)[1] if t.fold_taps else ci
     specs = [
-        QueueSpec(Level.L1, "x", ci * rows * cols * isz, depth),
-        QueueSpec(Level.L1, "w", co * ci * g.taps * isz, depth),
+        QueueSpec(Level.L1, "x", nimg * cx * rows * cols * isz, depth),
+        QueueSpec(Level.L1, "w", co * cx * g.taps * isz, depth),
         QueueSpec(Level.L0A, "a", m * ci * isz, depth),
         QueueSpec(Level.L0B, "b", ci * co * isz, depth),
         QueueSpec(Level.L0C, "acc", m * co * 4, depth),
@@ -67,7 +92,10 @@ def conv_specs(
 def n_items(g: ConvGeometry, t: ConvTiling) -> int:
     """Output blocks of a tiling."""
     th, tw, co, _ = effective(g, t)
-    return g.n * math.ceil(g.ho / th) * math.ceil(g.wo / tw) * math.ceil(g.cout / co)
+    return (
+        math.ceil(g.n / images(g, t)) * math.ceil(g.ho / th) * math.ceil(g.wo / tw)
+        * math.ceil(g.cout / co)
+    )  # fmt: skip
 
 
 def estimate_cycles(g: ConvGeometry, dtype: np.dtype, t: ConvTiling, machine: Machine) -> float:

@@ -40,11 +40,13 @@ from .._cost_base import (
     dma_out,
     fitting,
     kernel_cycles,
+    l2_spill,
 )
 from .._groups import vector_cores_per_group
 from .._rows import VecStep
 from ..api import TensorMeta, Tiling
 from ..layernorm import layernorm_steps
+from ..matmul.cost import even_splits
 from ..npu.machine import Machine
 from ..npu.pipes import Level
 from .plan import (
@@ -130,6 +132,9 @@ def lnmm_cycles(
             item.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * n_tiles)
         fix = dma_out(machine, tm * width * isz, groups, machine.l0c_to_gm_bytes_per_cycle)
         item.busy["FIXP"] = item.busy.get("FIXP", 0.0) + fix * n_tiles
+        if t.l0c_single and db:
+            # One L0C slot: the next tile's first multiply waits for this tile's FixPipe.
+            item.busy["CUBE"] = item.busy.get("CUBE", 0.0) + fix * n_tiles
         item.drain = fix  # the last tile's FixPipe after its last multiply
     share = Stream()
     for p_, c in item.busy.items():
@@ -160,7 +165,11 @@ def lnmm_cycles(
         # matmul to release the L1 block (resident) or its UB slots.
         group_time = max(group_time, row_blocks * first_block + share.time(db))
     n_total = sum(lin.n for lin in p.linears)
-    gm = isz * (p.ln.rows * d + p.k * n_total * blocks + p.m * n_total)
+    # HBM: X and W on first touch, Y written; X's re-reads by other parts' groups and W's by
+    # other row blocks hit the L2 (`l2_spill` when they outgrow it).
+    x_bytes, w_bytes = isz * p.ln.rows * d, isz * p.k * n_total
+    again = x_bytes * (min(parts, groups) - 1) + w_bytes * (blocks - 1)
+    gm = x_bytes + w_bytes + isz * p.m * n_total + l2_spill(machine, x_bytes + w_bytes, again)
     return kernel_cycles(machine, group_time, gm, sub_bytes, active_vec)
 
 
@@ -202,14 +211,19 @@ def lnmm_space(machine: Machine, p: Problem) -> list[LayerNormMatMulTiling]:
             # does) and the narrower fixed widths.
             part = min(round_up(math.ceil(p.max_n / ns), machine.cube_n), round_up(p.max_n, 16))
             tns = sorted(
-                {w for w in (64, 128, 256) if w < part} | ({part} if part <= 512 else set())
+                {w for w in (64, 128, 256) if w < part}
+                | ({part} if part <= 512 else set())
+                | even_splits(part, machine.cube_n)  # as MatMul's space (fuller last waves)
             )
             for tn, tk, tk0, res in itertools.product(tns, tks, tk0s, (1, 0)):
                 if tk0 > tk:
                     continue
                 t = LayerNormMatMulTiling(rows, ns, vr, tn, tk, tk0, res, db, cores)
+                if db and not fitting(machine, specs(p, t)):
+                    # MatMul's per-level choice: L0C single when two blocks do not fit it.
+                    t = dataclasses.replace(t, l0c_single=1)
                 eff = effective(p, t)
-                key = (eff[0], eff[1], min(tn, part), eff[3], eff[4], ns, res, db)
+                key = (eff[0], eff[1], min(tn, part), eff[3], eff[4], ns, res, db, t.l0c_single)
                 if key in seen:
                     continue
                 seen.add(key)

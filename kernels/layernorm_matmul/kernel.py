@@ -45,6 +45,7 @@ from .._budget import QueueSpec, check_flag, check_positive, require_fits
 from .._groups import Group, from_workspace, launch_groups, to_workspace, ub_to_l1, workspace_tile
 from ..api import Kernel, KernelRun, TensorMeta, Tiling, TilingError
 from ..layernorm import LayerNormSpec, flat_param, layernorm_rows, layernorm_steps
+from ..matmul.pipeline import L0Queues, k_walk
 from ..npu.core import Core
 from ..npu.machine import Machine
 from ..npu.memory import Buffer, Queue, Tile
@@ -366,36 +367,27 @@ def _block_matmul(
     L1, or its panels copied from the workspace step by step."""
     rows, cols = m1 - m0, n1 - n0
     isz = p.dtype.itemsize
-    acc = cq["acc"].alloc()
     W = None if data is None else data.weights[i]
-    for k0 in range(0, p.k, tk):
-        k1 = min(k0 + tk, p.k)
+
+    def w_panel(k0: int, k1: int) -> Tile:
         w = cq["w"].alloc()
         cube.copy_in(w, (k1 - k0) * cols * isz, None if W is None else W[k0:k1, n0:n1], gm=f"W{i}")
+        return w
+
+    def a_panel(k0: int, k1: int) -> tuple[Tile, int]:
         if a_src.block is not None:
-            a_l1, base = a_src.block, 0
-        else:
-            a_l1, base = cq["a_panel"].alloc(), k0
-            fill = partial(_panel, p.k, k0, k1)
-            from_workspace(cube, a_src.pieces, a_l1, rows * (k1 - k0) * isz, fill)
-        for s0 in range(k0, k1, tk0):
-            s1 = min(s0 + tk0, k1)
-            a = cq["a"].alloc()
-            cube.load_l0(a, a_l1, rows * (s1 - s0) * isz, partial(_cols, s0 - base, s1 - base))
-            b = cq["b"].alloc()
-            cube.load_l0(b, w, (s1 - s0) * cols * isz, partial(_rows, s0 - k0, s1 - k0))
-            cube.mmad(acc, a, b, rows, s1 - s0, cols, p.dtype, init=s0 == 0)
+            return a_src.block, 0
+        a_l1 = cq["a_panel"].alloc()
+        fill = partial(_panel, p.k, k0, k1)
+        from_workspace(cube, a_src.pieces, a_l1, rows * (k1 - k0) * isz, fill)
+        return a_l1, k0
+
+    l0 = L0Queues(cq["a"], cq["b"], cq["acc"])
+    # W first: its copy runs while the vector cores still normalize the block.
+    acc = k_walk(cube, l0, rows, cols, p.k, tk, tk0, p.dtype, a_panel, w_panel, b_first=True)
     dst = None if data is None else data.ys[i][m0:m1, n0:n1]
     reads = (bias,) if bias is not None else ()
     cube.fixpipe(acc, rows * cols * isz, dst, partial(_epilogue, p.dtype, n0, n1), reads=reads)
-
-
-def _cols(k0: int, k1: int, a: np.ndarray) -> np.ndarray:
-    return a[:, k0:k1]
-
-
-def _rows(k0: int, k1: int, w: np.ndarray) -> np.ndarray:
-    return w[k0:k1]
 
 
 def _epilogue(dtype: np.dtype, n0: int, n1: int, acc: np.ndarray, *bias: np.ndarray) -> np.ndarray:

@@ -40,7 +40,9 @@ class LayerNormMatMulTiling(Tiling):
     GM/L2 workspace and `rows` x `tile_k` panels of it are copied to L1 per step (big K);
     double buffering (0/1); cube cores (groups); `staged` 1: the unfused chain's schedule
     instead (`staged.py`: LayerNorm writes N once, MatMul reads it back), the other fields
-    then unused."""
+    then unused; `l0c_single` 1: L0C single-buffered even when double-buffering (MatMul's
+    per-level choice, CATLASS's 128 x 256 blocks: one float32 block fills L0C, its FixPipe
+    then runs between this block's last multiply and the next block's first)."""
 
     rows: int
     n_split: int
@@ -52,6 +54,7 @@ class LayerNormMatMulTiling(Tiling):
     double_buffer: int
     cores: int
     staged: int = 0
+    l0c_single: int = 0
 
 
 class Item(NamedTuple):
@@ -161,7 +164,7 @@ def specs(p: Problem, t: LayerNormMatMulTiling) -> list[QueueSpec]:
         QueueSpec(Level.L1, "w", tk * tn * isz, depth),
         QueueSpec(Level.L0A, "a", tm * tk0 * isz, depth),
         QueueSpec(Level.L0B, "b", tk0 * tn * isz, depth),
-        QueueSpec(Level.L0C, "acc", tm * tn * 4, depth),
+        QueueSpec(Level.L0C, "acc", tm * tn * 4, 1 if t.l0c_single else depth),
     ]
     for name, present in (("scale", p.ln.has_scale), ("bias", p.ln.has_bias)):
         if present:

@@ -6,7 +6,8 @@ accumulates; FixPipe writes the block once. Per level: with L0A/B double-buffere
 loads run under its multiplies (`max`), else in turn (`sum`); with L1 double-buffered the next
 chunk's copy runs under this chunk's work; with L0C single the next block waits for this
 block's FixPipe. The slowest core holds `ceil(blocks / cores)` blocks. The space: tile_m,
-tile_n on 16-multiples in {16 .. 256}, tile_k in {64 .. 1024} and tile_k0 in {32 .. 256} on k0
+tile_n on 16-multiples in {16 .. 256} plus the even splits of M and N between 128 and 256 (fewer
+idle cores in the last wave), tile_k in {64 .. 1024} and tile_k0 in {32 .. 256} on k0
 (32-byte) multiples, each level single or double buffered, all / half / a quarter of the cube
 cores; filtered by the kernel's own buffer specs.
 """
@@ -27,6 +28,7 @@ from .._cost_base import (
     dma_out,
     fitting,
     kernel_cycles,
+    round_up,
 )
 from ..api import TensorMeta, Tiling
 from ..npu.machine import Machine
@@ -83,11 +85,21 @@ def _chunks(total: int, step: int) -> list[tuple[int, int]]:
     return out
 
 
+def even_splits(dim: int, unit: int) -> set[int]:
+    """Block sizes strictly between 128 and 256 that cut `dim` into equal `unit`-aligned parts:
+    e.g. 176 for 1024 (6 blocks), where 128 leaves a second wave of cores half busy and 256
+    too few blocks for the cores (1024 x 1024 output: 32 blocks of 128 x 256 on 24 cores)."""
+    sizes = (round_up(-(-dim // j), unit) for j in range(2, 17))
+    return {b for b in sizes if 128 < b < 256}
+
+
 def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> list[MatMulTiling]:
     """Fitting tilings on aligned steps, deduplicated by what the kernel would run."""
     k0 = machine.cube_k_block(p.dtype)
-    ms = aligned_sizes(p.m, machine.cube_m, (16, 32, 64, 128, 256))
-    ns = aligned_sizes(p.n, machine.cube_n, (16, 32, 64, 128, 256))
+    ms = sorted({*aligned_sizes(p.m, machine.cube_m, (16, 32, 64, 128, 256)),
+                 *even_splits(p.m, machine.cube_m)})  # fmt: skip
+    ns = sorted({*aligned_sizes(p.n, machine.cube_n, (16, 32, 64, 128, 256)),
+                 *even_splits(p.n, machine.cube_n)})  # fmt: skip
     ks = aligned_sizes(p.k, k0, (64, 128, 256, 512, 1024))
     k0s = aligned_sizes(p.k, k0, (32, 64, 128, 256))
     seen: set[tuple[int, ...]] = set()

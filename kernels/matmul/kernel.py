@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -29,8 +29,9 @@ from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingErro
 from ..npu.core import Core
 from ..npu.launch import launch
 from ..npu.machine import Machine
-from ..npu.memory import Tile
+from ..npu.memory import Queue, Tile
 from ..npu.pipes import Level
+from .pipeline import L0Queues, k_walk
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class _CubeGemm(Kernel):
                 t = dataclasses.replace(t, tile_m=_round_up(t.tile_m // 2, cm))
             else:
                 break
-        return t
+        return _balanced(p, t, machine, self._specs)
 
     def simulate(
         self,
@@ -260,28 +261,16 @@ def _program(
     isz = p.dtype.itemsize
     tk = min(t.tile_k, p.k)
     tk0 = min(t.tile_k0, tk)
+    l0 = L0Queues(q["a"], q["b"], q["acc"])
     for it in items:
         mm, nn = it.m1 - it.m0, it.n1 - it.n0
         A = None if data is None else data.panel_a(it.b)
         B = None if data is None else data.panel_b(it.b)
-        acc = q["acc"].alloc()
-        first = True
-        for k0 in range(0, p.k, tk):
-            k1 = min(k0 + tk, p.k)
-            ap = q["a_panel"].alloc()
-            a_src = None if A is None else A[it.m0 : it.m1, k0:k1]
-            core.copy_in(ap, mm * (k1 - k0) * isz, a_src, gm="A")
-            bp = q["b_panel"].alloc()
-            b_src = None if B is None else B[k0:k1, it.n0 : it.n1]
-            core.copy_in(bp, (k1 - k0) * nn * isz, b_src, gm="B")
-            for s0 in range(k0, k1, tk0):
-                s1 = min(s0 + tk0, k1)
-                a = q["a"].alloc()
-                core.load_l0(a, ap, mm * (s1 - s0) * isz, partial(_cols, s0 - k0, s1 - k0))
-                b = q["b"].alloc()
-                core.load_l0(b, bp, (s1 - s0) * nn * isz, partial(_rows, s0 - k0, s1 - k0))
-                core.mmad(acc, a, b, mm, s1 - s0, nn, p.dtype, init=first)
-                first = False
+        acc = k_walk(
+            core, l0, mm, nn, p.k, tk, tk0, p.dtype,
+            partial(_a_panel, core, q["a_panel"], A, it, isz),
+            partial(_b_panel, core, q["b_panel"], B, it, isz),
+        )  # fmt: skip
         reads: tuple[Tile, ...] = ()
         if p.has_c:
             ct = q["c"].alloc()
@@ -300,12 +289,22 @@ def _program(
         )
 
 
-def _cols(s0: int, s1: int, panel: np.ndarray) -> np.ndarray:
-    return panel[:, s0:s1]
+def _a_panel(
+    core: Core, q: Queue, A: np.ndarray | None, it: _Item, isz: int, k0: int, k1: int
+) -> tuple[Tile, int]:
+    ap = q.alloc()
+    src = None if A is None else A[it.m0 : it.m1, k0:k1]
+    core.copy_in(ap, (it.m1 - it.m0) * (k1 - k0) * isz, src, gm="A")
+    return ap, k0
 
 
-def _rows(s0: int, s1: int, panel: np.ndarray) -> np.ndarray:
-    return panel[s0:s1]
+def _b_panel(
+    core: Core, q: Queue, B: np.ndarray | None, it: _Item, isz: int, k0: int, k1: int
+) -> Tile:
+    bp = q.alloc()
+    src = None if B is None else B[k0:k1, it.n0 : it.n1]
+    core.copy_in(bp, (k1 - k0) * (it.n1 - it.n0) * isz, src, gm="B")
+    return bp
 
 
 def _epilogue(
@@ -323,6 +322,34 @@ def _signature(it: _Item) -> tuple[int, int]:
 
 def _items(p: GemmProblem, t: MatMulTiling) -> int:
     return p.batch_size * math.ceil(p.m / min(t.tile_m, p.m)) * math.ceil(p.n / min(t.tile_n, p.n))
+
+
+def _balanced(
+    p: GemmProblem,
+    t: MatMulTiling,
+    machine: Machine,
+    specs: Callable[[GemmProblem, MatMulTiling], list[QueueSpec]],
+) -> MatMulTiling:
+    """When the last wave of blocks leaves more than an eighth of the cores' time idle (1024 x
+    1024 in 128 x 256 blocks: 32 blocks on 24 cores), the block of an even split of M or N
+    (between 128 and 256, `cost.even_splits`' sizes) that leaves the least work per core."""
+
+    def per_core(x: MatMulTiling) -> int:
+        return math.ceil(_items(p, x) / machine.cube_cores) * x.tile_m * x.tile_n
+
+    waves = math.ceil(_items(p, t) / machine.cube_cores)
+    if _items(p, t) >= waves * machine.cube_cores * 7 / 8:
+        return t
+    cands = [t]
+    for j in range(2, 17):
+        bn = _round_up(-(-p.n // j), machine.cube_n)
+        if 128 < bn < t.tile_n:
+            cands.append(dataclasses.replace(t, tile_n=bn))
+        bm = _round_up(-(-p.m // j), machine.cube_m)
+        if 128 < bm < t.tile_m:
+            cands.append(dataclasses.replace(t, tile_m=bm))
+    fitting = [c for c in cands if fits(machine, specs(p, c))]
+    return min(fitting, key=lambda c: (per_core(c), -c.tile_m * c.tile_n))
 
 
 def _round_up(x: int, m: int) -> int:

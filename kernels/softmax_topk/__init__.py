@@ -2,6 +2,6 @@
 space and analytical cost)."""
 
 from .cost import MODELS
-from .kernel import KERNELS, SoftmaxTopKKernel
+from .kernel import KERNELS, SoftmaxTopKKernel, SoftmaxTopKTiling
 
-__all__ = ["KERNELS", "MODELS", "SoftmaxTopKKernel"]
+__all__ = ["KERNELS", "MODELS", "SoftmaxTopKKernel", "SoftmaxTopKTiling"]

@@ -24,6 +24,8 @@ from .._rows import RowPlan, RowTiling, specs
 from ..api import Kernel, TensorMeta, Tiling
 from ..npu.machine import Machine
 from ..registry import get_kernel
+from .kernel import SoftmaxTopKTiling, softmax_topk_tiling, staged_spec
+from .staged import staged_cycles
 
 
 def row_cycles(machine: Machine, plan: RowPlan, t: RowTiling) -> float:
@@ -47,12 +49,20 @@ def row_cycles(machine: Machine, plan: RowPlan, t: RowTiling) -> float:
     out = sum(dma_out(machine, n * o.width * o.dtype.itemsize, cores) for o in plan.outs if o.emit)
     s.add({"MTE2": dma(machine, in_bytes, cores), "VECTOR": vec, "MTE3": out}, per_core)
     _merge_resident(s)
+    # Double-buffered over several tiles, the copy-out pipe's start-up head (paid at the first
+    # tile's copy-out) runs while the next tiles are copied in and computed: a stage of MTE3,
+    # not a wait before the stream.
+    hidden = bool(t.double_buffer) and per_core > 1
+    if hidden:
+        s.busy["MTE3"] = s.busy.get("MTE3", 0.0) + machine.copy_out_head_cycles
     gm = plan.rows * (
         plan.width * plan.in_dtype.itemsize
         + sum(o.width * o.dtype.itemsize for o in plan.outs if o.emit)
     )
     first_in = plan.resident_bytes[0] if plan.resident_bytes else in_bytes
-    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
+    return kernel_cycles(
+        machine, s.time(bool(t.double_buffer)), gm, first_in, cores, out_head=not hidden
+    )
 
 
 def _merge_resident(s: Stream) -> None:
@@ -104,6 +114,7 @@ class _RowModel:
         self.domain = domain
         self.op_type = op_type
         self._last = LastProblem()
+        self._staged = LastProblem()
 
     def _plan(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -115,7 +126,12 @@ class _RowModel:
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
-        return list(row_space(machine, self._plan(metas, attrs, machine)))
+        space: list[Tiling] = [
+            softmax_topk_tiling(t) for t in row_space(machine, self._plan(metas, attrs, machine))
+        ]
+        # The unfused chain's schedule is always a candidate: fused is never priced slower.
+        space.append(SoftmaxTopKTiling(1, 1, machine.vector_cores, staged=1))
+        return space
 
     def cost(
         self,
@@ -125,13 +141,17 @@ class _RowModel:
         machine: Machine,
     ) -> float:
         assert isinstance(tiling, RowTiling)
+        if getattr(tiling, "staged", 0):  # memo keyed by the machine too: its price
+            spec = staged_spec(metas, attrs)
+            make = lambda: staged_cycles(machine, spec)  # noqa: E731
+            return float(self._staged.get([*metas, machine], attrs, make))
         plan = self._last.get(metas, attrs, lambda: self._plan(metas, attrs, machine))
         return row_cycles(machine, plan, tiling)
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> Tiling | None:
-        return moe_rule_of_thumb(machine, self._plan(metas, attrs, machine))
+        return softmax_topk_tiling(moe_rule_of_thumb(machine, self._plan(metas, attrs, machine)))
 
 
 def plan_of(

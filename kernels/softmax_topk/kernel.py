@@ -29,13 +29,28 @@ import numpy as np
 
 from .. import _rows
 from .._rows import RowOut, RowPlan, RowTiling, VecStep
-from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling
+from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
 from ..npu.machine import Machine
 from ..search import Searched
 from ..softmax import F32, SOFTMAX_OPS, check_float, softmax_rows
 from ..topk import I64, select_steps, topk_rows
+from .staged import Spec, run_staged
 
 ORDERS = ("softmax_topk", "topk_softmax")
+
+
+@dataclass(frozen=True)
+class SoftmaxTopKTiling(RowTiling):
+    """The row tiling (`rows` per tile, double buffering, vector cores), and `staged` 1: the
+    unfused chain's schedule instead (`staged.py`: Softmax, TopK, ... one after the other,
+    the probabilities through GM), the other fields then unused."""
+
+    staged: int = 0
+
+
+def softmax_topk_tiling(t: RowTiling, staged: int = 0) -> SoftmaxTopKTiling:
+    """`t` as SoftmaxTopK's tiling."""
+    return SoftmaxTopKTiling(t.rows, t.double_buffer, t.cores, staged)
 
 
 @dataclass(frozen=True)
@@ -126,7 +141,7 @@ class SoftmaxTopKKernel(Searched, Kernel):
 
     op_type = "SoftmaxTopK"
     domain = "fuser"
-    tiling_type = RowTiling
+    tiling_type = SoftmaxTopKTiling
 
     def _plan(self, s: _Spec, machine: Machine | None) -> RowPlan:
         width = s.width
@@ -161,8 +176,9 @@ class SoftmaxTopKKernel(Searched, Kernel):
 
     def default_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> RowTiling:
-        return _rows.default(self._plan(_spec(self.op_type, inputs_meta, attrs), machine), machine)
+    ) -> SoftmaxTopKTiling:
+        plan = self._plan(_spec(self.op_type, inputs_meta, attrs), machine)
+        return softmax_topk_tiling(_rows.default(plan, machine))
 
     def check_tiling(
         self,
@@ -173,7 +189,11 @@ class SoftmaxTopKKernel(Searched, Kernel):
     ) -> None:
         assert isinstance(tiling, RowTiling)
         plan = self._plan(_spec(self.op_type, inputs_meta, attrs), machine)
-        _rows.check(plan, tiling, machine)
+        staged = int(getattr(tiling, "staged", 0))
+        if staged not in (0, 1):
+            raise TilingError(f"{self.op_type}: staged must be 0 or 1, got {staged}")
+        if not staged:  # the stages check their own tilings
+            _rows.check(plan, tiling, machine)
 
     def simulate(
         self,
@@ -187,6 +207,8 @@ class SoftmaxTopKKernel(Searched, Kernel):
     ) -> KernelRun:
         assert isinstance(tiling, RowTiling)
         s = _spec(self.op_type, inputs_meta, attrs)
+        if getattr(tiling, "staged", 0):
+            return self._staged(machine, s, inputs, inputs_meta, attrs, functional, timeline)
         plan = self._plan(s, machine)
         x = inputs[0]
         x_rows = _rows.to_rows(x, [s.axis]) if functional and x is not None else None
@@ -205,6 +227,39 @@ class SoftmaxTopKKernel(Searched, Kernel):
         if len(ys) == 2:
             ys.append(np.empty(metas[2].shape, metas[2].dtype))
         return KernelRun(tuple(ys), stats)
+
+    def _staged(
+        self,
+        machine: Machine,
+        s: _Spec,
+        inputs: Sequence[np.ndarray | None],
+        inputs_meta: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        functional: bool,
+        timeline: bool,
+    ) -> KernelRun:
+        x = inputs[0] if functional else inputs_meta[0]
+        (values, indices, probs), stats = run_staged(
+            machine, chain_spec(s), x, functional, timeline
+        )
+        if not functional:
+            return KernelRun((), stats)
+        metas = self.infer(inputs_meta, attrs)
+        assert isinstance(values, np.ndarray)
+        assert isinstance(indices, np.ndarray)
+        p = probs if isinstance(probs, np.ndarray) else np.empty(metas[2].shape, metas[2].dtype)
+        return KernelRun((values, indices, p), stats)
+
+
+def staged_spec(inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) -> Spec:
+    """The unfused chain the `staged` schedule runs for these inputs and attributes."""
+    return chain_spec(_spec(SoftmaxTopKKernel.op_type, inputs_meta, attrs))
+
+
+def chain_spec(s: _Spec) -> Spec:
+    """The unfused chain of these attributes (`staged`)."""
+    return Spec(s.axis, s.k, s.order == "softmax_topk", s.renormalize, s.to_float32, s.dtype,
+                s.shape)  # fmt: skip
 
 
 KERNELS = (SoftmaxTopKKernel(),)

@@ -21,7 +21,7 @@ def test_tune_a_model_with_simulation_prints_the_json_nodes(tmp_path: Path) -> N
     data = json.loads(done.stdout)
     (node,) = data["nodes"]
     assert node["op"] == "SoftmaxTopK" and node["name"]
-    assert set(node["chosen"]) == {"rows", "double_buffer", "cores"}
+    assert set(node["chosen"]) == {"rows", "double_buffer", "cores", "staged"}
     assert len(node["candidates"]) == 4
     for c in node["candidates"]:
         assert c["predicted_cycles"] > 0 and c["simulated_cycles"] > 0 and "rows" in c["tiling"]

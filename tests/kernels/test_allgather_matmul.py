@@ -81,7 +81,7 @@ def _balanced(axis: int = 1, n: int = 1024) -> tuple[list[TensorMeta], dict[str,
 
 
 def test_fused_between_max_and_sum_of_allgather_and_matmul() -> None:
-    metas, attrs, gathered = _balanced()
+    metas, attrs, gathered = _balanced(n=1536)
     fused = KERNEL.run(M, metas, attrs, functional=False).stats.cycles
     t_ag = ALLGATHER.run(M, metas[:1], attrs, functional=False).stats.cycles
     t_mm = MATMUL.run(M, [gathered, metas[1]], {}, functional=False).stats.cycles

@@ -184,3 +184,80 @@ def test_timing_only_matches_functional_when_cores_straddle_channel_blocks() -> 
     metas = [TensorMeta.of(a) for a in inputs]
     s = _kernel(FUSED).run(MACHINE, metas, {"relu": 1}, tiling=t, functional=False)
     assert s.stats == f.stats
+
+
+@pytest.mark.parametrize(
+    ("case", "tiling"),
+    [
+        (0, ConvTiling(5, 7, 16, 16, 1, 24, fold_taps=1)),  # Cin 3, 3x3: K 27 in steps of 16
+        (8, ConvTiling(3, 12, 16, 64, 1, 5, fold_taps=1)),  # Cin 3, 7x7/2: K 147, tails
+        (4, ConvTiling(2, 3, 16, 32, 0, 3, fold_taps=1)),  # Cin 7, 2x2, strides (2, 3)
+        (5, ConvTiling(1, 4, 16, 48, 1, 2, fold_taps=1)),  # 1-D, Cin 5, 5 taps
+    ],
+)
+def test_taps_folded_into_k_give_the_same_numbers(case: int, tiling: ConvTiling) -> None:
+    xs, ws, attrs = CASES[case]
+    x, w, b, bn = _data(xs, ws, np.float32, seed=5)
+    inputs = [x, w, b, *bn]
+    _agrees(inputs, {**attrs, "relu": 1}, ConvTiling(4, 8, 16, 16, 1, 24), tiling)
+
+
+def _agrees(inputs: list[np.ndarray], attrs: dict[str, Any], base: ConvTiling,
+            tiling: ConvTiling) -> None:  # fmt: skip
+    """`tiling` computes what `base` does, and its timing-only run has the same schedule."""
+    want = _kernel(FUSED).run(MACHINE, inputs, attrs, tiling=base)
+    got = _kernel(FUSED).run(MACHINE, inputs, attrs, tiling=tiling)
+    np.testing.assert_allclose(got.outputs[0], want.outputs[0], rtol=1e-5, atol=1e-4)
+    metas = [TensorMeta.of(a) for a in inputs]
+    timing = _kernel(FUSED).run(MACHINE, metas, attrs, tiling=tiling, functional=False)
+    assert timing.stats == got.stats
+
+
+def test_folded_taps_cut_the_cube_work_of_a_small_cin_stem() -> None:
+    """7x7 stem, Cin 3: per tap the Cube pads 3 channels to 16 (49 K blocks per pixel block);
+    folded, K = 147 takes 10; grouped convolutions cannot fold."""
+    x, w, b, bn = _data((1, 3, 32, 32), (16, 3, 7, 7), np.float16, seed=6)
+    inputs = [x, w, b, *bn]
+    attrs = {"strides": [2, 2], "pads": [3, 3, 3, 3], "relu": 1}
+    per_tap = _kernel(FUSED).run(MACHINE, inputs, attrs, tiling=ConvTiling(4, 16, 16, 16, 1, 4))
+    folded = _kernel(FUSED).run(
+        MACHINE, inputs, attrs, tiling=ConvTiling(4, 16, 16, 16, 1, 4, fold_taps=1)
+    )
+    assert per_tap.stats.pipe_busy["CUBE"] == 49 * folded.stats.pipe_busy["CUBE"] / 10
+    np.testing.assert_allclose(
+        folded.outputs[0].astype(np.float32), per_tap.outputs[0].astype(np.float32), atol=2e-2
+    )
+    xg, wg, bg, bng = _data(*CASES[1][:2], np.float32)
+    with pytest.raises(TilingError, match="fold_taps needs group = 1"):
+        _kernel(FUSED).run(MACHINE, [xg, wg, bg, *bng], CASES[1][2],
+                           tiling=ConvTiling(1, 4, 16, 16, 1, 2, fold_taps=1))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "tiling",
+    [
+        ConvTiling(7, 7, 16, 16, 1, 24, tile_n=2),  # batch 3: blocks of 2 images and a tail of 1
+        ConvTiling(7, 7, 32, 32, 0, 2, tile_n=4),  # more images per block than the batch
+        ConvTiling(7, 7, 16, 32, 1, 3, fold_taps=1, tile_n=2),
+    ],
+)
+def test_blocks_of_several_images_give_the_same_numbers(tiling: ConvTiling) -> None:
+    x, w, b, bn = _data((3, 12, 7, 7), (40, 12, 3, 3), np.float32, seed=8)
+    inputs = [x, w, b, *bn]
+    _agrees(inputs, {"pads": [1, 1, 1, 1], "relu": 1}, ConvTiling(7, 7, 16, 16, 1, 24), tiling)
+
+
+def test_images_per_block_cut_the_weight_reads() -> None:
+    """Weights are copied per block (several K chunks): 2 images per block read them half as
+    often."""
+    x, w, b, bn = _data((4, 64, 7, 7), (32, 64, 3, 3), np.float16, seed=9)
+    inputs = [x, w, b, *bn]
+    attrs = {"pads": [1, 1, 1, 1], "relu": 1}
+    reads = {}
+    for tn in (1, 2):
+        t = ConvTiling(7, 7, 32, 32, 1, 4, tile_n=tn)
+        reads[tn] = _kernel(FUSED).run(MACHINE, inputs, attrs, tiling=t).stats.gm_read
+    # X is read the same either way (halo tiles of whole 7x7 maps); the weights and the five
+    # parameter rows once per block: 4 blocks (one per core) against 2.
+    per_block = w.nbytes + 5 * 32 * 2
+    assert reads[1] - reads[2] == per_block * (4 - 2)

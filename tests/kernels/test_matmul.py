@@ -137,3 +137,30 @@ def test_cube_cycles_follow_the_block_count() -> None:
     assert run32.stats.pipe_busy["CUBE"] == 3 * 5 * 2  # fp32: k block of 8
     assert run.stats.gm_read == a.nbytes + b.nbytes
     assert run.stats.gm_write == 33 * 17 * 2
+
+
+def test_default_tiling_evens_out_the_last_wave_of_blocks() -> None:
+    """1024 x 1024 outputs in 128 x 256 blocks are 32 blocks on 24 cores (the second wave a
+    third full): the default cuts N in 6 blocks of 176 (48 blocks, two full waves) and runs
+    faster; 4096 x 4096 (512 blocks, the last wave a third full of 22) keeps 128 x 256."""
+    mm = registry.get_kernel("", "MatMul")
+    assert mm is not None
+    f16 = np.dtype(np.float16)
+    metas = [TensorMeta((1024, 4096), f16), TensorMeta((4096, 1024), f16)]
+    t = mm.default_tiling(metas, {}, MACHINE)
+    assert isinstance(t, MatMulTiling)
+    assert (t.tile_m, t.tile_n) == (128, 176)
+    wide = MatMulTiling(128, 256, t.tile_k, t.tile_k0, t.db_l1, t.db_l0, t.db_l0c, t.cores)
+    fast = mm.run(MACHINE, metas, {}, tiling=t, functional=False).stats.cycles
+    slow = mm.run(MACHINE, metas, {}, tiling=wide, functional=False).stats.cycles
+    assert fast < slow
+    big = [TensorMeta((4096, 4096), f16)] * 2
+    tb = mm.default_tiling(big, {}, MACHINE)
+    assert isinstance(tb, MatMulTiling)
+    assert (tb.tile_m, tb.tile_n) == (128, 256)
+    # The uneven split computes the same numbers (a 1024 / 176 tail of 144 columns).
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((200, 96)).astype(np.float32)
+    b = rng.standard_normal((96, 1024)).astype(np.float32)
+    got = mm.run(MACHINE, [a, b], {}, tiling=MatMulTiling(128, 176, 64, 32, 1, 1, 0, 24))
+    np.testing.assert_allclose(got.outputs[0], a @ b, rtol=1e-4, atol=1e-3)

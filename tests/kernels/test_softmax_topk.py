@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fuser.kernels import registry
-from fuser.kernels._rows import RowTiling
 from fuser.kernels.api import KernelError, TensorMeta, TilingError
 from fuser.kernels.npu.machine import load_target
+from fuser.kernels.softmax_topk import SoftmaxTopKTiling as Rows
 from fuser.patterns import softmax_topk as softmax_topk_pattern
 
 M = load_target("ascend910b")
@@ -66,8 +66,12 @@ def test_ties_lower_index_first() -> None:
 
 def test_tilings_with_tails_agree() -> None:
     x = np.random.default_rng(5).standard_normal((1, 203, 64)).astype(np.float16)
-    want = KERNEL.run(M, [x], {"k": 2}, tiling=RowTiling(1, 0, 1)).outputs
-    for t in (RowTiling(3, 1, 48), RowTiling(32, 0, 7), RowTiling(203, 1, 1)):
+    want = KERNEL.run(M, [x], {"k": 2}, tiling=Rows(1, 0, 1)).outputs
+    for t in (
+        Rows(3, 1, 48),
+        Rows(32, 0, 7),
+        Rows(203, 1, 1),
+    ):
         got = KERNEL.run(M, [x], {"k": 2}, tiling=t).outputs
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b)
@@ -78,7 +82,7 @@ def test_sweep_over_tile_rows_has_an_interior_optimum() -> None:
     # tiles lose cores; the simulator must show both ends slower than the best.
     meta = [TensorMeta((1, 1024, 64), np.float16)]
     cycles = {
-        r: KERNEL.run(M, meta, {"k": 2}, tiling=RowTiling(r, 1, 48), functional=False).stats.cycles
+        r: KERNEL.run(M, meta, {"k": 2}, tiling=Rows(r, 1, 48), functional=False).stats.cycles
         for r in (1, 2, 4, 8, 16, 32, 64, 128)
     }
     best = min(cycles, key=cycles.__getitem__)
@@ -107,4 +111,44 @@ def test_errors() -> None:
         KERNEL.infer(meta, {"k": 2, "order": "both"})
     with pytest.raises(TilingError, match="UB"):
         KERNEL.check_tiling([TensorMeta((1, 4096, 4096), np.float16)], {"k": 2},
-                            RowTiling(64, 1, 4), M)  # fmt: skip
+                            Rows(64, 1, 4), M)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(("shape", "k", "axis", "order", "renorm", "to_f32"), CASES)
+def test_staged_schedule_computes_the_reference(shape, k, axis, order, renorm, to_f32, dtype):
+    """`staged=1` runs the unfused chain's kernels (Softmax, [Cast], TopK, [ReduceSum, Div])
+    in one launch; its numbers are the op's within the 16-bit rounding between stages."""
+    x = np.random.default_rng(sum(shape) + k + 1).standard_normal(shape).astype(dtype)
+    attrs = {"k": k, "axis": axis, "order": order, "renormalize": renorm, "to_float32": to_f32}
+    run = KERNEL.run(M, [x], attrs, tiling=Rows(1, 1, 48, staged=1))
+    want = reference(x, k, axis, order, renorm, to_f32)
+    tol = 4e-3 if dtype == np.float16 else 1e-6
+    for got, ref in zip(run.outputs, want, strict=True):
+        assert got.shape == ref.shape
+        assert got.dtype == ref.dtype
+        np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64), atol=tol)
+    assert run.stats.launches == 1
+    metas = [TensorMeta.of(x)]
+    timing = KERNEL.run(M, metas, attrs, tiling=Rows(1, 1, 48, staged=1), functional=False)
+    assert timing.stats.cycles == run.stats.cycles
+
+
+def test_search_falls_back_to_the_chain_where_the_fused_schedule_is_slower() -> None:
+    """65536 x 64 fp16, k=2: the fused schedule ranks in float32 (as the reference does), the
+    unfused TopK in float16, so the chain is faster; the space holds the chain's schedule, so
+    the search's pick costs no more than it, and the pick's price is what the simulator runs."""
+    from fuser.kernels.search import search
+
+    metas = [TensorMeta((65536, 64), np.dtype(np.float16))]
+    r = search("fuser", "SoftmaxTopK", metas, {"k": 2}, M)
+    staged = [c for c in r.candidates if c.tiling.staged]
+    fused = [c for c in r.candidates if not c.tiling.staged]
+    assert len(staged) == 1
+    assert r.best.cycles <= staged[0].cycles
+    assert staged[0].cycles < fused[0].cycles
+    sim = KERNEL.run(M, metas, {"k": 2}, tiling=staged[0].tiling, functional=False).stats
+    assert sim.cycles == pytest.approx(staged[0].cycles, rel=1e-9)
+    # A tiling stored before `staged` existed still loads (staged = 0).
+    assert KERNEL.tiling_from_attrs({"tile_rows": 4, "tile_double_buffer": 1, "tile_cores": 48}) \
+        == Rows(4, 1, 48)  # fmt: skip
