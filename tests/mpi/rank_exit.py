@@ -23,7 +23,12 @@ def run() -> None:
         main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    (folder / f"rc.{MPI.COMM_WORLD.Get_rank()}").write_text(str(code))
+    # Written under another name, then renamed: a rank that the job's abort kills while it
+    # writes leaves no file (None: killed), never an empty one.
+    rank = MPI.COMM_WORLD.Get_rank()
+    partial = folder / f".rc.{rank}.part"
+    partial.write_text(str(code))
+    partial.replace(folder / f"rc.{rank}")
     sys.exit(code)
 
 
