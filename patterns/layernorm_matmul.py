@@ -55,6 +55,8 @@ from fuser.graph import GraphIndex
 from fuser.matcher import type_name
 from fuser.pattern import Match, Rejection, rejection
 
+from ._linear_op import linear_outputs, linear_weights
+
 NAME = "layernorm_matmul"
 PRIORITY = 20
 
@@ -64,34 +66,13 @@ PRIORITY = 20
 
 def _weights(inputs: Sequence[Any], attrs: Mapping[str, Any]) -> list[tuple[Any, Any, bool]]:
     """(W_i, b_i or None, flatten_i) per Linear, unpacked from the variadic inputs."""
-    has_bias = [int(v) for v in attrs.get("has_bias") or []]
-    flatten = [int(v) for v in attrs.get("flatten") or []] or [0] * len(has_bias)
-    found, position = [], 3
-    for with_bias, flat in zip(has_bias, flatten, strict=True):
-        w = inputs[position] if position < len(inputs) else None
-        b = inputs[position + 1] if with_bias and position + 1 < len(inputs) else None
-        position += 1 + with_bias
-        found.append((w, b, bool(flat)))
-    return found
+    return linear_weights(inputs, attrs, 3)
 
 
 def _infer(
     inputs: Sequence[TensorInfo | None], attrs: Mapping[str, Any]
 ) -> list[TensorInfo | None]:
-    x = inputs[0] if inputs else None
-    if x is None:
-        return [None] * (1 + len(attrs.get("has_bias") or []))
-    results: list[TensorInfo | None] = [x]
-    for w, _, flat in _weights(inputs, attrs):
-        if x.shape is None or w is None or w.shape is None or len(w.shape) != 2:
-            results.append(TensorInfo(x.elem_type, None))
-            continue
-        lead: tuple[Dim, ...] = x.shape[:-1]
-        if flat:
-            known = all(isinstance(d, int) for d in lead)
-            lead = (int(np.prod(lead, dtype=np.int64)) if known else None,)  # type: ignore[arg-type]
-        results.append(TensorInfo(x.elem_type, (*lead, w.shape[1])))
-    return results
+    return linear_outputs(inputs, attrs, 3)
 
 
 def layer_norm(

@@ -48,12 +48,13 @@ import numpy as np
 import onnx
 
 from fuser.bodies import rmsnorm_matmul as rmsnorm_matmul_body
-from fuser.fusedop import FLOAT_TYPES, Attr, Dim, FusedOp, Param, TensorInfo
+from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
 from fuser.matcher import type_name
 from fuser.pattern import Match, Rejection, rejection
 
 from ._linear import Readers, classify
+from ._linear_op import linear_outputs, linear_weights
 from ._walk import (
     NearMiss,
     attr,
@@ -80,34 +81,13 @@ WEIGHTS_AT = 2  # position of W_0 among the fused op's inputs
 
 def weights(inputs: Sequence[Any], attrs: Mapping[str, Any]) -> list[tuple[Any, Any, bool]]:
     """(W_i, b_i or None, flatten_i) per Linear, unpacked from the variadic inputs."""
-    has_bias = [int(v) for v in attrs.get("has_bias") or []]
-    flatten = [int(v) for v in attrs.get("flatten") or []] or [0] * len(has_bias)
-    found, position = [], WEIGHTS_AT
-    for with_bias, flat in zip(has_bias, flatten, strict=True):
-        w = inputs[position] if position < len(inputs) else None
-        b = inputs[position + 1] if with_bias and position + 1 < len(inputs) else None
-        position += 1 + with_bias
-        found.append((w, b, bool(flat)))
-    return found
+    return linear_weights(inputs, attrs, WEIGHTS_AT)
 
 
 def _infer(
     inputs: Sequence[TensorInfo | None], attrs: Mapping[str, Any]
 ) -> list[TensorInfo | None]:
-    x = inputs[0] if inputs else None
-    if x is None:
-        return [None] * (1 + len(attrs.get("has_bias") or []))
-    results: list[TensorInfo | None] = [x]
-    for w, _, flat in weights(inputs, attrs):
-        if x.shape is None or w is None or w.shape is None or len(w.shape) != 2:
-            results.append(TensorInfo(x.elem_type, None))
-            continue
-        lead: tuple[Dim, ...] = x.shape[:-1]
-        if flat:
-            known = all(isinstance(d, int) for d in lead)
-            lead = (int(np.prod(lead, dtype=np.int64)) if known else None,)  # type: ignore[arg-type]
-        results.append(TensorInfo(x.elem_type, (*lead, w.shape[1])))
-    return results
+    return linear_outputs(inputs, attrs, WEIGHTS_AT)
 
 
 def rms_norm(
