@@ -169,6 +169,20 @@ def _run_pattern(index: GraphIndex, pattern: Pattern, decider: Decider, log: Pas
                 )
             )
             continue
+        disagreement = inferred_type_disagreement(
+            index, found, fused_attributes(found, decision.attributes)
+        )
+        if disagreement is not None:
+            log.rejected.append(
+                RejectionRecord(
+                    pattern.name,
+                    tuple(index.describe(i) for i in found.nodes),
+                    disagreement[0],
+                    disagreement[1],
+                    index.path,
+                )
+            )
+            continue
         if decision.reason:  # e.g. "predicted 2.3x faster (symbolic dims priced at 256 ...)"
             found = replace(found, notes=(*found.notes, f"cost model: {decision.reason}"))
         _apply(index, found, decision.attributes, decision.prediction, log)
@@ -185,9 +199,7 @@ def _apply(
     anchor = index.node(match.nodes[0])
     base = anchor.name or f"{anchor.op_type}_{match.nodes[0]}"
     name = index.unique_node_name(f"{base}/{match.op.name}")
-    attributes = {k: v for k, v in match.attributes.items() if v is not None}
-    attributes.update(extra_attrs)
-    _check_inferred_types(index, match, attributes)
+    attributes = fused_attributes(match, extra_attrs)
     for reader, old, new in match.rewires:
         index.rewire_input(reader, old, new)
     fused = onnx.NodeProto(
@@ -232,11 +244,23 @@ def make_attribute(name: str, value: Any) -> onnx.AttributeProto:
     return attr
 
 
-def _check_inferred_types(index: GraphIndex, match: Match, attributes: Mapping[str, Any]) -> None:
-    """Shape inference of the fused node against what the original graph said of its outputs.
+def fused_attributes(match: Match, extra_attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """The fused node's attributes: the match's (absent ones dropped) plus the decider's."""
+    attributes = {k: v for k, v in match.attributes.items() if v is not None}
+    attributes.update(extra_attrs)
+    return attributes
+
+
+def inferred_type_disagreement(
+    index: GraphIndex, match: Match, attributes: Mapping[str, Any]
+) -> tuple[str, str] | None:
+    """Shape inference of the fused node against what the model says of its outputs: None if
+    they agree, else (reason, value).
 
     Only the rewritten nodes change, so this local check is what shape inference on the whole
-    result would add; a disagreement is a bug in a pattern, never the user's.
+    result would add. A disagreement is a near-miss, not an error: the model may declare a
+    type or shape its nodes do not compute (onnxruntime warns and runs it anyway), and a
+    fused node would then contradict the declaration, so the match is refused, naming both.
     """
     new = {t.name: TensorInfo(t.data_type, tuple(t.dims)) for t in match.new_initializers}
     infos: list[TensorInfo | None] = []
@@ -251,12 +275,15 @@ def _check_inferred_types(index: GraphIndex, match: Match, attributes: Mapping[s
         if known is None or got is None or known.elem_type == 0:
             continue
         if got.elem_type != known.elem_type or not _shapes_agree(got.shape, known.shape):
-            raise FusionError(
+            return (
+                f"the model declares {_show(known.elem_type, known.shape)} for '{value}', but "
                 f"{match.op.name} replacing '{index.describe(match.nodes[0])}' infers "
-                f"{_show(got.elem_type, got.shape)} for '{value}', but the original graph has "
-                f"{_show(known.elem_type, known.shape)}. This is a bug in fuser's pattern "
-                f"'{match.pattern}': please report it with the model"
+                f"{_show(got.elem_type, got.shape)} from its inputs; fused, the model would "
+                "contradict its own declaration (correct the value_info of "
+                f"'{value}' to fuse it)",
+                value,
             )
+    return None
 
 
 def _shapes_agree(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> bool:
