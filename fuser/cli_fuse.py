@@ -101,12 +101,13 @@ def fuse(
                 cache=False if no_cache else cache,
                 functions=not no_functions,
                 dims=parse_dims(dim or []),  # the cost model prices named dims at these sizes
+                keep_original=validate,  # validation reuses the input as read: loaded once
             )
         validation = None
         if validate:  # --input, --kernel, --runs, --dim, --dim-size: as `fuser validate`
             with progress_bar("validating") as progress:
                 validation = run_validate(
-                    source,
+                    result.original or source,
                     result,
                     target=target,
                     kernel=kernel,
