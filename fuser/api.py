@@ -78,6 +78,7 @@ def fuse(
     functions: bool = True,
     dims: Mapping[str, int] | None = None,
     keep_original: bool = False,
+    progress: engine.Progress | None = None,
 ) -> FusionResult:
     """Fuse the operator chains of `model` (a path, bytes or ModelProto; never modified).
 
@@ -86,6 +87,8 @@ def fuse(
     `dims` gives named symbolic dims a size for pricing (as `--dim`); the cost model decides
     the others over a range of sizes. `keep_original` keeps a copy of the input as read (and
     normalized) in `result.original`, for `validate(result.original, result)`.
+    `progress(stage, done, total)` is told each stage as it starts ("load", "match", "decide",
+    "finish", "verify") and how far the passes are.
 
     >>> result = fuse("model.onnx")                      # doctest: +SKIP
     >>> result.report.summary                            # doctest: +SKIP
@@ -94,6 +97,8 @@ def fuse(
     """
     clock = engine.timed()
     next(clock)
+    report = progress or _no_progress
+    report("load", 0, 1)
     chosen = select(pattern_names(patterns), pattern_names(disable) or ())
     check_target(target)
     loaded = load_model(model)
@@ -113,8 +118,9 @@ def fuse(
             {d: v for d, v in imports.items() if d},
             functions_mod.elem_types_from(types),
         )
-    log = engine.run_passes(loaded, chosen, decider, types)
+    log = engine.run_passes(loaded, chosen, decider, types, progress)
     seconds["match_rewrite"] = next(clock)
+    report("finish", 0, 1)
     # -- finish the output: function bodies, producer, provenance (fuser/finish.py) --
     # Only a model that holds fused nodes is finished: one with nothing to fuse is written as
     # it was read (normalized at most), not re-stamped or moved to a newer IR version.
@@ -125,10 +131,11 @@ def fuse(
             FuseOptions(target, tuple(p.name for p in chosen), force, functions),
         )
     seconds["finish"] = next(clock)
+    report("verify", 0, 1)
     if log.fusions or normalized:
         engine.verify(loaded.model, loaded.label)
     seconds["verify"] = next(clock)
-    report = FusionReport(
+    summary = FusionReport(
         target=target,
         patterns=tuple(p.name for p in chosen),
         fusions=tuple(log.fusions),
@@ -139,7 +146,7 @@ def fuse(
         normalized=(*normalized, *warnings),
     )
     return FusionResult(
-        loaded.model, report, loaded, warnings, original, types if keep_original else None
+        loaded.model, summary, loaded, warnings, original, types if keep_original else None
     )
 
 
@@ -148,6 +155,10 @@ def _copy_of(loaded: LoadedModel) -> LoadedModel:
     model = onnx.ModelProto()
     model.CopyFrom(loaded.model)
     return replace(loaded, model=model)
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    return None
 
 
 def pattern_names(names: str | Sequence[str] | None) -> list[str] | None:

@@ -10,7 +10,7 @@ enclosing graph visible for constants and types.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -102,19 +102,47 @@ def _sub_path(path: str, node: onnx.NodeProto, attr: str, i: int, n: int) -> str
 sub_path = _sub_path  # public: how type tables name a subgraph (the plugin walks them too)
 
 
+# Stage progress: `progress(stage, done, total)`, stage "match" while patterns scan the graph
+# and "decide" while the decider prices a match; done/total count (node, pattern) visits.
+Progress = Callable[[str, int, int], None]
+# Nodes visited between two progress reports (a report per node would cost more than a visit).
+PROGRESS_EVERY = 256
+
+
+@dataclass
+class _Ticker:
+    """Counts visits and forwards every PROGRESS_EVERY-th (and each stage change) to `report`."""
+
+    report: Progress | None
+    total: int
+    done: int = 0
+
+    def visit(self) -> None:
+        self.done += 1
+        if self.report is not None and self.done % PROGRESS_EVERY == 0:
+            self.report("match", min(self.done, self.total), self.total)
+
+    def stage(self, name: str) -> None:
+        if self.report is not None:
+            self.report(name, min(self.done, self.total), self.total)
+
+
 def run_passes(
     loaded: LoadedModel,
     patterns: Sequence[Pattern],
     decider: Decider,
     types: dict[str, TypeTable],
+    progress: Progress | None = None,
 ) -> PassLog:
     """Apply `patterns` to the model in place (graph and subgraphs); return what happened."""
     log = PassLog()
     opsets = opset_map(loaded.model)
     main = GraphIndex.build(loaded.model.graph, loaded, opsets, types.get("") or TypeTable())
+    ticker = _Ticker(progress, max(1, len(main.nodes) * len(patterns)))
+    ticker.stage("match")
     for index in _walk(main, loaded, opsets, types):
         for pattern in patterns:
-            _run_pattern(index, pattern, decider, log)
+            _run_pattern(index, pattern, decider, log, ticker)
         index.write_back()
     if log.fusions and DOMAIN not in opsets:
         loaded.model.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
@@ -141,9 +169,12 @@ def _walk(
                 yield from _walk(child, loaded, opsets, types)
 
 
-def _run_pattern(index: GraphIndex, pattern: Pattern, decider: Decider, log: PassLog) -> None:
+def _run_pattern(
+    index: GraphIndex, pattern: Pattern, decider: Decider, log: PassLog, ticker: _Ticker
+) -> None:
     anchors = set(pattern.anchors)
     for node_id in list(index.live_nodes()):
+        ticker.visit()
         node = index.nodes.get(node_id)
         if node is None or (node.domain or "", node.op_type) not in anchors:
             continue
@@ -157,7 +188,9 @@ def _run_pattern(index: GraphIndex, pattern: Pattern, decider: Decider, log: Pas
                 RejectionRecord(found.pattern, found.nodes, found.reason, found.value, index.path)
             )
             continue
+        ticker.stage("decide")
         decision = decider.decide(index, found)
+        ticker.stage("match")
         if not decision.fuse:
             log.rejected.append(
                 RejectionRecord(
