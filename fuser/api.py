@@ -103,9 +103,13 @@ def fuse(
     check_target(target)
     loaded = load_model(model)
     normalized = normalize(loaded)  # what onnxruntime tolerates, fixed in fuser's copy
-    types = engine.infer_types(loaded.model)
-    normalized += fill_outputs(loaded.model, types.get(""))
-    warnings = engine.check_structure(loaded)
+    checked = engine.check_and_infer(loaded)  # one serialization for both, where it can
+    if checked is not None:
+        types, warnings = checked
+    else:  # an untyped graph input or output: inference types outputs before the checker
+        types = engine.infer_types(loaded.model)
+        normalized += fill_outputs(loaded.model, types.get(""))
+        warnings = engine.check_structure(loaded)
     original = _copy_of(loaded) if keep_original else None
     seconds = {"load": next(clock)}
     before = engine.count_nodes(loaded.model.graph)

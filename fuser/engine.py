@@ -23,7 +23,7 @@ from .decide import Decider
 from .errors import FusionError, ModelLoadError
 from .finish import describe
 from .fusedop import DOMAIN, VERSION, TensorInfo
-from .graph import GraphIndex, TypeTable, _node_subgraphs
+from .graph import GraphIndex, TypeTable, may_hold_subgraphs, node_subgraphs
 from .matcher import check_match
 from .modelio import LoadedModel
 from .pattern import Match, Pattern, Rejection
@@ -41,7 +41,8 @@ class PassLog:
 
 def count_nodes(graph: onnx.GraphProto) -> int:
     """Nodes in a graph and all its subgraphs."""
-    return sum(1 + sum(count_nodes(g) for g in _node_subgraphs(n)) for n in graph.node)
+    nested = [g for n in graph.node if may_hold_subgraphs(n) for g in node_subgraphs(n)]
+    return len(graph.node) + sum(count_nodes(g) for g in nested)
 
 
 def opset_map(model: onnx.ModelProto) -> dict[str, int]:
@@ -68,15 +69,36 @@ def _first_line(exc: Exception) -> str:
 def infer_types(model: onnx.ModelProto) -> dict[str, TypeTable]:
     """Element types and shapes of every value, per graph path (shape inference on a copy)."""
     ensure_fused_ops_registered()
+    return _infer_view(inference_view(model), model)
+
+
+def _infer_view(view: onnx.ModelProto | bytes, model: onnx.ModelProto) -> dict[str, TypeTable]:
+    """Types from shape inference on `view` (a model or its serialization); `model`'s own
+    annotations where inference fails."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(
-            inference_view(model), check_type=False, strict_mode=False
-        )
+        inferred = onnx.shape_inference.infer_shapes(view, check_type=False, strict_mode=False)
     except Exception:  # inference is best-effort here; patterns refuse what they cannot type
         inferred = model
     types: dict[str, TypeTable] = {}
     _collect_types(inferred.graph, "", types)
     return types
+
+
+def check_and_infer(loaded: LoadedModel) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
+    """`check_structure` and `infer_types` on one serialization of the model's view, when
+    both tools see the same view: every graph input and output typed (then the checker needs
+    no placeholder and there is no output for inference to fill in). None otherwise: call
+    them one by one. Serializing a large model costs about as much as either tool's work."""
+    view = checker_view(loaded.model)
+    if view.warnings:
+        return None
+    ensure_fused_ops_registered()
+    data = view.model.SerializeToString()
+    try:
+        onnx.checker.check_model(data, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
+    return _infer_view(data, loaded.model), ()
 
 
 def _collect_types(graph: onnx.GraphProto, path: str, out: dict[str, TypeTable]) -> None:
@@ -87,6 +109,8 @@ def _collect_types(graph: onnx.GraphProto, path: str, out: dict[str, TypeTable])
         table.add_proto(tensor.name, tensor)
     out[path] = table
     for node in graph.node:
+        if not may_hold_subgraphs(node):
+            continue
         for attr in node.attribute:
             subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
             for i, sub in enumerate(subs):
@@ -159,6 +183,8 @@ def _walk(
     yield index
     for node_id in list(index.live_nodes()):
         node = index.node(node_id)
+        if not may_hold_subgraphs(node):
+            continue
         for attr in node.attribute:
             subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
             for i, sub in enumerate(subs):
