@@ -80,7 +80,20 @@ def _infer_view(view: onnx.ModelProto | bytes, model: onnx.ModelProto) -> dict[s
     except Exception:  # inference is best-effort here; patterns refuse what they cannot type
         inferred = model
     types: dict[str, TypeTable] = {}
-    _collect_types(inferred.graph, "", types)
+    if inferred is model or any(may_hold_subgraphs(n) for n in inferred.graph.node):
+        _collect_types(inferred.graph, "", types)
+        return types
+    # No subgraph: keep the inferred values' protos alone (the type table holds the protos it
+    # converts lazily, and holding any of the inferred copy keeps all of it alive); the
+    # initializers' types come from the model's own tensors.
+    slim = onnx.GraphProto()
+    slim.input.extend(inferred.graph.input)
+    slim.output.extend(inferred.graph.output)
+    slim.value_info.extend(inferred.graph.value_info)
+    del inferred
+    _collect_types(slim, "", types)
+    for tensor in model.graph.initializer:
+        types[""].add_proto(tensor.name, tensor)
     return types
 
 
