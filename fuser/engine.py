@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -255,9 +255,10 @@ def _run_pattern(
                 )
             )
             continue
+        notes = found.notes
         if decision.reason:  # e.g. "predicted 2.3x faster (symbolic dims priced at 256 ...)"
-            found = replace(found, notes=(*found.notes, f"cost model: {decision.reason}"))
-        _apply(index, found, decision.attributes, decision.prediction, log)
+            notes = (*notes, f"cost model: {decision.reason}")
+        _apply(index, found, decision.attributes, decision.prediction, log, notes)
 
 
 def _apply(
@@ -266,6 +267,7 @@ def _apply(
     extra_attrs: Mapping[str, int],
     prediction: Prediction | None,
     log: PassLog,
+    notes: tuple[str, ...],
 ) -> None:
     replaced = tuple(index.describe(i) for i in match.nodes)
     anchor = index.node(match.nodes[0])
@@ -292,7 +294,7 @@ def _apply(
             replaced,
             attributes,
             index.path,
-            match.notes,
+            notes,
             prediction,
         )
     )
