@@ -1,30 +1,46 @@
-"""How long fusing takes, next to onnxruntime's optimizer and the onnxscript rewriter.
+"""How long fusing a model file takes, and how much memory, next to the I/O floor and onnxruntime.
 
-Builds CNN and transformer-style graphs of about 1k, 10k and 100k nodes (fuser.models.synthetic),
-writes each to disk, then times whole processes on the same file, in the same run:
-  fuser       `fuser fuse IN -o OUT` (load + match + rewrite + verify + save, import included)
-  ort         onnxruntime InferenceSession with ORT_ENABLE_EXTENDED and optimized_model_filepath
-  onnxscript  onnx.load + onnxscript.rewriter.rewrite (default rules) + onnx.save
-Each cell is the median of --repeat runs (onnxscript: one run, and only up to --onnxscript-max
-nodes, because it takes minutes beyond that). Prints a table and the targets.
+Builds CNN, transformer and mixed (both, side by side in one graph) models of about 10k and
+100k nodes (fuser.models.synthetic), writes each to disk, then runs whole processes on the same
+file, one after another:
+  fuser   `fuser fuse IN -o OUT -q --cache FRESH` (import + load + match + decide + rewrite +
+          verify + save), with a cold tuning cache: a new, empty cache file on every run
+  floor   a bare `python -c "import onnx; m = onnx.load(IN); onnx.save(m, OUT)"`: what any tool
+          that reads and writes the file pays
+  ort     onnxruntime's optimizer: InferenceSession with ORT_ENABLE_EXTENDED writing
+          optimized_model_filepath
+Each cell is the median of --repeat runs of wall seconds; peak RSS is each process's own
+(os.wait4's rusage of that child), and CPU seconds (user + sys) are shown beside the wall
+time, since on a shared machine wall time also counts waiting for a core. Prints fuser/floor,
+fuser/ort, the RSS ratio fuser/floor and the 100k/10k growth; the targets: fuser within 2x of
+the floor, RSS within 1.5x, growth under 11.
+
+A real-CNN row runs the same three on an exported EfficientNet-style model (`--cnn-file`,
+default tests/data/exported/efficientnet-dynamo18.onnx; where that file does not exist yet,
+tests/data/exported/cnn-dynamo18.onnx, with a note).
 
 `--bodies` adds what the function bodies cost (fuser writes one per fused op variant, so that
 a plain onnxruntime runs the fused model): file size and stock `InferenceSession` load time of
 the original, the fused model with bodies, and the fused model without (`--no-functions`,
 which stock onnxruntime refuses; its load time through fuser's plugin is shown instead).
-`--no-speed` skips the timing table.
+`--no-speed` skips the timing table; `--onnxscript` adds the onnxscript rewriter (default rules)
+up to --onnxscript-max nodes.
 
-    python benchmarks/fuse_speed.py [--sizes 1000,10000,100000] [--repeat 3] [--bodies]
+    python benchmarks/fuse_speed.py [--sizes 10000,100000] [--families cnn,transformer,mixed]
+                                    [--repeat 3] [--cnn-file PATH] [--bodies]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -39,46 +55,17 @@ so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
 so.optimized_model_filepath = sys.argv[2]
 ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
 """
+FLOOR_SCRIPT = """
+import sys, onnx
+model = onnx.load(sys.argv[1])
+onnx.save(model, sys.argv[2])
+"""
 ONNXSCRIPT_SCRIPT = """
 import sys, onnx
 from onnxscript import rewriter
 model = onnx.load(sys.argv[1])
 onnx.save(rewriter.rewrite(model), sys.argv[2])
 """
-
-
-def timed(cmd: list[str], cwd: Path, limit: float | None = None) -> float | None:
-    """Wall seconds of a whole process; None if it ran past `limit` (then it is stopped)."""
-    start = time.perf_counter()
-    try:
-        result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=limit)
-    except subprocess.TimeoutExpired:
-        return None
-    elapsed = time.perf_counter() - start
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:3])} failed: {result.stderr.strip().splitlines()[-1:]}")
-    return elapsed
-
-
-def median_of(cmd: list[str], cwd: Path, repeat: int, limit: float | None = None) -> float | None:
-    """Median of `repeat` runs; None (not waited for) as soon as one runs past `limit`."""
-    times = []
-    for _ in range(repeat):
-        t = timed(cmd, cwd, limit)
-        if t is None:
-            return None
-        times.append(t)
-    return statistics.median(times)
-
-
-def show(seconds: float | None, limit: float) -> str:
-    return f"> {limit:.0f}" if seconds is None else f"{seconds:.2f}"
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    if a is None or b is None:
-        return "-"
-    return f"{a / b:.2f}"
 
 
 def load_seconds(path: Path, repeat: int, plugin: bool = False) -> float | str:
@@ -110,13 +97,12 @@ def bodies_table(families: list[str], sizes: list[int], repeat: int) -> Table:
     )
     for column in ("model", "nodes", "file", "bytes", "vs original", "stock load s", "plugin s"):
         table.add_column(column, justify="left" if column in ("model", "file") else "right")
-    builders = {"cnn": cnn_graph, "transformer": transformer_graph}
     fuser_cmd = [sys.executable, "-m", "fuser.cli", "fuse"]
     with tempfile.TemporaryDirectory(prefix="fuse-bodies-") as folder:
         work = Path(folder)
         for family in families:
             for size in sizes:
-                model = builders[family](size)
+                model = BUILDERS[family](size)
                 original = work / f"{family}_{size}.onnx"
                 onnx.save(model, original)
                 files = {"original": original}
@@ -147,91 +133,228 @@ def bodies_table(families: list[str], sizes: list[int], repeat: int) -> Table:
     return table
 
 
+@dataclass(frozen=True)
+class Run:
+    """One whole process: wall and CPU seconds, peak RSS in MB (medians over repeats)."""
+
+    wall: float
+    cpu: float
+    rss_mb: float
+
+
+def run_process(cmd: list[str], cwd: Path, limit: float | None = None) -> Run | None:
+    """Run `cmd` to its end; its own wall time, CPU time and peak RSS (os.wait4 reports that
+    child's rusage alone). None if it ran past `limit` seconds (then it is killed)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = None if limit is None else start + limit
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if deadline is not None and time.perf_counter() > deadline:
+            proc.kill()
+            os.wait4(proc.pid, 0)
+            return None
+        time.sleep(0.01)
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed: {stderr.strip().splitlines()[-1:]}")
+    # ru_maxrss is in kilobytes on Linux
+    return Run(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024)
+
+
+def median_run(
+    make_cmd: Callable[[int], list[str]], cwd: Path, repeat: int, limit: float | None = None
+) -> Run | None:
+    """Medians of `repeat` runs (`make_cmd(i)` gives run i's command); None as soon as one
+    runs past `limit`."""
+    runs = []
+    for i in range(repeat):
+        found = run_process(make_cmd(i), cwd, limit)
+        if found is None:
+            return None
+        runs.append(found)
+    return Run(
+        statistics.median(r.wall for r in runs),
+        statistics.median(r.cpu for r in runs),
+        statistics.median(r.rss_mb for r in runs),
+    )
+
+
+def mixed_graph(n_nodes: int) -> onnx.ModelProto:
+    """A CNN and a transformer stack of n_nodes/2 each, side by side in one graph (two inputs,
+    two outputs): a model whose fusions come from every family at once."""
+    cnn = cnn_graph(n_nodes // 2, opset=17)
+    stack = transformer_graph(n_nodes - n_nodes // 2)
+    graph = cnn.graph
+    names = {o for n in graph.node for o in n.output} | {t.name for t in graph.initializer}
+    clash = names & ({o for n in stack.graph.node for o in n.output}
+                     | {t.name for t in stack.graph.initializer})  # fmt: skip
+    if clash:
+        raise ValueError(f"mixed graph: value names in both halves, e.g. {sorted(clash)[:3]}")
+    graph.name = "synthetic_mixed"
+    for field in ("node", "input", "output", "initializer", "value_info"):
+        getattr(graph, field).extend(getattr(stack.graph, field))
+    return cnn
+
+
+BUILDERS: dict[str, Callable[[int], onnx.ModelProto]] = {
+    "cnn": cnn_graph,
+    "transformer": transformer_graph,
+    "mixed": mixed_graph,
+}
+EXPORTED = Path(__file__).resolve().parent.parent / "tests" / "data" / "exported"
+REAL_CNN = EXPORTED / "efficientnet-dynamo18.onnx"
+REAL_CNN_FALLBACK = EXPORTED / "cnn-dynamo18.onnx"
+
+
+def cell(run: Run | None, limit: float) -> str:
+    return f"> {limit:.0f}" if run is None else f"{run.wall:.2f} ({run.cpu:.2f})"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "-"
+    return f"{a / b:.2f}"
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    nodes: int
+    fused_nodes: int
+    fuser: Run
+    floor: Run
+    ort: Run | None
+    onnxscript: Run | None = None
+
+
+def measure(label: str, path: Path, work: Path, args: argparse.Namespace, onnxscript: bool) -> Row:
+    out = work / "out.onnx"
+    fuser_cmd = [sys.executable, "-m", "fuser.cli", "fuse", str(path), "-o", str(out), "-q"]
+
+    def fuser_run(i: int) -> list[str]:  # a cold tuning cache: a fresh file per run
+        return [*fuser_cmd, "--cache", str(work / f"cache-{label}-{i}-{time.time_ns()}.json")]
+
+    fuser = median_run(fuser_run, work, args.repeat)
+    assert fuser is not None
+    fused_nodes = len(onnx.load(out, load_external_data=False).graph.node)
+    floor = median_run(
+        lambda i: [sys.executable, "-c", FLOOR_SCRIPT, str(path), str(work / "floor.onnx")],
+        work,
+        args.repeat,
+    )
+    assert floor is not None
+    ort = median_run(
+        lambda i: [sys.executable, "-c", ORT_SCRIPT, str(path), str(work / "ort.onnx")],
+        work,
+        args.ort_repeat,
+        args.limit,
+    )
+    script = None
+    if onnxscript:
+        cmd = [sys.executable, "-c", ONNXSCRIPT_SCRIPT, str(path), str(work / "os.onnx")]
+        script = median_run(lambda i: cmd, work, 1, args.limit)
+    nodes = len(onnx.load(path, load_external_data=False).graph.node)
+    return Row(label, nodes, fused_nodes, fuser, floor, ort, script)
+
+
+def speed_table(rows: list[Row], limit: float, onnxscript: bool) -> Table:
+    table = Table(
+        title="fuse a model file: whole processes, median wall s (CPU s), peak RSS MB",
+        title_justify="left",
+    )
+    columns = ["model", "nodes", "fused", "fuser s", "floor s", "ort s", "fuser/floor",
+               "fuser/ort", "cpu fuser/floor", "fuser MB", "floor MB", "ort MB",
+               "RSS fuser/floor"]  # fmt: skip
+    if onnxscript:
+        columns.append("onnxscript s")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for r in rows:
+        cells = [
+            r.label,
+            str(r.nodes),
+            str(r.fused_nodes),
+            cell(r.fuser, limit),
+            cell(r.floor, limit),
+            cell(r.ort, limit),
+            ratio(r.fuser.wall, r.floor.wall),
+            ratio(r.fuser.wall, r.ort.wall if r.ort else None),
+            ratio(r.fuser.cpu, r.floor.cpu),
+            f"{r.fuser.rss_mb:.0f}",
+            f"{r.floor.rss_mb:.0f}",
+            f"{r.ort.rss_mb:.0f}" if r.ort else "-",
+            ratio(r.fuser.rss_mb, r.floor.rss_mb),
+        ]
+        if onnxscript:
+            cells.append(cell(r.onnxscript, limit))
+        table.add_row(*cells)
+    return table
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1000,10000,100000")
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--sizes", default="10000,100000")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--families", default="cnn,transformer")
+    parser.add_argument("--ort-repeat", type=int, default=1, help="runs of onnxruntime's optimizer")
+    parser.add_argument("--families", default="cnn,transformer,mixed")
+    parser.add_argument("--cnn-file", type=Path, default=REAL_CNN, help="the real-CNN row's model")
+    parser.add_argument("--no-real-cnn", action="store_true", help="skip the real-CNN row")
+    parser.add_argument("--onnxscript", action="store_true", help="add the onnxscript rewriter")
     parser.add_argument("--onnxscript-max", type=int, default=10000)
     parser.add_argument(
         "--limit",
         type=float,
-        default=300.0,
+        default=600.0,
         help="seconds an anchor may take before it is reported as '> limit'",
     )
     parser.add_argument("--bodies", action="store_true", help="add the function-body cost table")
     parser.add_argument("--no-speed", action="store_true", help="skip the fuse-time table")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    console = Console(width=160)
+    families = args.families.split(",")
+    console = Console(width=200)
     if args.bodies:
-        console.print(bodies_table(args.families.split(","), sizes, args.repeat))
+        console.print(bodies_table([f for f in families if f != "mixed"], sizes, args.repeat))
     if args.no_speed:
         return
-    fuser_cmd = [sys.executable, "-m", "fuser.cli", "fuse"]
-    table = Table(title="time to fuse a model file (whole process, median)", title_justify="left")
-    for column in (
-        "model",
-        "nodes",
-        "fused",
-        "fuser s",
-        "ort s",
-        "onnxscript s",
-        "fuser/ort",
-        "onnxscript/fuser",
-    ):
-        table.add_column(column, justify="left" if column == "model" else "right")
-    fuser_times: dict[tuple[str, int], float] = {}
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="fuse-speed-") as folder:
         work = Path(folder)
-        builders = {"cnn": cnn_graph, "transformer": transformer_graph}
-        for family in args.families.split(","):
-            build = builders[family]
+        for family in families:
             for size in sizes:
-                model = build(size)
                 path = work / f"{family}_{size}.onnx"
-                onnx.save(model, path)
-                nodes = len(model.graph.node)
-                t_fuser = median_of(
-                    [*fuser_cmd, str(path), "-o", str(work / "out.onnx")], work, args.repeat
-                )
-                assert t_fuser is not None
-                fused_nodes = len(onnx.load(work / "out.onnx").graph.node)
-                ort_cmd = [sys.executable, "-c", ORT_SCRIPT, str(path), str(work / "ort.onnx")]
-                t_ort = median_of(ort_cmd, work, args.repeat, args.limit)
-                t_os = None
-                ran_os = size <= args.onnxscript_max
-                if ran_os:
-                    os_cmd = [
-                        sys.executable,
-                        "-c",
-                        ONNXSCRIPT_SCRIPT,
-                        str(path),
-                        str(work / "os.onnx"),
-                    ]
-                    t_os = timed(os_cmd, work, args.limit)
-                fuser_times[(family, size)] = t_fuser
-                table.add_row(
-                    family,
-                    str(nodes),
-                    f"{nodes} -> {fused_nodes}",
-                    f"{t_fuser:.2f}",
-                    show(t_ort, args.limit),
-                    show(t_os, args.limit) if ran_os else "not run",
-                    ratio(t_fuser, t_ort),
-                    ratio(t_os, t_fuser)
-                    if t_os is not None
-                    else (f"> {args.limit / t_fuser:.0f}" if ran_os else "-"),
-                )
-                console.print(
-                    f"[dim]{family} {size}: fuser {t_fuser:.2f}s ort {show(t_ort, args.limit)}s[/]"
-                )
-    console.print(table)
-    for family in ("cnn", "transformer"):
-        if (family, 10000) in fuser_times and (family, 100000) in fuser_times:
-            growth = fuser_times[(family, 100000)] / fuser_times[(family, 10000)]
-            console.print(f"{family}: 100k/10k fuser time ratio {growth:.1f} (target < 12: linear)")
-    console.print("targets at 10k nodes: fuser/ort <= 1.0; onnxscript/fuser >= 10")
+                onnx.save(BUILDERS[family](size), path)
+                row = measure(f"{family} {size // 1000}k", path, work, args,
+                              args.onnxscript and size <= args.onnxscript_max)  # fmt: skip
+                rows.append(row)
+                fuser, floor = cell(row.fuser, args.limit), cell(row.floor, args.limit)
+                ort = cell(row.ort, args.limit)
+                console.print(f"[dim]{row.label}: fuser {fuser} floor {floor} ort {ort}[/]")
+        if not args.no_real_cnn:
+            real = args.cnn_file
+            if not real.exists() and real == REAL_CNN:
+                console.print(f"note: {REAL_CNN.name} is not in this tree yet; the real-CNN row "
+                              f"uses {REAL_CNN_FALLBACK.name} instead")  # fmt: skip
+                real = REAL_CNN_FALLBACK
+            rows.append(measure(f"real: {real.name}", real, work, args, False))
+    console.print(speed_table(rows, args.limit, args.onnxscript))
+    by_label = {r.label: r for r in rows}
+    for family in families:
+        small, large = by_label.get(f"{family} 10k"), by_label.get(f"{family} 100k")
+        if small and large:
+            console.print(
+                f"{family}: 100k/10k growth: fuser wall {large.fuser.wall / small.fuser.wall:.1f}"
+                f" (CPU {large.fuser.cpu / small.fuser.cpu:.1f}), floor wall "
+                f"{large.floor.wall / small.floor.wall:.1f}"
+            )
+    console.print(
+        "targets: fuser/floor <= 2 (cold tuning cache), RSS fuser/floor <= 1.5, growth < 11"
+    )
 
 
 if __name__ == "__main__":

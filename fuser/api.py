@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +16,7 @@ from .body_check import BodyCheckedDecider
 from .decide import Decider
 from .errors import UsageError
 from .finish import FuseOptions, finish
+from .graph import TypeTable
 from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
 from .normalize import fill_outputs, normalize
 from .registry import select
@@ -41,6 +42,11 @@ class FusionResult:
     source: LoadedModel
     # What onnx's checker said of an input that onnxruntime runs anyway (fused regardless).
     warnings: tuple[str, ...] = ()
+    # The input as fuse read and normalized it, and its inferred types, when asked to keep
+    # them (`fuse(..., keep_original=True)`): `validate(result.original, result)` then neither
+    # loads the input again nor re-runs shape inference on it.
+    original: LoadedModel | None = None
+    original_types: Mapping[str, TypeTable] | None = None
 
     def save(
         self,
@@ -71,13 +77,18 @@ def fuse(
     decider: Decider | None = None,
     functions: bool = True,
     dims: Mapping[str, int] | None = None,
+    keep_original: bool = False,
+    progress: engine.Progress | None = None,
 ) -> FusionResult:
     """Fuse the operator chains of `model` (a path, bytes or ModelProto; never modified).
 
     With `functions` (the default) each fused op type gets a function body in the model, so
     a plain `onnxruntime.InferenceSession` runs it; `functions=False` writes the bare ops.
     `dims` gives named symbolic dims a size for pricing (as `--dim`); the cost model decides
-    the others over a range of sizes.
+    the others over a range of sizes. `keep_original` keeps a copy of the input as read (and
+    normalized) in `result.original`, for `validate(result.original, result)`.
+    `progress(stage, done, total)` is told each stage as it starts ("load", "match", "decide",
+    "finish", "verify") and how far the passes are.
 
     >>> result = fuse("model.onnx")                      # doctest: +SKIP
     >>> result.report.summary                            # doctest: +SKIP
@@ -86,13 +97,20 @@ def fuse(
     """
     clock = engine.timed()
     next(clock)
+    report = progress or _no_progress
+    report("load", 0, 1)
     chosen = select(pattern_names(patterns), pattern_names(disable) or ())
     check_target(target)
     loaded = load_model(model)
     normalized = normalize(loaded)  # what onnxruntime tolerates, fixed in fuser's copy
-    types = engine.infer_types(loaded.model)
-    normalized += fill_outputs(loaded.model, types.get(""))
-    warnings = engine.check_structure(loaded)
+    checked = engine.check_and_infer(loaded)  # one serialization for both, where it can
+    if checked is not None:
+        types, warnings = checked
+    else:  # an untyped graph input or output: inference types outputs before the checker
+        types = engine.infer_types(loaded.model)
+        normalized += fill_outputs(loaded.model, types.get(""))
+        warnings = engine.check_structure(loaded)
+    original = _copy_of(loaded) if keep_original else None
     seconds = {"load": next(clock)}
     before = engine.count_nodes(loaded.model.graph)
     decider = decider or _default_decider(target, force, cache, dims)
@@ -104,8 +122,9 @@ def fuse(
             {d: v for d, v in imports.items() if d},
             functions_mod.elem_types_from(types),
         )
-    log = engine.run_passes(loaded, chosen, decider, types)
+    log = engine.run_passes(loaded, chosen, decider, types, progress)
     seconds["match_rewrite"] = next(clock)
+    report("finish", 0, 1)
     # -- finish the output: function bodies, producer, provenance (fuser/finish.py) --
     # Only a model that holds fused nodes is finished: one with nothing to fuse is written as
     # it was read (normalized at most), not re-stamped or moved to a newer IR version.
@@ -116,10 +135,11 @@ def fuse(
             FuseOptions(target, tuple(p.name for p in chosen), force, functions),
         )
     seconds["finish"] = next(clock)
+    report("verify", 0, 1)
     if log.fusions or normalized:
         engine.verify(loaded.model, loaded.label)
     seconds["verify"] = next(clock)
-    report = FusionReport(
+    summary = FusionReport(
         target=target,
         patterns=tuple(p.name for p in chosen),
         fusions=tuple(log.fusions),
@@ -129,7 +149,20 @@ def fuse(
         seconds=seconds,
         normalized=(*normalized, *warnings),
     )
-    return FusionResult(loaded.model, report, loaded, warnings)
+    return FusionResult(
+        loaded.model, summary, loaded, warnings, original, types if keep_original else None
+    )
+
+
+def _copy_of(loaded: LoadedModel) -> LoadedModel:
+    """A copy of the loaded model (the passes rewrite `loaded.model` in place)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(loaded.model)
+    return replace(loaded, model=model)
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    return None
 
 
 def pattern_names(names: str | Sequence[str] | None) -> list[str] | None:
@@ -198,7 +231,7 @@ def inspect(
 
 
 def validate(
-    original: ModelSource | FusionResult | UnfuseResult,
+    original: ModelSource | LoadedModel | FusionResult | UnfuseResult,
     fused: ModelSource | FusionResult | UnfuseResult,
     *,
     runs: int = 3,
@@ -216,9 +249,10 @@ def validate(
 
     Symbolic dims take `dims[name]`, else `dim_size`. A `FusionResult` or `UnfuseResult` may be
     passed as is (its external tensors are found next to its input; a fusion report names the
-    nodes each fused node replaced). Raises only fuser's errors (`ValidationInputError`,
-    `ValidationRunError`, `UsageError`, `ModelLoadError`), never a raw onnxruntime or numpy
-    exception.
+    nodes each fused node replaced). `validate(result.original, result)` on a result fused with
+    `keep_original=True` reuses the input fuse read and its types: nothing is loaded again.
+    Raises only fuser's errors (`ValidationInputError`, `ValidationRunError`, `UsageError`,
+    `ModelLoadError`), never a raw onnxruntime or numpy exception.
 
     >>> result = validate("model.onnx", "model.fused.onnx", kernel="reference")  # doctest: +SKIP
     >>> result.ok, [c.message() for c in result.failures]                       # doctest: +SKIP
@@ -231,6 +265,9 @@ def validate(
         if isinstance(r, FusionResult)
         for f in r.report.fusions
     }
+    types = None  # the original's inferred types, when fuse kept them with the original
+    if isinstance(fused, FusionResult) and fused.original is not None:
+        types = fused.original_types if original is fused.original else None
     return validate_models(
         as_loaded(original),
         as_loaded(fused),
@@ -244,14 +281,17 @@ def validate(
         kernel=kernel,
         target=target,
         replaced=replaced,
+        types=types,
         progress=progress,
     )
 
 
-def as_loaded(model: ModelSource | FusionResult | UnfuseResult) -> LoadedModel:
+def as_loaded(model: ModelSource | LoadedModel | FusionResult | UnfuseResult) -> LoadedModel:
     """The model as loaded; a result's external tensors are found next to its input."""
     from .unfused import UnfuseResult
 
+    if isinstance(model, LoadedModel):
+        return model
     if isinstance(model, FusionResult | UnfuseResult):
         source = model.source
         return LoadedModel(model.model, source.base_dir, f"fused {source.label}", source.external)

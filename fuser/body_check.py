@@ -5,8 +5,11 @@ opset, so `fuse` never fails late on it: the match becomes a near-miss saying wh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from .bodies.builder import BodyError, BodyRequest
 from .decide import Decider, Decision
@@ -23,6 +26,10 @@ class BodyCheckedDecider:
     domains: Mapping[str, int]  # the model's other opset imports
     elem_types: Callable[[str], int]  # element type of a value of the main graph (0: unknown)
 
+    # Verdicts by request (a model repeats the same few variants thousands of times, and
+    # building a body costs more than the rest of a rewrite): None = the body builds.
+    verdicts: dict[Hashable, str | None] = field(default_factory=dict, compare=False)
+
     def decide(self, graph: GraphIndex, match: Match) -> Decision:
         op = match.op
         if op.body is not None:
@@ -36,13 +43,46 @@ class BodyCheckedDecider:
                 opset=self.opset,
                 domains=dict(self.domains),
             )
-            try:
-                op.body(request)
-            except BodyError as exc:
+            failed = self._body_error(request)
+            if failed is not None:
                 return Decision(
                     False,
-                    f"{op.name} has no ONNX function body at opset {self.opset} ({exc}); "
+                    f"{op.name} has no ONNX function body at opset {self.opset} ({failed}); "
                     "--no-functions would fuse it as a bare op (fuser's plugin or an NPU "
                     "backend only)",
                 )
         return self.inner.decide(graph, match)
+
+    def _body_error(self, request: BodyRequest) -> str | None:
+        """Why `request`'s body cannot be built, or None; once per distinct request."""
+        key = _key(request)
+        if key is not None and key in self.verdicts:
+            return self.verdicts[key]
+        assert request.op.body is not None
+        try:
+            request.op.body(request)
+            verdict = None
+        except BodyError as exc:
+            verdict = str(exc)
+        if key is not None:
+            self.verdicts[key] = verdict
+        return verdict
+
+
+def _key(request: BodyRequest) -> Hashable | None:
+    """What a body depends on, hashable; None if an attribute value is not (then no cache)."""
+    try:
+        attributes = tuple(sorted((k, _frozen(v)) for k, v in request.attributes.items()))
+        key = (request.op.name, attributes, request.inputs, request.outputs, request.input_types)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return (value.dtype.str, value.shape, value.tobytes())
+    return value

@@ -28,6 +28,8 @@ import onnx
 from google.protobuf.message import Message
 from onnx import defs, helper
 
+from .graph import may_hold_subgraphs
+
 LEGACY_DOMAIN = "fuser.ort_legacy"
 # The op's name there: not "LayerNormalization", since a second schema of an ONNX op's name in
 # any domain breaks onnx.reference (it looks schemas up by name alone).
@@ -119,6 +121,8 @@ def _register() -> None:
 def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     yield graph
     for node in graph.node:
+        if not may_hold_subgraphs(node):
+            continue
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
                 yield from _graphs(attr.g)

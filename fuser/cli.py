@@ -53,7 +53,11 @@ for _command in COMMANDS:
 
 def main() -> None:
     """Console-script entry point."""
+    from .cli_patterns import run_fast
+
     try:
+        if run_fast(sys.argv[1:]):
+            return
         app()
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,8 +25,9 @@ from .cli_common import (
     split_names,
     table,
 )
+from .cli_progress import StageBar
 from .cli_report import page_data
-from .cli_validate import InputOption, KernelOption, RunsOption, print_validation, progress_bar
+from .cli_validate import InputOption, KernelOption, RunsOption, print_validation
 from .errors import FuserError, UsageError
 
 
@@ -75,11 +75,18 @@ def fuse(
     runs: RunsOption = 3,
     dim: DimOption = None,
     dim_size: DimSizeOption = 3,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="print only errors and warnings: no report, no progress bar"
+        ),
+    ] = False,
 ) -> None:
     """Fuse a model: prints what was fused, what was not and why, and writes OUTPUT."""
     from .api import fuse as run_fuse
     from .api import validate as run_validate
 
+    bar = StageBar(quiet=quiet)
     try:
         source, label = resolve_input(input)
         for path in (output, report, html):
@@ -87,36 +94,34 @@ def fuse(
                 raise UsageError(f"{path}: output would overwrite the input; choose another path")
             if path is not None and path.is_dir():  # fail before fusing, not after
                 raise UsageError(f"{path}: is a directory; give a file path")
-        with (
-            err.status(f"fusing {label}", spinner="dots")
-            if err.is_terminal
-            else contextlib.nullcontext()
-        ):
-            result = run_fuse(
-                source,
-                split_names(patterns),
-                split_names(disable) or (),
-                target,
-                force=force,
-                cache=False if no_cache else cache,
-                functions=not no_functions,
-                dims=parse_dims(dim or []),  # the cost model prices named dims at these sizes
-            )
+        result = run_fuse(
+            source,
+            split_names(patterns),
+            split_names(disable) or (),
+            target,
+            force=force,
+            cache=False if no_cache else cache,
+            functions=not no_functions,
+            dims=parse_dims(dim or []),  # the cost model prices named dims at these sizes
+            keep_original=validate,  # validation reuses the input as read: loaded once
+            progress=bar,
+        )
         validation = None
         if validate:  # --input, --kernel, --runs, --dim, --dim-size: as `fuser validate`
-            with progress_bar("validating") as progress:
-                validation = run_validate(
-                    source,
-                    result,
-                    target=target,
-                    kernel=kernel,
-                    runs=runs,
-                    inputs=parse_inputs(input_ or []),
-                    dims=parse_dims(dim or []),
-                    dim_size=dim_size,
-                    progress=progress,
-                )
+            bar("validate", 0, runs)
+            validation = run_validate(
+                result.original or source,
+                result,
+                target=target,
+                kernel=kernel,
+                runs=runs,
+                inputs=parse_inputs(input_ or []),
+                dims=parse_dims(dim or []),
+                dim_size=dim_size,
+                progress=bar.validation(),
+            )
         if validation is not None and not validation.ok:
+            bar.close()
             print_validation(validation)
             raise fail(f"{label}: the fused model does not match the original; nothing written", 1)
         # The page is made before anything is written: a failure leaves no output at all.
@@ -129,19 +134,26 @@ def fuse(
                 data["validation"] = validation.to_dict()
         # The model and the report are written as one step: both appear, or neither.
         extra = {report: json.dumps(data, indent=2).encode()} if report is not None else None
+        bar("save", 0, 1)
         written = result.save(output, extra=extra)
         if html is not None and page is not None:
             from .html_report import write_html
 
             written.append(write_html(html, page))
     except FuserError as exc:
+        bar.close()
         raise fail(str(exc)) from None
     except OSError as exc:
+        bar.close()
         raise fail(f"{exc.filename or output}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        bar.close()
     for warning in result.warnings:
         err.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if as_json:
         print_json(data)
+        return
+    if quiet:  # errors, warnings and a failed validation still print
         return
     print_report(result.report, label)
     if validation is not None:

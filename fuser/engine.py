@@ -10,8 +10,8 @@ enclosing graph visible for constants and types.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from .decide import Decider
 from .errors import FusionError, ModelLoadError
 from .finish import describe
 from .fusedop import DOMAIN, VERSION, TensorInfo
-from .graph import GraphIndex, TypeTable, _node_subgraphs
+from .graph import GraphIndex, TypeTable, may_hold_subgraphs, node_subgraphs
 from .matcher import check_match
 from .modelio import LoadedModel
 from .pattern import Match, Pattern, Rejection
@@ -41,7 +41,8 @@ class PassLog:
 
 def count_nodes(graph: onnx.GraphProto) -> int:
     """Nodes in a graph and all its subgraphs."""
-    return sum(1 + sum(count_nodes(g) for g in _node_subgraphs(n)) for n in graph.node)
+    nested = [g for n in graph.node if may_hold_subgraphs(n) for g in node_subgraphs(n)]
+    return len(graph.node) + sum(count_nodes(g) for g in nested)
 
 
 def opset_map(model: onnx.ModelProto) -> dict[str, int]:
@@ -68,15 +69,49 @@ def _first_line(exc: Exception) -> str:
 def infer_types(model: onnx.ModelProto) -> dict[str, TypeTable]:
     """Element types and shapes of every value, per graph path (shape inference on a copy)."""
     ensure_fused_ops_registered()
+    return _infer_view(inference_view(model), model)
+
+
+def _infer_view(view: onnx.ModelProto | bytes, model: onnx.ModelProto) -> dict[str, TypeTable]:
+    """Types from shape inference on `view` (a model or its serialization); `model`'s own
+    annotations where inference fails."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(
-            inference_view(model), check_type=False, strict_mode=False
-        )
+        inferred = onnx.shape_inference.infer_shapes(view, check_type=False, strict_mode=False)
     except Exception:  # inference is best-effort here; patterns refuse what they cannot type
         inferred = model
     types: dict[str, TypeTable] = {}
-    _collect_types(inferred.graph, "", types)
+    if inferred is model or any(may_hold_subgraphs(n) for n in inferred.graph.node):
+        _collect_types(inferred.graph, "", types)
+        return types
+    # No subgraph: keep the inferred values' protos alone (the type table holds the protos it
+    # converts lazily, and holding any of the inferred copy keeps all of it alive); the
+    # initializers' types come from the model's own tensors.
+    slim = onnx.GraphProto()
+    slim.input.extend(inferred.graph.input)
+    slim.output.extend(inferred.graph.output)
+    slim.value_info.extend(inferred.graph.value_info)
+    del inferred
+    _collect_types(slim, "", types)
+    for tensor in model.graph.initializer:
+        types[""].add_proto(tensor.name, tensor)
     return types
+
+
+def check_and_infer(loaded: LoadedModel) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
+    """`check_structure` and `infer_types` on one serialization of the model's view, when
+    both tools see the same view: every graph input and output typed (then the checker needs
+    no placeholder and there is no output for inference to fill in). None otherwise: call
+    them one by one. Serializing a large model costs about as much as either tool's work."""
+    view = checker_view(loaded.model)
+    if view.warnings:
+        return None
+    ensure_fused_ops_registered()
+    data = view.model.SerializeToString()
+    try:
+        onnx.checker.check_model(data, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
+    return _infer_view(data, loaded.model), ()
 
 
 def _collect_types(graph: onnx.GraphProto, path: str, out: dict[str, TypeTable]) -> None:
@@ -87,6 +122,8 @@ def _collect_types(graph: onnx.GraphProto, path: str, out: dict[str, TypeTable])
         table.add_proto(tensor.name, tensor)
     out[path] = table
     for node in graph.node:
+        if not may_hold_subgraphs(node):
+            continue
         for attr in node.attribute:
             subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
             for i, sub in enumerate(subs):
@@ -102,19 +139,47 @@ def _sub_path(path: str, node: onnx.NodeProto, attr: str, i: int, n: int) -> str
 sub_path = _sub_path  # public: how type tables name a subgraph (the plugin walks them too)
 
 
+# Stage progress: `progress(stage, done, total)`, stage "match" while patterns scan the graph
+# and "decide" while the decider prices a match; done/total count (node, pattern) visits.
+Progress = Callable[[str, int, int], None]
+# Nodes visited between two progress reports (a report per node would cost more than a visit).
+PROGRESS_EVERY = 256
+
+
+@dataclass
+class _Ticker:
+    """Counts visits and forwards every PROGRESS_EVERY-th (and each stage change) to `report`."""
+
+    report: Progress | None
+    total: int
+    done: int = 0
+
+    def visit(self) -> None:
+        self.done += 1
+        if self.report is not None and self.done % PROGRESS_EVERY == 0:
+            self.report("match", min(self.done, self.total), self.total)
+
+    def stage(self, name: str) -> None:
+        if self.report is not None:
+            self.report(name, min(self.done, self.total), self.total)
+
+
 def run_passes(
     loaded: LoadedModel,
     patterns: Sequence[Pattern],
     decider: Decider,
     types: dict[str, TypeTable],
+    progress: Progress | None = None,
 ) -> PassLog:
     """Apply `patterns` to the model in place (graph and subgraphs); return what happened."""
     log = PassLog()
     opsets = opset_map(loaded.model)
     main = GraphIndex.build(loaded.model.graph, loaded, opsets, types.get("") or TypeTable())
+    ticker = _Ticker(progress, max(1, len(main.nodes) * len(patterns)))
+    ticker.stage("match")
     for index in _walk(main, loaded, opsets, types):
         for pattern in patterns:
-            _run_pattern(index, pattern, decider, log)
+            _run_pattern(index, pattern, decider, log, ticker)
         index.write_back()
     if log.fusions and DOMAIN not in opsets:
         loaded.model.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
@@ -131,6 +196,8 @@ def _walk(
     yield index
     for node_id in list(index.live_nodes()):
         node = index.node(node_id)
+        if not may_hold_subgraphs(node):
+            continue
         for attr in node.attribute:
             subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
             for i, sub in enumerate(subs):
@@ -141,9 +208,12 @@ def _walk(
                 yield from _walk(child, loaded, opsets, types)
 
 
-def _run_pattern(index: GraphIndex, pattern: Pattern, decider: Decider, log: PassLog) -> None:
+def _run_pattern(
+    index: GraphIndex, pattern: Pattern, decider: Decider, log: PassLog, ticker: _Ticker
+) -> None:
     anchors = set(pattern.anchors)
     for node_id in list(index.live_nodes()):
+        ticker.visit()
         node = index.nodes.get(node_id)
         if node is None or (node.domain or "", node.op_type) not in anchors:
             continue
@@ -157,7 +227,9 @@ def _run_pattern(index: GraphIndex, pattern: Pattern, decider: Decider, log: Pas
                 RejectionRecord(found.pattern, found.nodes, found.reason, found.value, index.path)
             )
             continue
+        ticker.stage("decide")
         decision = decider.decide(index, found)
+        ticker.stage("match")
         if not decision.fuse:
             log.rejected.append(
                 RejectionRecord(
@@ -169,9 +241,24 @@ def _run_pattern(index: GraphIndex, pattern: Pattern, decider: Decider, log: Pas
                 )
             )
             continue
+        disagreement = inferred_type_disagreement(
+            index, found, fused_attributes(found, decision.attributes)
+        )
+        if disagreement is not None:
+            log.rejected.append(
+                RejectionRecord(
+                    pattern.name,
+                    tuple(index.describe(i) for i in found.nodes),
+                    disagreement[0],
+                    disagreement[1],
+                    index.path,
+                )
+            )
+            continue
+        notes = found.notes
         if decision.reason:  # e.g. "predicted 2.3x faster (symbolic dims priced at 256 ...)"
-            found = replace(found, notes=(*found.notes, f"cost model: {decision.reason}"))
-        _apply(index, found, decision.attributes, decision.prediction, log)
+            notes = (*notes, f"cost model: {decision.reason}")
+        _apply(index, found, decision.attributes, decision.prediction, log, notes)
 
 
 def _apply(
@@ -180,14 +267,13 @@ def _apply(
     extra_attrs: Mapping[str, int],
     prediction: Prediction | None,
     log: PassLog,
+    notes: tuple[str, ...],
 ) -> None:
     replaced = tuple(index.describe(i) for i in match.nodes)
     anchor = index.node(match.nodes[0])
     base = anchor.name or f"{anchor.op_type}_{match.nodes[0]}"
     name = index.unique_node_name(f"{base}/{match.op.name}")
-    attributes = {k: v for k, v in match.attributes.items() if v is not None}
-    attributes.update(extra_attrs)
-    _check_inferred_types(index, match, attributes)
+    attributes = fused_attributes(match, extra_attrs)
     for reader, old, new in match.rewires:
         index.rewire_input(reader, old, new)
     fused = onnx.NodeProto(
@@ -208,7 +294,7 @@ def _apply(
             replaced,
             attributes,
             index.path,
-            match.notes,
+            notes,
             prediction,
         )
     )
@@ -232,11 +318,23 @@ def make_attribute(name: str, value: Any) -> onnx.AttributeProto:
     return attr
 
 
-def _check_inferred_types(index: GraphIndex, match: Match, attributes: Mapping[str, Any]) -> None:
-    """Shape inference of the fused node against what the original graph said of its outputs.
+def fused_attributes(match: Match, extra_attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """The fused node's attributes: the match's (absent ones dropped) plus the decider's."""
+    attributes = {k: v for k, v in match.attributes.items() if v is not None}
+    attributes.update(extra_attrs)
+    return attributes
+
+
+def inferred_type_disagreement(
+    index: GraphIndex, match: Match, attributes: Mapping[str, Any]
+) -> tuple[str, str] | None:
+    """Shape inference of the fused node against what the model says of its outputs: None if
+    they agree, else (reason, value).
 
     Only the rewritten nodes change, so this local check is what shape inference on the whole
-    result would add; a disagreement is a bug in a pattern, never the user's.
+    result would add. A disagreement is a near-miss, not an error: the model may declare a
+    type or shape its nodes do not compute (onnxruntime warns and runs it anyway), and a
+    fused node would then contradict the declaration, so the match is refused, naming both.
     """
     new = {t.name: TensorInfo(t.data_type, tuple(t.dims)) for t in match.new_initializers}
     infos: list[TensorInfo | None] = []
@@ -251,12 +349,15 @@ def _check_inferred_types(index: GraphIndex, match: Match, attributes: Mapping[s
         if known is None or got is None or known.elem_type == 0:
             continue
         if got.elem_type != known.elem_type or not _shapes_agree(got.shape, known.shape):
-            raise FusionError(
+            return (
+                f"the model declares {_show(known.elem_type, known.shape)} for '{value}', but "
                 f"{match.op.name} replacing '{index.describe(match.nodes[0])}' infers "
-                f"{_show(got.elem_type, got.shape)} for '{value}', but the original graph has "
-                f"{_show(known.elem_type, known.shape)}. This is a bug in fuser's pattern "
-                f"'{match.pattern}': please report it with the model"
+                f"{_show(got.elem_type, got.shape)} from its inputs; fused, the model would "
+                "contradict its own declaration (correct the value_info of "
+                f"'{value}' to fuse it)",
+                value,
             )
+    return None
 
 
 def _shapes_agree(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> bool:

@@ -78,7 +78,17 @@ def all_value_names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
+def may_hold_subgraphs(node: onnx.NodeProto) -> bool:
+    """Whether `node` can carry graph attributes: a standard op whose schema has them (If,
+    Loop, Scan, SequenceMap) or any op of another domain. No other standard op declares one
+    and onnx's checker refuses undeclared attributes, so a walk skips reading the attributes
+    of the other standard nodes (reading them is most of a walk over a large graph)."""
+    return node.op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx")
+
+
 def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    if not may_hold_subgraphs(node):
+        return
     for attr in node.attribute:
         if attr.type == onnx.AttributeProto.GRAPH:
             yield attr.g
@@ -254,7 +264,7 @@ class GraphIndex:
     def read_names(node: onnx.NodeProto) -> list[str]:
         """Every value a node reads: its inputs and what its subgraphs take from outer scope."""
         names = [name for name in node.input if name]
-        if node.op_type in _SUBGRAPH_OPS or node.domain:
+        if may_hold_subgraphs(node):
             for sub in _node_subgraphs(node):
                 names.extend(sorted(subgraph_free_names(sub)))
         return names

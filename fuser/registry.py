@@ -7,9 +7,11 @@ lower runs first). The engine knows no pattern by name; this module only collect
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from collections.abc import Iterable, Sequence
 from functools import cache
+from pathlib import Path
 
 from . import fusedop
 from .errors import UsageError
@@ -52,3 +54,83 @@ def select(patterns: Sequence[str] | None = None, disable: Iterable[str] = ()) -
         if name not in known:
             raise UsageError(f"unknown pattern '{name}'; known patterns: {', '.join(known)}")
     return [known[name] for name in known if name in wanted and name not in disabled]
+
+
+# -- the static manifest (`fuser/pattern_manifest.py`) ------------------------------------------
+
+MANIFEST_PATH = Path(__file__).with_name("pattern_manifest.py")
+LINE_LENGTH = 100  # ruff's, in pyproject.toml
+
+
+def manifest_rows() -> list[dict[str, str | list[str]]]:
+    """What `fuser patterns` lists, from the live registry: name, fused ops, what it matches."""
+    return [
+        {"name": p.name, "ops": [op.name for op in p.ops], "description": p.description}
+        for p in all_patterns()
+    ]
+
+
+def example_names() -> list[str]:
+    """The built-in examples `fuse example:NAME` accepts, from fuser.models."""
+    models = importlib.import_module("fuser.models")
+    return list(models.EXAMPLES)
+
+
+def render_manifest() -> str:
+    """The source of `fuser/pattern_manifest.py` for the live registry and examples (laid out
+    as `ruff format` would, so the generated file passes the format check as it is)."""
+    lines = [
+        '"""What `fuser patterns` prints, as data: listing the patterns imports neither onnx nor',
+        "numpy nor the kernels (importing the real registry takes most of a second).",
+        "",
+        "Generated from the registry by `python -m fuser.registry --write-manifest`;",
+        "tests/unit/test_pattern_manifest.py fails when it no longer equals the registry.",
+        '"""',
+        "",
+        "PATTERNS: list[dict[str, str | list[str]]] = [",
+    ]
+    for row in manifest_rows():
+        ops = ", ".join(json.dumps(op) for op in row["ops"])
+        lines += [
+            "    {",
+            f'        "name": {json.dumps(row["name"])},',
+            f'        "ops": [{ops}],',
+        ]
+        text = json.dumps(row["description"])
+        if len(f'        "description": {text},') <= LINE_LENGTH:
+            lines.append(f'        "description": {text},')
+        elif len(f"            {text}") <= LINE_LENGTH:
+            lines += ['        "description": (', f"            {text}", "        ),"]
+        else:
+            chunks = _chunks(str(row["description"]), 80)
+            lines.append('        "description": (')
+            lines += [f"            {json.dumps(c)}" for c in chunks]
+            lines.append("        ),")
+        lines.append("    },")
+    lines += ["]", "", "EXAMPLES: list[str] = ["]
+    lines += [f"    {json.dumps(name)}," for name in example_names()]
+    lines.append("]")
+    return "\n".join(lines) + "\n"
+
+
+def _chunks(text: str, width: int) -> list[str]:
+    """`text` cut after spaces into pieces of at most about `width` characters."""
+    chunks: list[str] = []
+    current = ""
+    for word in text.split(" "):
+        piece = word if not current else " " + word
+        if current and len(current) + len(piece) > width:
+            chunks.append(current + " ")
+            current = word
+        else:
+            current += piece
+    return [*chunks, current]
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--write-manifest"]:
+        sys.exit("usage: python -m fuser.registry --write-manifest")
+    MANIFEST_PATH.write_text(render_manifest())
+    print(f"wrote {MANIFEST_PATH}")
