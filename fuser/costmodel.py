@@ -209,7 +209,7 @@ class CostModelDecider:
                 self._memo[memo_key] = Priced(hit.predicted_cycles, dict(hit.tiling), symbolic)
                 return Priced(hit.predicted_cycles, dict(hit.tiling), symbolic)
         try:
-            result = kernel_search.search("fuser", op.name, metas, attrs, self.machine)
+            result = kernel_search.best("fuser", op.name, metas, attrs, self.machine)
         except KernelError as e:
             raise UnpriceableError(f"{op.name}: {e}") from None
         tiling = {
@@ -286,7 +286,7 @@ class CostModelDecider:
             inputs = self._with_constants(graph, node, metas)
             try:
                 if kernel_search.model_for(domain, node.op_type) is not None:
-                    cycles = kernel_search.search(
+                    cycles = kernel_search.best(
                         domain, node.op_type, metas, attrs, self.machine
                     ).best.cycles
                 else:
