@@ -38,9 +38,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import cost_model_accuracy as acc  # noqa: E402
-from fuser.kernels import search as kernel_search  # noqa: E402
-from fuser.kernels.npu.machine import load_target  # noqa: E402
+import cost_model_accuracy as acc
+from fuser.kernels import search as kernel_search
+from fuser.kernels.npu.machine import load_target
 
 
 def cases() -> list[tuple[str, str, str, tuple[Any, ...], dict[str, Any]]]:
@@ -57,7 +57,8 @@ def cases() -> list[tuple[str, str, str, tuple[Any, ...], dict[str, Any]]]:
         out.append(("fuser", c.op, c.label, c.metas, c.attrs))
     for c in lnmm:  # the unfused MatMul of the first Linear
         x, w = c.metas[0], c.metas[3]
-        assert x is not None and w is not None
+        assert x is not None
+        assert w is not None
         rows = 1
         for d in x.shape[:-1]:
             rows *= d
@@ -118,9 +119,10 @@ def fuse_times(paths: Sequence[str], target: str) -> None:
     import tempfile
 
     import onnx
+    from fuser.models import get_example
+
     from fuser import api
     from fuser.costmodel import CostModelDecider
-    from fuser.models import get_example
 
     spent = [0.0]
     decide = CostModelDecider.decide
@@ -171,6 +173,30 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _row(
+    domain: str, op: str, metas: Sequence[Any], attrs: dict[str, Any], machine: Any, repeat: int
+) -> dict[str, float]:
+    """One shape: space, exhaustive and fast search times, priced count, same pick."""
+    model = kernel_search.model_for(domain, op)
+    assert model is not None
+    space_ms, _ = _timed(lambda: model.space(metas, attrs, machine), repeat)
+    full_ms, full = _timed(lambda: kernel_search.search(domain, op, metas, attrs, machine), repeat)
+    fast_ms, fast = _timed(lambda: kernel_search.best(domain, op, metas, attrs, machine), repeat)
+    # The reference is every tiling priced (`search` beams spaces past its exhaustive limit).
+    model_, space = kernel_search.candidate_space(domain, op, metas, attrs, machine)
+    every = kernel_search.ranked(
+        [kernel_search.Priced(t, model_.cost(metas, attrs, t, machine)) for t in space]
+    )
+    return {
+        "space": space_ms,
+        "full": full_ms,
+        "fast": fast_ms,
+        "size": full.space_size,
+        "priced": len(fast.candidates),
+        "same": float(fast.best.tiling == every[0].tiling),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="ascend910b")
@@ -188,25 +214,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for domain, op, _label, metas, attrs in cases():
         if wanted and op not in wanted:
             continue
-        model = kernel_search.model_for(domain, op)
-        assert model is not None
-        space_ms, space = _timed(lambda: model.space(metas, attrs, machine), args.repeat)
-        full_ms, full = _timed(
-            lambda: kernel_search.search(domain, op, metas, attrs, machine), args.repeat
-        )
-        fast_ms, fast = _timed(
-            lambda: kernel_search.best(domain, op, metas, attrs, machine), args.repeat
-        )
-        rows.setdefault(op, []).append(
-            {
-                "space": space_ms,
-                "full": full_ms,
-                "fast": fast_ms,
-                "size": full.space_size,
-                "priced": len(fast.candidates),
-                "same": float(fast.best.tiling == full.best.tiling),
-            }
-        )
+        rows.setdefault(op, []).append(_row(domain, op, metas, attrs, machine, args.repeat))
     print(f"# Tiling search on {args.target}: ms per search (median over shapes)")
     print()
     print("| kernel | shapes | space size | priced (fast) | space ms | exhaustive ms | fast ms "

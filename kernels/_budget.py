@@ -66,9 +66,7 @@ def fits(machine: Machine, specs: Sequence[QueueSpec]) -> bool:
     used: dict[Level, int] = {}
     for s in specs:
         used[s.level] = used.get(s.level, 0) + s.reserved
-    return all(
-        u <= capacity(machine, lv) for lv, u in used.items() if lv in _CAPACITY_FIELD
-    )
+    return all(u <= capacity(machine, lv) for lv, u in used.items() if lv in _CAPACITY_FIELD)
 
 
 def check_positive(op: str, **fields: int) -> None:

@@ -149,7 +149,9 @@ def search(
     model, space = candidate_space(domain, op_type, metas, attrs, machine)
     priced, exhaustive = _price_all(model, space, metas, attrs, machine)
     out = ranked(priced)
-    return SearchResult(out[0], out[1] if len(out) > 1 else None, tuple(out), len(space), exhaustive)
+    return SearchResult(
+        out[0], out[1] if len(out) > 1 else None, tuple(out), len(space), exhaustive
+    )
 
 
 def _price_all(

@@ -37,6 +37,7 @@ from .._cost_base import (
     cube_blocks,
     dma,
     dma_out,
+    field_columns,
     fitting,
     kernel_cycles,
 )
@@ -299,12 +300,10 @@ def conv_lower_bounds(
     Double-buffered the stream takes at least its busiest pipe; single-buffered at least the
     copies, loads and multiplies in turn plus one write. Then launch, the pipes' start-up heads
     and the HBM floor as `kernel_cycles` adds them."""
-    f = np.array(
-        [(t.tile_h, t.tile_w, t.tile_co, t.tile_ci, t.double_buffer, t.cores, t.fold_taps,
-          t.tile_n) for t in tilings],  # type: ignore[attr-defined]
-        dtype=np.int64,
-    ).T  # fmt: skip
-    tile_h, tile_w, tile_co, tile_ci, db, cores_t, fold, tile_n = f
+    tile_h, tile_w, tile_co, tile_ci, db, cores_t, fold, tile_n = field_columns(
+        tilings,
+        ("tile_h", "tile_w", "tile_co", "tile_ci", "double_buffer", "cores", "fold_taps", "tile_n"),
+    )
     isz = dtype.itemsize
     k0 = machine.cube_k_block(dtype)
     th, tw, co = np.minimum(tile_h, g.ho), np.minimum(tile_w, g.wo), np.minimum(tile_co, g.cout)

@@ -29,6 +29,7 @@ from .._cost_base import (
     cube_blocks,
     dma,
     dma_out,
+    field_columns,
     fitting,
     kernel_cycles,
     round_up,
@@ -194,12 +195,9 @@ def gemm_lower_bounds(machine: Machine, p: GemmProblem, tilings: Sequence[Tiling
     busier of the copies and the chunk's loads and multiplies (those overlapping when L0 is
     double-buffered, else in turn), single-buffered their sum; the core at least its blocks
     (or their FixPipe writes) in turn. Then launch, heads and the HBM floor (`kernel_cycles`)."""
-    f = np.array(
-        [(t.tile_m, t.tile_n, t.tile_k, t.tile_k0, t.db_l1, t.db_l0, t.cores)
-         for t in tilings],  # type: ignore[attr-defined]
-        dtype=np.int64,
-    ).T  # fmt: skip
-    tile_m, tile_n, tile_k, tile_k0, db_l1, db_l0, cores_t = f
+    tile_m, tile_n, tile_k, tile_k0, db_l1, db_l0, cores_t = field_columns(
+        tilings, ("tile_m", "tile_n", "tile_k", "tile_k0", "db_l1", "db_l0", "cores")
+    )
     isz = p.dtype.itemsize
     k0 = machine.cube_k_block(p.dtype)
     tm, tn = np.minimum(tile_m, p.m), np.minimum(tile_n, p.n)
