@@ -10,7 +10,11 @@ each search runs on a cold memo (`kernel_search.clear_memo()` before each):
   are priced exhaustively);
 - `space`: building the space alone (both searches pay it);
 - `priced`: how many tilings the fast search priced, of the space's size (median);
-- `same`: how many shapes picked the same tiling (it must be all of them).
+- `same`: how many shapes picked the tiling that pricing every tiling of the space picks (it
+  must be all of them; `search` beams spaces past its exhaustive limit, `best` does not).
+
+On a checkout without `best` (main before it) only the space and exhaustive columns are
+measured: the before numbers.
 
 Times are medians over the shapes of each kernel (best of `--repeat` runs per shape).
 
@@ -29,6 +33,7 @@ so the same script gives the before numbers on main.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -70,8 +75,9 @@ def cases() -> list[tuple[str, str, str, tuple[Any, ...], dict[str, Any]]]:
 
 def _timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     best, value = float("inf"), None
+    clear = getattr(kernel_search, "clear_memo", lambda: None)  # main before `best`: no memo
     for _ in range(repeat):
-        kernel_search.clear_memo()
+        clear()
         t0 = time.perf_counter()
         value = fn()
         best = min(best, time.perf_counter() - t0)
@@ -181,6 +187,9 @@ def _row(
     assert model is not None
     space_ms, _ = _timed(lambda: model.space(metas, attrs, machine), repeat)
     full_ms, full = _timed(lambda: kernel_search.search(domain, op, metas, attrs, machine), repeat)
+    if not hasattr(kernel_search, "best"):  # a checkout before the fast search: `--before`
+        return {"space": space_ms, "full": full_ms, "fast": math.nan, "size": full.space_size,
+                "priced": full.space_size, "same": math.nan}  # fmt: skip
     fast_ms, fast = _timed(lambda: kernel_search.best(domain, op, metas, attrs, machine), repeat)
     # The reference is every tiling priced (`search` beams spaces past its exhaustive limit).
     model_, space = kernel_search.candidate_space(domain, op, metas, attrs, machine)
@@ -222,11 +231,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for op, rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        same = int(sum(r["same"] for r in rs))
+        before = math.isnan(med["fast"])
+        same = "-" if before else f"{int(sum(r['same'] for r in rs))}/{len(rs)}"
+        fast = "-" if before else f"{med['fast']:.2f}"
+        gain = "-" if before else f"{med['full'] / max(med['fast'], 1e-9):.1f}x"
         print(
             f"| {op} | {len(rs)} | {med['size']:.0f} | {med['priced']:.0f} | "
-            f"{med['space']:.2f} | {med['full']:.2f} | {med['fast']:.2f} | "
-            f"{med['full'] / max(med['fast'], 1e-9):.1f}x | {same}/{len(rs)} |"
+            f"{med['space']:.2f} | {med['full']:.2f} | {fast} | {gain} | {same} |"
         )
 
 

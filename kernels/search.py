@@ -14,12 +14,22 @@ when they fit (so the search never prefers a tiling the model rates below either
 the cheapest by the model, except that candidates within `TIE` (1%) of it count
 as tied and the one with the biggest tiles wins.
 
-Search: exhaustive when the space holds at most `EXHAUSTIVE_LIMIT` tilings (the spaces are
-already pruned at construction to aligned sizes and deduplicated by what the kernel would run,
-so most shapes stay under it). Beyond it, a two-level search: first every distinct tile shape
-priced once (its first variant), then every variant (buffering, cores) of the best `BEAM`
-shapes. Pricing a tiling takes tens to hundreds of microseconds, so a search takes well under
-a second.
+Two searches share that space and ranking (`candidate_space`, `ranked`):
+
+- `best`, what decisions run (`fuse`, a staged schedule's stages, a kernel's run-time tiling):
+  exact branch and bound. A cost model that bounds a whole space at once (`Bounded`: numpy
+  over the space's fields, e.g. Conv's and MatMul's Cube, MTE1, copy and FixPipe work) has its
+  tilings priced in the order of their lower bounds, and the walk stops when the next bound is
+  above both the cheapest price plus `TIE` and the `keep`-th cheapest: the pick and the first
+  `keep` of the ranking are those of pricing every tiling, from a few dozen priced tilings of
+  thousands. A model without a bound (or whose tiling gained a field its bound does not name)
+  is priced as `search` prices it. Memoized per process by (op, inputs, attributes, target).
+- `search`, the whole ranking (`fuser tune`, the accuracy benchmark): every tiling priced when
+  the space holds at most `EXHAUSTIVE_LIMIT`; beyond it a two-level beam (every distinct tile
+  shape priced once by its first variant, then every variant of the best `BEAM` shapes).
+
+Pricing a tiling takes tens of microseconds; building the space (the kernel's buffer checks
+of every candidate) is now most of a search.
 """
 
 from __future__ import annotations
