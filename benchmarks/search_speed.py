@@ -16,7 +16,8 @@ each search runs on a cold memo (`kernel_search.clear_memo()` before each):
 On a checkout without `best` (main before it) only the space and exhaustive columns are
 measured: the before numbers.
 
-Times are medians over the shapes of each kernel (best of `--repeat` runs per shape).
+Times are CPU milliseconds (the process's, so other load on the machine matters less), medians
+over the shapes of each kernel (best of `--repeat` runs per shape).
 
 `--fuse` times whole fuses instead, with a cold tuning cache (a fresh file per run): an
 EfficientNet-B0-style CNN (`efficientnet`: MBConv stages of expand 1x1 Conv+BN+SiLU, depthwise
@@ -78,9 +79,9 @@ def _timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     clear = getattr(kernel_search, "clear_memo", lambda: None)  # main before `best`: no memo
     for _ in range(repeat):
         clear()
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU time: the machine is shared, wall time is noisy
         value = fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.process_time() - t0)
     return best * 1e3, value
 
 
