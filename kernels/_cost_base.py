@@ -222,3 +222,8 @@ def field_columns(tilings: Sequence[Tiling], names: Sequence[str]) -> list[Any]:
 
     table = np.array([[getattr(t, n) for n in names] for t in tilings], dtype=np.int64)
     return list(table.reshape(len(tilings), len(names)).T)
+
+
+def ceil_div(a: Any, b: Any) -> Any:
+    """ceil(a / b) of ints or int numpy arrays, elementwise."""
+    return -(-a // b)

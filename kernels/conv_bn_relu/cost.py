@@ -33,6 +33,7 @@ from .._cost_base import (
     Stage,
     Stream,
     aligned_sizes,
+    ceil_div,
     core_counts,
     cube_blocks,
     dma,
@@ -286,10 +287,6 @@ class _ConvModel:
 MODELS = (_ConvModel("", "Conv"), _ConvModel("fuser", "ConvBnRelu"))
 
 
-def _ceil(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
-    return -(-a // b)
-
-
 def conv_lower_bounds(
     machine: Machine, g: ConvGeometry, dtype: np.dtype, tilings: Sequence[Tiling]
 ) -> np.ndarray:
@@ -311,17 +308,16 @@ def conv_lower_bounds(
     folded = fold != 0
     ci = np.where(folded, np.minimum(tile_ci, width * g.taps), np.minimum(tile_ci, width))
     nimg = np.maximum(1, np.minimum(tile_n, g.n))
-    items = (_ceil(np.full_like(th, g.n), nimg) * _ceil(np.full_like(th, g.ho), th)
-             * _ceil(np.full_like(th, g.wo), tw) * _ceil(np.full_like(th, g.cout), co))  # fmt: skip
+    items = ceil_div(g.n, nimg) * ceil_div(g.ho, th) * ceil_div(g.wo, tw) * ceil_div(g.cout, co)
     cores = np.maximum(1, np.minimum(cores_t, items))
-    per_core = _ceil(items, cores)
+    per_core = ceil_div(items, cores)
     m = th * tw * nimg
     rows = (th - 1) * g.sh + (g.kh - 1) * g.dh + 1
     cols = (tw - 1) * g.sw + (g.kw - 1) * g.dw + 1
     x_px = nimg * np.minimum(rows, g.h) * np.minimum(cols, g.w) * isz  # bytes per channel
 
     def cube(kk: np.ndarray) -> np.ndarray:
-        return _ceil(m, 16) * _ceil(kk, k0) * _ceil(co, 16)
+        return ceil_div(m, 16) * ceil_div(kk, k0) * ceil_div(co, 16)
 
     def mte1(kk: np.ndarray) -> np.ndarray:
         moved = (2 * machine.l1_to_l0_startup_cycles

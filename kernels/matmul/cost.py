@@ -25,6 +25,7 @@ import numpy as np
 from .._cost_base import (
     LastProblem,
     aligned_sizes,
+    ceil_div,
     core_counts,
     cube_blocks,
     dma,
@@ -183,10 +184,6 @@ class _GemmModel:
 MODELS = (_GemmModel("MatMul"), _GemmModel("Gemm"))
 
 
-def _ceil(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
-    return -(-a // b)
-
-
 def gemm_lower_bounds(machine: Machine, p: GemmProblem, tilings: Sequence[Tiling]) -> np.ndarray:
     """A lower bound on `gemm_cycles` of every tiling at once (numpy over the space's fields),
     for the exact branch and bound of `search.best`. Per block it counts the work every
@@ -203,25 +200,25 @@ def gemm_lower_bounds(machine: Machine, p: GemmProblem, tilings: Sequence[Tiling
     tm, tn = np.minimum(tile_m, p.m), np.minimum(tile_n, p.n)
     tk = np.minimum(tile_k, p.k)
     tk0 = np.minimum(tile_k0, tk)
-    items = p.batch_size * _ceil(np.full_like(tm, p.m), tm) * _ceil(np.full_like(tm, p.n), tn)
+    items = p.batch_size * ceil_div(p.m, tm) * ceil_div(p.n, tn)
     cores = np.maximum(1, np.minimum(cores_t, items))
-    per_core = _ceil(items, cores)
+    per_core = ceil_div(items, cores)
     per_k = isz * (tm / machine.l1_to_l0a_bytes_per_cycle + tn / machine.l1_to_l0b_bytes_per_cycle)
-    blocks_mn = _ceil(tm, 16) * _ceil(tn, 16)
+    blocks_mn = ceil_div(tm, 16) * ceil_div(tn, 16)
 
     def chunk(kk: np.ndarray) -> np.ndarray:
         """Lower bound on one K chunk of `kk` (0: no chunk) in the block's walk."""
         full, tail = np.divmod(kk, tk0)
         steps = full + (tail > 0)
         mte1 = steps * 2 * machine.l1_to_l0_startup_cycles + kk * per_k
-        cube = blocks_mn * (full * _ceil(tk0, k0) + _ceil(tail, k0))
+        cube = blocks_mn * (full * ceil_div(tk0, k0) + ceil_div(tail, k0))
         inner = np.where(db_l0 != 0, np.maximum(mte1, cube), mte1 + cube)
         mte2 = 2 * machine.copy_in_transfer(True) + (tm + tn) * kk * isz / (
             machine.read_bytes_per_cycle
         )
         return np.where(kk > 0, np.where(db_l1 != 0, np.maximum(mte2, inner), mte2 + inner), 0.0)
 
-    n_full, k_tail = np.divmod(np.full_like(tk, p.k), tk)
+    n_full, k_tail = np.divmod(p.k, tk)
     block = n_full * chunk(tk) + chunk(k_tail)
     fix = machine.copy_out_transfer_cycles + tm * tn * isz / min(
         machine.write_bytes_per_cycle, machine.l0c_to_gm_bytes_per_cycle
