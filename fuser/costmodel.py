@@ -20,8 +20,11 @@ size: symbolic dims named in `dims` take that size, the others each size of
 any of them, and the reason says over which range it was decided (the prediction reported is
 the one at `symbolic_size`).
 
-Chosen tilings are kept in the tuning cache (`fuser.tuning_cache`) keyed by op, shapes, dtype,
-target and fuser version, so a second run reuses them without searching.
+Both sides are searched with `search.best` (exact branch and bound, memoized per process by
+op, inputs, attributes and target: each distinct problem is searched once per run), and both
+are kept in the tuning cache (`fuser.tuning_cache`) keyed by op, shapes, dtype, attributes,
+target and fuser version: the fused op's chosen tiling and cycles, and each unfused node's
+cycles by its signature. A second run reuses them without searching.
 """
 
 from __future__ import annotations
