@@ -20,8 +20,11 @@ size: symbolic dims named in `dims` take that size, the others each size of
 any of them, and the reason says over which range it was decided (the prediction reported is
 the one at `symbolic_size`).
 
-Chosen tilings are kept in the tuning cache (`fuser.tuning_cache`) keyed by op, shapes, dtype,
-target and fuser version, so a second run reuses them without searching.
+Both sides are searched with `search.best` (exact branch and bound, memoized per process by
+op, inputs, attributes and target: each distinct problem is searched once per run), and both
+are kept in the tuning cache (`fuser.tuning_cache`) keyed by op, shapes, dtype, attributes,
+target and fuser version: the fused op's chosen tiling and cycles, and each unfused node's
+cycles by its signature. A second run reuses them without searching.
 """
 
 from __future__ import annotations
@@ -209,7 +212,7 @@ class CostModelDecider:
                 self._memo[memo_key] = Priced(hit.predicted_cycles, dict(hit.tiling), symbolic)
                 return Priced(hit.predicted_cycles, dict(hit.tiling), symbolic)
         try:
-            result = kernel_search.search("fuser", op.name, metas, attrs, self.machine)
+            result = kernel_search.best("fuser", op.name, metas, attrs, self.machine)
         except KernelError as e:
             raise UnpriceableError(f"{op.name}: {e}") from None
         tiling = {
@@ -277,23 +280,41 @@ class CostModelDecider:
             if shard is not None and int(attrs.get("axis", 0)) < 0:
                 # The kernel takes the axis normalized, as the fused op's is at fuse time.
                 attrs["axis"] = int(attrs["axis"]) + len(shard.shape) - 1
-        key = (domain, node.op_type, _freeze(metas), _freeze(attrs))
+        kernel = get_kernel(domain, node.op_type)
+        inputs = self._with_constants(graph, node, metas) if kernel is not None else metas
+        # The node's signature: op, input shapes and dtypes (and the small constants a kernel
+        # reads, e.g. TopK's k), attributes. Priced once per run, and kept in the tuning
+        # cache across runs (a warm-cache fuse then searches neither side).
+        consts = {
+            f"input{i}": np.asarray(x).tolist()
+            for i, x in enumerate(inputs)
+            if isinstance(x, np.ndarray)
+        }
+        key = (domain, node.op_type, _freeze(metas), _freeze(attrs), _freeze(consts))
         if key in self._memo:
             return self._memo[key], symbolic
-        kernel = get_kernel(domain, node.op_type)
+        # As `domain::op_type` (never a fused op's name), the constants among the attributes.
+        stored = self._key(f"{domain or 'ai.onnx'}::{node.op_type}", metas, {**attrs, **consts})
+        hit = self.cache.get(stored) if self.cache is not None and kernel is not None else None
+        if hit is not None:
+            self._memo[key] = hit.predicted_cycles
+            return hit.predicted_cycles, symbolic
         cycles: float | None = None
+        tiling: Mapping[str, int] = {}
         if kernel is not None:
-            inputs = self._with_constants(graph, node, metas)
             try:
                 if kernel_search.model_for(domain, node.op_type) is not None:
-                    cycles = kernel_search.search(
-                        domain, node.op_type, metas, attrs, self.machine
-                    ).best.cycles
+                    found = kernel_search.best(domain, node.op_type, metas, attrs, self.machine)
+                    cycles = found.best.cycles
+                    tiling = kernel.tiling_to_attrs(found.best.tiling)
                 else:
                     run = kernel.run(self.machine, inputs, attrs, functional=False, timeline=False)
                     cycles = run.stats.cycles
             except (KernelError, ValueError, TypeError, IndexError):
                 cycles = None
+            if cycles is not None and self.cache is not None:
+                self.cache.put(stored, {k.removeprefix("tile_"): v for k, v in tiling.items()},
+                               float(cycles))  # fmt: skip
         if cycles is None:
             outs, sym_out = self._metas(graph, node.output, sizes, known)
             symbolic = symbolic or sym_out

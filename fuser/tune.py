@@ -14,7 +14,7 @@ Symbolic dims are priced at `symbolic_size` (as `fuse` does).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,12 +264,29 @@ def tune_model(
         if not nodes:
             raise ValueError(f"no fused node named {node!r}")
     out: list[NodeTuning] = []
+    # Identical nodes (a model repeats its layers) are searched (and simulated) once: same op,
+    # input shapes and dtypes, attributes (without `tile_*`); the others reuse that result.
+    done: dict[Hashable, NodeTuning] = {}
     for n in nodes:
         metas, attrs = node_metas(model, n, symbolic_size, dims)
-        out.append(
-            tune_op(
+        key = node_signature(n.op_type, metas, attrs)
+        tuned = done.get(key)
+        if tuned is None:
+            tuned = done[key] = tune_op(
                 n.op_type, metas, attrs, machine, name=n.name, simulate=simulate, top=top,
                 cache=cache, progress=progress,
-            )
-        )  # fmt: skip
+            )  # fmt: skip
+        else:
+            tuned = dataclasses.replace(tuned, name=n.name)
+        out.append(tuned)
     return out
+
+
+def node_signature(op_type: str, metas: Sequence[Any], attrs: Mapping[str, Any]) -> Hashable:
+    """What a node's tuning depends on: op, input shapes and dtypes, attributes other than
+    `tile_*` (by their repr: list values hash that way)."""
+    return (
+        op_type,
+        tuple(None if m is None else (tuple(m.shape), m.dtype.str) for m in metas),
+        repr(sorted((k, v) for k, v in attrs.items() if not k.startswith("tile_"))),
+    )

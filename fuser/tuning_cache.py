@@ -8,7 +8,10 @@ processes writing at once serialize instead of corrupting the file. A cache that
 opened or written (read-only folder, corrupt file) degrades to no cache: it never fails a run.
 
 The key also holds a digest of the op's attributes (k, axis, epsilon change the kernel's work)
-and the fuser version (a new cost model invalidates old entries).
+and the fuser version (a new cost model invalidates old entries). Fused ops are keyed by their
+name (`ConvBnRelu`); the unfused nodes a decision prices against them by `domain::op_type`
+(`ai.onnx::Conv`, the small constant inputs their kernel reads among the attributes), so a
+warm-cache `fuse` searches neither side of a decision.
 """
 
 from __future__ import annotations

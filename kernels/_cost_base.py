@@ -213,3 +213,17 @@ def core_counts(total: int) -> list[int]:
 def fitting(machine: Machine, specs: Sequence[QueueSpec]) -> bool:
     """True when the queues fit every buffer (counting both slots when double-buffered)."""
     return fits(machine, specs)
+
+
+def field_columns(tilings: Sequence[Tiling], names: Sequence[str]) -> list[Any]:
+    """The named fields of every tiling as int64 numpy columns, in the order of `names` (for
+    the vectorized lower bounds that `search.best` prunes a space with)."""
+    import numpy as np
+
+    table = np.array([[getattr(t, n) for n in names] for t in tilings], dtype=np.int64)
+    return list(table.reshape(len(tilings), len(names)).T)
+
+
+def ceil_div(a: Any, b: Any) -> Any:
+    """ceil(a / b) of ints or int numpy arrays, elementwise."""
+    return -(-a // b)

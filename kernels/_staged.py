@@ -19,7 +19,7 @@ from .api import Kernel, KernelRun, TensorMeta
 from .npu.machine import Machine
 from .npu.stats import RunStats, sequence
 from .registry import get_kernel
-from .search import host_tiling, model_for, search
+from .search import best, host_tiling, model_for
 
 Operand = np.ndarray | TensorMeta | None
 
@@ -61,7 +61,7 @@ def stage_cycles(
     """A stage priced as `fuse` prices an unfused node: its cost model's best tiling where it
     has one, else a timing-only run of its kernel."""
     if model_for(domain, op) is not None:
-        return search(domain, op, metas, attrs, machine).best.cycles
+        return best(domain, op, metas, attrs, machine).best.cycles
     return stage(machine, op, metas, attrs, False, False, domain).stats.cycles
 
 

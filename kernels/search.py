@@ -14,12 +14,22 @@ when they fit (so the search never prefers a tiling the model rates below either
 the cheapest by the model, except that candidates within `TIE` (1%) of it count
 as tied and the one with the biggest tiles wins.
 
-Search: exhaustive when the space holds at most `EXHAUSTIVE_LIMIT` tilings (the spaces are
-already pruned at construction to aligned sizes and deduplicated by what the kernel would run,
-so most shapes stay under it). Beyond it, a two-level search: first every distinct tile shape
-priced once (its first variant), then every variant (buffering, cores) of the best `BEAM`
-shapes. Pricing a tiling takes tens to hundreds of microseconds, so a search takes well under
-a second.
+Two searches share that space and ranking (`candidate_space`, `ranked`):
+
+- `best`, what decisions run (`fuse`, a staged schedule's stages, a kernel's run-time tiling):
+  exact branch and bound. A cost model that bounds a whole space at once (`Bounded`: numpy
+  over the space's fields, e.g. Conv's and MatMul's Cube, MTE1, copy and FixPipe work) has its
+  tilings priced in the order of their lower bounds, and the walk stops when the next bound is
+  above both the cheapest price plus `TIE` and the `keep`-th cheapest: the pick and the first
+  `keep` of the ranking are those of pricing every tiling, from a few dozen priced tilings of
+  thousands. A model without a bound (or whose tiling gained a field its bound does not name)
+  is priced as `search` prices it. Memoized per process by (op, inputs, attributes, target).
+- `search`, the whole ranking (`fuser tune`, the accuracy benchmark): every tiling priced when
+  the space holds at most `EXHAUSTIVE_LIMIT`; beyond it a two-level beam (every distinct tile
+  shape priced once by its first variant, then every variant of the best `BEAM` shapes).
+
+Pricing a tiling takes tens of microseconds; building the space (the kernel's buffer checks
+of every candidate) is now most of a search.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import dataclasses
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -87,14 +97,16 @@ class SearchResult:
     exhaustive: bool
 
 
-def search(
+def candidate_space(
     domain: str,
     op_type: str,
     metas: Sequence[TensorMeta | None],
     attrs: Mapping[str, Any],
     machine: Machine,
-) -> SearchResult:
-    """Price the tiling space of the op's kernel; `TilingError` if nothing fits."""
+) -> tuple[CostModel, list[Tiling]]:
+    """The op's cost model and the tilings both searches rank: the model's space plus the
+    kernel's own default and the articles' rule of thumb where they fit; `TilingError` if the
+    op has no model or nothing fits."""
     model = model_for(domain, op_type)
     if model is None:
         raise TilingError(f"{op_type}: no cost model")
@@ -116,23 +128,187 @@ def search(
         space.append(t)
     if not space:
         raise TilingError(f"{op_type}: no tiling fits {machine.name}")
-    exhaustive = len(space) <= EXHAUSTIVE_LIMIT
-    if exhaustive:
-        priced = [Priced(t, model.cost(metas, attrs, t, machine)) for t in space]
-    else:
-        priced = _beam(model, space, metas, attrs, machine)
-    priced.sort(key=lambda p: p.cycles)
-    # Near-ties (within TIE of the best, below the model's error) go to the biggest tiles:
-    # fewer instructions to issue, and fewer numpy calls in a functional simulation.
-    limit = priced[0].cycles * (1 + TIE)
-    near = [p for p in priced if p.cycles <= limit]
+    return model, space
+
+
+def ranked(priced: Sequence[Priced]) -> list[Priced]:
+    """Candidates cheapest first (equal cycles in the order given), except that near-ties
+    (within `TIE` of the cheapest, below the model's error) go to the biggest tiles: fewer
+    instructions to issue, and fewer numpy calls in a functional simulation."""
+    out = sorted(priced, key=lambda p: p.cycles)
+    limit = out[0].cycles * (1 + TIE)
+    near = [p for p in out if p.cycles <= limit]
     if len(near) > 1:
         top = max(near, key=lambda p: (_volume(p.tiling), -p.cycles))
-        priced.remove(top)
-        priced.insert(0, top)
+        out.remove(top)
+        out.insert(0, top)
+    return out
+
+
+def search(
+    domain: str,
+    op_type: str,
+    metas: Sequence[TensorMeta | None],
+    attrs: Mapping[str, Any],
+    machine: Machine,
+) -> SearchResult:
+    """Price the tiling space of the op's kernel, every tiling of it (up to `EXHAUSTIVE_LIMIT`,
+    else the two-level beam): the whole ranking, for `fuser tune` and the accuracy benchmark.
+    Decisions take `best` (the same pick, pricing only what can win). `TilingError` if
+    nothing fits."""
+    model, space = candidate_space(domain, op_type, metas, attrs, machine)
+    priced, exhaustive = _price_all(model, space, metas, attrs, machine)
+    out = ranked(priced)
     return SearchResult(
-        priced[0], priced[1] if len(priced) > 1 else None, tuple(priced), len(space), exhaustive
+        out[0], out[1] if len(out) > 1 else None, tuple(out), len(space), exhaustive
     )
+
+
+def _price_all(
+    model: CostModel,
+    space: list[Tiling],
+    metas: Sequence[TensorMeta | None],
+    attrs: Mapping[str, Any],
+    machine: Machine,
+) -> tuple[list[Priced], bool]:
+    """Every tiling priced (up to `EXHAUSTIVE_LIMIT`, else the beam), and whether every one was."""
+    if len(space) <= EXHAUSTIVE_LIMIT:
+        return [Priced(t, model.cost(metas, attrs, t, machine)) for t in space], True
+    return _beam(model, space, metas, attrs, machine), False
+
+
+@runtime_checkable
+class Bounded(Protocol):
+    """A cost model that can bound a whole space at once (optional, see `best`).
+
+    `lower_bounds` returns, for each tiling, cycles its `cost` never goes below (vectorized
+    over the space: one numpy pass instead of one Python call per tiling). It covers the
+    tiling fields named in `bound_fields`: a tiling type with other fields (one a kernel gained
+    later) is searched without the bound, so a stale bound can never prune a tiling it does
+    not understand."""
+
+    bound_fields: frozenset[str]
+
+    def lower_bounds(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tilings: Sequence[Tiling],
+        machine: Machine,
+    ) -> np.ndarray: ...
+
+
+#: Relative slack on a lower bound: a bound computed in another order of floating-point
+#: operations may exceed the exact cost by a few ulps.
+BOUND_SLACK = 1e-9
+
+
+def bound_of(model: CostModel, space: Sequence[Tiling]) -> Bounded | None:
+    """`model` as a `Bounded` when its bound covers every field of the space's tilings."""
+    if not isinstance(model, Bounded) or not space:
+        return None
+    names = {f.name for t in space for f in dataclasses.fields(t)}
+    return model if names == set(model.bound_fields) else None
+
+
+def best(
+    domain: str,
+    op_type: str,
+    metas: Sequence[TensorMeta | None],
+    attrs: Mapping[str, Any],
+    machine: Machine,
+    keep: int = 2,
+) -> SearchResult:
+    """The search decisions run: the same best tiling (and the same first `keep` of the
+    ranking) as pricing the whole space, in milliseconds. Memoized per process by (op, input
+    shapes and dtypes, attributes, target): a model repeats its layers, and a fused op's staged
+    schedule prices the very nodes the unfused side prices.
+
+    Exact branch and bound: where the model bounds the space (`Bounded`), tilings are priced
+    in the order of their lower bounds until the next bound exceeds both the cheapest price
+    found plus the `TIE` margin and the `keep`-th cheapest price: every tiling left has a
+    cost above both, so it could be neither picked nor ranked in the first `keep`. Without a
+    bound every tiling is priced (`search`). `candidates` holds the tilings priced, ranked as
+    `search` ranks them (equal cycles in space order)."""
+    key = _memo_key(domain, op_type, metas, attrs, machine, keep)
+    hit = _BEST.get(key) if key is not None else None
+    if hit is not None:
+        return hit
+    model, space = candidate_space(domain, op_type, metas, attrs, machine)
+    bounded = bound_of(model, space)
+    exhaustive = True
+    if bounded is None:
+        priced, exhaustive = _price_all(model, space, metas, attrs, machine)
+    else:
+        lower = np.asarray(bounded.lower_bounds(metas, attrs, space, machine), dtype=float)
+        priced = _branch_and_bound(model, space, lower * (1 - BOUND_SLACK), metas, attrs,
+                                   machine, max(1, keep))  # fmt: skip
+    out = ranked(priced)
+    runner_up = out[1] if len(out) > 1 else None
+    result = SearchResult(out[0], runner_up, tuple(out), len(space), exhaustive)
+    if key is not None:
+        if len(_BEST) > 4096:
+            _BEST.clear()
+        _BEST[key] = result
+    return result
+
+
+def _branch_and_bound(
+    model: CostModel,
+    space: Sequence[Tiling],
+    lower: np.ndarray,
+    metas: Sequence[TensorMeta | None],
+    attrs: Mapping[str, Any],
+    machine: Machine,
+    keep: int,
+) -> list[Priced]:
+    order = np.argsort(lower, kind="stable")
+    found: list[tuple[float, int]] = []  # (cycles, index in the space)
+    cheapest: list[float] = []  # the `keep` lowest prices so far, ascending
+    for i in order.tolist():
+        if len(cheapest) >= keep and lower[i] > max(cheapest[0] * (1 + TIE), cheapest[-1]):
+            break  # the bounds ascend: no tiling left can matter
+        c = model.cost(metas, attrs, space[i], machine)
+        found.append((c, i))
+        if len(cheapest) < keep or c < cheapest[-1]:
+            cheapest.append(c)
+            cheapest.sort()
+            del cheapest[keep:]
+    # Space order within equal cycles, as `search` ranks them.
+    found.sort(key=lambda f: f[1])
+    return [Priced(space[i], c) for c, i in found]
+
+
+_BEST: dict[Hashable, SearchResult] = {}
+
+
+def clear_memo() -> None:
+    """Forget the memoized searches (benchmarks time a cold search)."""
+    _BEST.clear()
+
+
+def _memo_key(
+    domain: str,
+    op_type: str,
+    metas: Sequence[TensorMeta | None],
+    attrs: Mapping[str, Any],
+    machine: Machine,
+    keep: int,
+) -> Hashable | None:
+    """What a search depends on, hashable; None for an unhashable attribute (no memo)."""
+    key = (
+        "" if domain == "ai.onnx" else domain,
+        op_type,
+        tuple(None if m is None else (tuple(m.shape), m.dtype.str) for m in metas),
+        _freeze(dict(attrs)),
+        machine,
+        keep,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _shape_key(t: Tiling) -> Hashable:
@@ -186,35 +362,7 @@ def host_tiling(
     op has a cost model (the same model `fuse` uses), else the kernel's `default_tiling`."""
     if model_for(kernel.domain, kernel.op_type) is None:
         return kernel.default_tiling(metas, attrs, machine)
-    key = (
-        kernel.domain,
-        kernel.op_type,
-        tuple(None if m is None else (m.shape, m.dtype.str) for m in metas),
-        _freeze(dict(attrs)),
-        machine,
-    )
-    try:
-        return _host_tiling_cached(key, tuple(metas), machine)
-    except TypeError:  # an unhashable attribute: search without the memo
-        return search(kernel.domain, kernel.op_type, metas, attrs, machine).best.tiling
-
-
-_MEMO: dict[Hashable, Tiling] = {}
-
-
-def _host_tiling_cached(
-    key: tuple[Any, ...], metas: tuple[TensorMeta | None, ...], machine: Machine
-) -> Tiling:
-    hash(key)
-    hit = _MEMO.get(key)
-    if hit is None:
-        domain, op_type, _, frozen, _ = key
-        attrs = dict(frozen)
-        hit = search(domain, op_type, metas, _thaw(attrs), machine).best.tiling
-        if len(_MEMO) > 4096:
-            _MEMO.clear()
-        _MEMO[key] = hit
-    return hit
+    return best(kernel.domain, kernel.op_type, metas, attrs, machine).best.tiling
 
 
 class Searched:
@@ -227,10 +375,6 @@ class Searched:
         """The search's best tiling for these inputs (see `host_tiling`)."""
         assert isinstance(self, Kernel)
         return host_tiling(self, inputs_meta, attrs, machine)
-
-
-def _thaw(attrs: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
 
 
 def cache_target(machine: Machine) -> str:

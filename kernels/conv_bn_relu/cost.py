@@ -33,10 +33,12 @@ from .._cost_base import (
     Stage,
     Stream,
     aligned_sizes,
+    ceil_div,
     core_counts,
     cube_blocks,
     dma,
     dma_out,
+    field_columns,
     fitting,
     kernel_cycles,
 )
@@ -267,5 +269,95 @@ class _ConvModel:
                 return None
         return t
 
+    #: The tiling fields `lower_bounds` understands (`search.Bounded`).
+    bound_fields = frozenset(f.name for f in dataclasses.fields(ConvTiling))
+
+    def lower_bounds(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tilings: Sequence[Tiling],
+        machine: Machine,
+    ) -> np.ndarray:
+        """Cycles each tiling's `cost` never goes below (`conv_lower_bounds`)."""
+        g, dtype, _, _ = self._last.get(metas, attrs, lambda: self._setup(metas, attrs))
+        return conv_lower_bounds(machine, g, dtype, tilings)
+
 
 MODELS = (_ConvModel("", "Conv"), _ConvModel("fuser", "ConvBnRelu"))
+
+
+def conv_lower_bounds(
+    machine: Machine, g: ConvGeometry, dtype: np.dtype, tilings: Sequence[Tiling]
+) -> np.ndarray:
+    """A lower bound on `conv_cycles` of every tiling at once (numpy over the space's fields),
+    for the exact branch and bound of `search.best`. Per core it counts only work every
+    schedule of `conv_cycles` pays: the Cube's multiplies and MTE1's loads of every K step,
+    each chunk's input copy (not the weights, whose reuse varies) and the FixPipe writes.
+    Double-buffered the stream takes at least its busiest pipe; single-buffered at least the
+    copies, loads and multiplies in turn plus one write. Then launch, the pipes' start-up heads
+    and the HBM floor as `kernel_cycles` adds them."""
+    tile_h, tile_w, tile_co, tile_ci, db, cores_t, fold, tile_n = field_columns(
+        tilings,
+        ("tile_h", "tile_w", "tile_co", "tile_ci", "double_buffer", "cores", "fold_taps", "tile_n"),
+    )
+    isz = dtype.itemsize
+    k0 = machine.cube_k_block(dtype)
+    th, tw, co = np.minimum(tile_h, g.ho), np.minimum(tile_w, g.wo), np.minimum(tile_co, g.cout)
+    width = ((co - 1) // g.cout_g + 1) * g.cin_g  # channel_range(0, co)
+    folded = fold != 0
+    ci = np.where(folded, np.minimum(tile_ci, width * g.taps), np.minimum(tile_ci, width))
+    nimg = np.maximum(1, np.minimum(tile_n, g.n))
+    items = ceil_div(g.n, nimg) * ceil_div(g.ho, th) * ceil_div(g.wo, tw) * ceil_div(g.cout, co)
+    cores = np.maximum(1, np.minimum(cores_t, items))
+    per_core = ceil_div(items, cores)
+    m = th * tw * nimg
+    rows = (th - 1) * g.sh + (g.kh - 1) * g.dh + 1
+    cols = (tw - 1) * g.sw + (g.kw - 1) * g.dw + 1
+    x_px = nimg * np.minimum(rows, g.h) * np.minimum(cols, g.w) * isz  # bytes per channel
+
+    def cube(kk: np.ndarray) -> np.ndarray:
+        return ceil_div(m, 16) * ceil_div(kk, k0) * ceil_div(co, 16)
+
+    def mte1(kk: np.ndarray) -> np.ndarray:
+        moved = (2 * machine.l1_to_l0_startup_cycles
+                 + m * kk * isz / machine.l1_to_l0a_bytes_per_cycle
+                 + kk * co * isz / machine.l1_to_l0b_bytes_per_cycle)  # fmt: skip
+        return np.where(kk > 0, moved, 0.0)
+
+    def copy(cc: np.ndarray) -> np.ndarray:
+        nbytes = cc * x_px
+        return np.where(
+            nbytes > 0, machine.copy_in_transfer(True) + nbytes / machine.read_bytes_per_cycle, 0.0
+        )
+
+    # Unfolded: chunks of ci channels (and the tail), one L0 step per tap.
+    full, rest = width // ci, width % ci
+    cube_u = g.taps * (full * cube(ci) + cube(rest))
+    mte1_u = g.taps * (full * mte1(ci) + mte1(rest))
+    copy_u = full * copy(ci) + copy(rest)
+    # Folded: one chunk of every channel, L0 steps of ci rows of K = channels x taps.
+    steps, tail = np.divmod(width * g.taps, ci)
+    cube_f = steps * cube(ci) + cube(tail)
+    mte1_f = steps * mte1(ci) + mte1(tail)
+    copy_f = copy(width)
+    busy_cube = per_core * np.where(folded, cube_f, cube_u)
+    busy_mte1 = per_core * np.where(folded, mte1_f, mte1_u)
+    busy_mte2 = per_core * np.where(folded, copy_f, copy_u)
+    fix = machine.copy_out_transfer_cycles + m * co * isz / min(
+        machine.write_bytes_per_cycle, machine.l0c_to_gm_bytes_per_cycle
+    )
+    core = np.where(
+        db != 0,
+        np.maximum.reduce([busy_cube, busy_mte1, busy_mte2, per_core * fix]),
+        busy_cube + busy_mte1 + busy_mte2 + fix,
+    )
+    first_in = np.where(folded, width, np.minimum(ci, width)) * x_px
+    heads = np.array(
+        [machine.copy_in_head(int(b), int(c)) for b, c in zip(first_in, cores, strict=True)]
+    )
+    gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
+    floor = machine.hbm_cycles(gm)
+    return machine.kernel_launch_cycles + np.maximum(
+        core + heads + machine.copy_out_head_cycles, floor
+    )

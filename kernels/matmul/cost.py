@@ -14,18 +14,23 @@ cores; filtered by the kernel's own buffer specs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from .._cost_base import (
     LastProblem,
     aligned_sizes,
+    ceil_div,
     core_counts,
     cube_blocks,
     dma,
     dma_out,
+    field_columns,
     fitting,
     kernel_cycles,
     round_up,
@@ -161,5 +166,68 @@ class _GemmModel:
     ) -> Tiling | None:
         return gemm_rule_of_thumb(machine, self._kernel().problem(metas, attrs))
 
+    #: The tiling fields `lower_bounds` understands (`search.Bounded`).
+    bound_fields = frozenset(f.name for f in dataclasses.fields(MatMulTiling))
+
+    def lower_bounds(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tilings: Sequence[Tiling],
+        machine: Machine,
+    ) -> np.ndarray:
+        """Cycles each tiling's `cost` never goes below (`gemm_lower_bounds`)."""
+        p = self._last.get(metas, attrs, lambda: self._kernel().problem(metas, attrs))
+        return gemm_lower_bounds(machine, p, tilings)
+
 
 MODELS = (_GemmModel("MatMul"), _GemmModel("Gemm"))
+
+
+def gemm_lower_bounds(machine: Machine, p: GemmProblem, tilings: Sequence[Tiling]) -> np.ndarray:
+    """A lower bound on `gemm_cycles` of every tiling at once (numpy over the space's fields),
+    for the exact branch and bound of `search.best`. Per block it counts the work every
+    schedule of `gemm_cycles` pays: each K chunk's two panel copies (MTE2), each L0 step's two
+    loads (MTE1) and multiply (Cube); with L1 double-buffered the block takes at least the
+    busier of the copies and the chunk's loads and multiplies (those overlapping when L0 is
+    double-buffered, else in turn), single-buffered their sum; the core at least its blocks
+    (or their FixPipe writes) in turn. Then launch, heads and the HBM floor (`kernel_cycles`)."""
+    tile_m, tile_n, tile_k, tile_k0, db_l1, db_l0, cores_t = field_columns(
+        tilings, ("tile_m", "tile_n", "tile_k", "tile_k0", "db_l1", "db_l0", "cores")
+    )
+    isz = p.dtype.itemsize
+    k0 = machine.cube_k_block(p.dtype)
+    tm, tn = np.minimum(tile_m, p.m), np.minimum(tile_n, p.n)
+    tk = np.minimum(tile_k, p.k)
+    tk0 = np.minimum(tile_k0, tk)
+    items = p.batch_size * ceil_div(p.m, tm) * ceil_div(p.n, tn)
+    cores = np.maximum(1, np.minimum(cores_t, items))
+    per_core = ceil_div(items, cores)
+    per_k = isz * (tm / machine.l1_to_l0a_bytes_per_cycle + tn / machine.l1_to_l0b_bytes_per_cycle)
+    blocks_mn = ceil_div(tm, 16) * ceil_div(tn, 16)
+
+    def chunk(kk: np.ndarray) -> np.ndarray:
+        """Lower bound on one K chunk of `kk` (0: no chunk) in the block's walk."""
+        full, tail = np.divmod(kk, tk0)
+        steps = full + (tail > 0)
+        mte1 = steps * 2 * machine.l1_to_l0_startup_cycles + kk * per_k
+        cube = blocks_mn * (full * ceil_div(tk0, k0) + ceil_div(tail, k0))
+        inner = np.where(db_l0 != 0, np.maximum(mte1, cube), mte1 + cube)
+        mte2 = 2 * machine.copy_in_transfer(True) + (tm + tn) * kk * isz / (
+            machine.read_bytes_per_cycle
+        )
+        return np.where(kk > 0, np.where(db_l1 != 0, np.maximum(mte2, inner), mte2 + inner), 0.0)
+
+    n_full, k_tail = np.divmod(p.k, tk)
+    block = n_full * chunk(tk) + chunk(k_tail)
+    fix = machine.copy_out_transfer_cycles + tm * tn * isz / min(
+        machine.write_bytes_per_cycle, machine.l0c_to_gm_bytes_per_cycle
+    )
+    core = per_core * np.maximum(block, fix)
+    heads = np.array(
+        [machine.copy_in_head(int(b), int(c)) for b, c in zip(tm * tk * isz, cores, strict=True)]
+    )
+    gm = isz * p.batch_size * (p.m * p.k + p.k * p.n + p.m * p.n)
+    return machine.kernel_launch_cycles + np.maximum(
+        core + heads + machine.copy_out_head_cycles, machine.hbm_cycles(gm)
+    )
