@@ -19,10 +19,12 @@ same schedule runs without data.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from time import perf_counter
 from typing import Any
 
 import numpy as np
 
+from .clock import ARITHMETIC
 from .machine import Machine
 from .memory import Buffer, Tile
 from .pipes import Level, Pipe
@@ -127,7 +129,9 @@ class Core:
         if gm is not None:
             self.gm_reads[gm] = self.gm_reads.get(gm, 0) + nbytes
         if self.functional and src is not None:
+            t = perf_counter()
             dst.data = src() if callable(src) else src
+            ARITHMETIC.seconds += perf_counter() - t
 
     def copy_out(
         self, src: Tile, nbytes: int, dst: np.ndarray | None = None, label: str = ""
@@ -137,8 +141,10 @@ class Core:
         self.issue(Pipe.MTE3, cycles, (src,), (), label or f"out {src.name}")
         self.moved["gm_write"] += nbytes
         if self.functional and dst is not None:
+            t = perf_counter()
             data = _data(src)
             dst[...] = data.reshape(dst.shape)
+            ARITHMETIC.seconds += perf_counter() - t
 
     def load_l0(
         self,
@@ -156,8 +162,10 @@ class Core:
         self.issue(Pipe.MTE1, cycles, (src,), (dst,), label or f"load {dst.name}")
         self.moved[dst.level._value_] += nbytes
         if self.functional:
+            t = perf_counter()
             data = _data(src)
             dst.data = transform(data) if transform is not None else data
+            ARITHMETIC.seconds += perf_counter() - t
 
     def fixpipe(
         self,
@@ -174,9 +182,11 @@ class Core:
         self.issue(Pipe.FIXP, cycles, (src, *reads), (), label or f"fixpipe {src.name}")
         self.moved["gm_write"] += nbytes
         if self.functional and dst is not None:
+            t0 = perf_counter()
             acc = _data(src)
             out = epilogue(acc, *(_data(t) for t in reads)) if epilogue is not None else acc
             dst[...] = out.reshape(dst.shape)
+            ARITHMETIC.seconds += perf_counter() - t0
 
     # -- compute ----------------------------------------------------------------------------
     def mmad(
@@ -194,10 +204,12 @@ class Core:
         self.issue(Pipe.CUBE, float(blocks), reads, (l0c,), f"mmad {m}x{k}x{n}")
         self.moved["l0c"] += m * n * 4
         if self.functional:
+            t = perf_counter()
             a = _data(l0a).astype(np.float32, copy=False)
             b = _data(l0b).astype(np.float32, copy=False)
             prod = np.matmul(a, b)
             l0c.data = prod if init else _data(l0c) + prod
+            ARITHMETIC.seconds += perf_counter() - t
 
     def vector(
         self,
@@ -227,7 +239,9 @@ class Core:
         self.issue(Pipe.VECTOR, cycles, reads, writes, "+".join(names) + f" {n}")
         self.moved["ub"] += written * len(writes)
         if self.functional and fn is not None:
+            t0 = perf_counter()
             _assign(writes, fn(*(_data(t) for t in reads)))
+            ARITHMETIC.seconds += perf_counter() - t0
 
     def scalar(
         self,
@@ -240,7 +254,9 @@ class Core:
         """Scalar unit: `n_ops` arithmetic operations (e.g. folding per-channel parameters)."""
         self.issue(Pipe.SCALAR, n_ops * self.machine.scalar_op_cycles, reads, writes, label)
         if self.functional and fn is not None:
+            t0 = perf_counter()
             _assign(writes, fn(*(_data(t) for t in reads)))
+            ARITHMETIC.seconds += perf_counter() - t0
 
 
 def _data(tile: Tile) -> np.ndarray:
