@@ -35,11 +35,16 @@ Source = np.ndarray | Callable[[], np.ndarray] | None
 class Core:
     """The state of one core during one kernel run."""
 
-    def __init__(self, machine: Machine, index: int, active_cores: int, functional: bool) -> None:
+    def __init__(
+        self, machine: Machine, index: int, active_cores: int, functional: bool, record: bool = True
+    ) -> None:
         self.machine = machine
         self.index = index
         self.active_cores = active_cores
         self.functional = functional
+        # Whether `intervals` keeps every instruction (for the run's timeline); without it the
+        # schedule, cycles and bytes are the same, only the per-instruction list is not built.
+        self.record = record
         self.ub = Buffer(Level.UB, machine.ub_bytes)
         self.l1 = Buffer(Level.L1, machine.l1_bytes)
         self.l0a = Buffer(Level.L0A, machine.l0a_bytes)
@@ -84,7 +89,8 @@ class Core:
         for t in writes:
             t.ready = end
             t.released = end
-        self.intervals.append((pipe, start, end, label))
+        if self.record:
+            self.intervals.append((pipe, start, end, label))
         return end
 
     @property
@@ -201,7 +207,9 @@ class Core:
         # Integer ceilings: blocks of the Cube's m x k0 x n shape.
         blocks = (-(-m // mc.cube_m)) * (-(-k // k0)) * (-(-n // mc.cube_n))
         reads = (l0a, l0b) if init else (l0a, l0b, l0c)
-        self.issue(Pipe.CUBE, float(blocks), reads, (l0c,), f"mmad {m}x{k}x{n}")
+        self.issue(
+            Pipe.CUBE, float(blocks), reads, (l0c,), f"mmad {m}x{k}x{n}" if self.record else ""
+        )
         self.moved["l0c"] += m * n * 4
         if self.functional:
             t = perf_counter()
@@ -236,7 +244,8 @@ class Core:
         written = n * np.dtype(dtype).itemsize if out_bytes is None else out_bytes
         for t in writes:
             t.check_fits(written)
-        self.issue(Pipe.VECTOR, cycles, reads, writes, "+".join(names) + f" {n}")
+        label = "+".join(names) + f" {n}" if self.record else ""
+        self.issue(Pipe.VECTOR, cycles, reads, writes, label)
         self.moved["ub"] += written * len(writes)
         if self.functional and fn is not None:
             t0 = perf_counter()
