@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -125,7 +126,7 @@ def big_bert() -> onnx.ModelProto:
     return bert(layers=12, hidden=2048, heads=16, intermediate=8192, vocab=64, max_positions=8)
 
 
-def cost_table(big: bool, runs: int, only: list[str]) -> None:
+def cost_table(big: bool, runs: int, only: list[str], repeat: int) -> None:
     cases: list[tuple[str, Callable[[], onnx.ModelProto], int, bool]] = [
         ("cnn-edge", lambda: get_example("cnn-edge"), 3, True),
         ("resnet50-sized", resnet50_sized, 1, False),
@@ -135,7 +136,10 @@ def cost_table(big: bool, runs: int, only: list[str]) -> None:
         cases.append(("bert 2.5 GB", big_bert, 2, True))
     if only:
         cases = [c for c in cases if c[0] in only]
-    table = Table(title=f"fuser validate, whole process ({runs} runs)", title_justify="left")
+    table = Table(
+        title=f"fuser validate, whole process ({runs} runs; quickest of {repeat})",
+        title_justify="left",
+    )
     for column in ("model", "MB", "fused nodes", "kernel", "ok", "wall s", "cpu s",
                    "peak RSS MB", "RSS / size", "npu / reference wall"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("model", "kernel") else "right")
@@ -164,16 +168,13 @@ def cost_table(big: bool, runs: int, only: list[str]) -> None:
             shown_mb = f"{size_mb:.0f}" if size_mb >= 1 else f"{size_mb:.2f}"
             walls: dict[str, float] = {}
             for kernel in ("reference", "npu"):
-                done = subprocess.run(
-                    [sys.executable, "-c", CHILD, str(original), str(fused_path), kernel,
-                     str(runs), str(dim_size)],
-                    capture_output=True, text=True, cwd=folder,
-                )  # fmt: skip
-                if done.returncode != 0:
-                    tail = done.stderr.strip().splitlines()[-1:]
-                    table.add_row(name, shown_mb, "", kernel, f"failed: {tail}")
+                found = [child(original, fused_path, kernel, runs, dim_size) for _ in range(repeat)]
+                failed = [f for f in found if isinstance(f, str)]
+                if failed:
+                    table.add_row(name, shown_mb, "", kernel, f"failed: {failed[0]}")
                     continue
-                data = json.loads(done.stdout.strip().splitlines()[-1])
+                # the quickest of the repeats: the machine's other load only ever adds time
+                data = min((f for f in found if isinstance(f, dict)), key=lambda f: f["wall"])
                 walls[kernel] = data["wall"]
                 ratio = walls["npu"] / walls["reference"] if len(walls) == 2 else None
                 table.add_row(
@@ -188,6 +189,20 @@ def cost_table(big: bool, runs: int, only: list[str]) -> None:
                 path.unlink()
     console.print(table)
     console.print(steps)
+
+
+def child(
+    original: Path, fused: Path, kernel: str, runs: int, dim_size: int
+) -> dict[str, Any] | str:
+    """One `validate` in its own process: its measurements, or the last line of its error."""
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(original), str(fused), kernel, str(runs), str(dim_size)],
+        capture_output=True, text=True, cwd=original.parent,
+    )  # fmt: skip
+    if done.returncode != 0:
+        return " ".join(done.stderr.strip().splitlines()[-1:])
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
 
 
 STEP_COLUMNS = (
@@ -226,11 +241,12 @@ def main() -> None:
     parser.add_argument("--skip-mutants", action="store_true")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--only", action="append", default=[], help="cost table: this model")
+    parser.add_argument("--repeat", type=int, default=1, help="cost table: quickest of N")
     args = parser.parse_args()
     if not args.skip_mutants:
         mutation_table(args.max_per_family)
     if not args.skip_cost:
-        cost_table(args.big, args.runs, args.only)
+        cost_table(args.big, args.runs, args.only, args.repeat)
 
 
 if __name__ == "__main__":
