@@ -16,6 +16,7 @@ the node uses.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from . import fusedop
+from . import fusedop, plugin_clock
 from .errors import FuserError, UsageError
 
 if TYPE_CHECKING:
@@ -84,7 +85,8 @@ def run_fused_on_npu(
     Raises `NpuKernelError` naming the op, the target and the kernel's reason when the node's
     tiling or inputs cannot run.
     """
-    from .kernels.api import KernelError
+    from .kernels.api import KernelError, meta_of
+    from .kernels.npu.clock import ARITHMETIC
     from .kernels.npu.errors import NpuError
 
     op = fusedop.get(op_name)
@@ -92,7 +94,19 @@ def run_fused_on_npu(
     target = machine(ctx.target)
     given = kernel_attrs(op, attrs)
     try:
-        run = kernel.run(target, list(inputs), given, functional=True, timeline=False)
+        # The tiling as `Kernel.run` would pick it, resolved here to time the search apart.
+        start = time.perf_counter()
+        tiling = kernel.tiling_from_attrs(given)
+        if tiling is None:
+            metas = tuple(meta_of(x) for x in inputs)
+            tiling = kernel.host_tiling(metas, given, target)
+        searched = time.perf_counter()
+        arithmetic = ARITHMETIC.seconds
+        run = kernel.run(target, list(inputs), given, tiling=tiling, timeline=False)
+        tile_seconds = ARITHMETIC.seconds - arithmetic
+        plugin_clock.add(plugin_clock.SEARCH, searched - start)
+        plugin_clock.add(plugin_clock.ARITHMETIC, tile_seconds)
+        plugin_clock.add(plugin_clock.SIMULATE, time.perf_counter() - searched - tile_seconds)
     except (KernelError, NpuError) as exc:
         raise NpuKernelError(f"{op_name} on {target.name}: {exc}") from exc
     fixed = sum(1 for p in op.outputs if p.option != "variadic")

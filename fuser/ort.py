@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from . import fusedop
+from . import fusedop, plugin_clock
 from .engine import infer_types
 from .errors import UsageError
 from .graph import TypeTable, ValueType
@@ -91,7 +92,10 @@ def _fused_handler(
         from .npu_run import run_fused_on_npu
 
         return run_fused_on_npu(op.name, inputs, full, ctx)
-    return op.reference(inputs, full)
+    start = time.perf_counter()
+    outputs = op.reference(inputs, full)
+    plugin_clock.add(plugin_clock.REFERENCE, time.perf_counter() - start)
+    return outputs
 
 
 def session(

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from . import plugin_clock
 from .compare import DEFAULT_TOLERANCE, compare_topk, compare_values
 from .errors import FuserError, ValidationInputError, ValidationRunError
 from .fusedop import DOMAIN
@@ -339,6 +340,7 @@ def validate_rank(
     done = 0
     clock = {"at": time.perf_counter()}
     spent = seconds if seconds is not None else {}
+    work = {"at": plugin_clock.snapshot()}
 
     def tick(what: str = "") -> None:
         nonlocal done
@@ -349,6 +351,10 @@ def validate_rank(
             now = time.perf_counter()
             spent[what] = spent.get(what, 0.0) + now - clock["at"]
             clock["at"] = now
+            # what the fused ops' own work took of it ("fused: simulate"...)
+            for kind, s in plugin_clock.since(work["at"]).items():
+                spent[f"{what}: {kind}"] = spent.get(f"{what}: {kind}", 0.0) + s
+            work["at"] = plugin_clock.snapshot()
 
     def keep(c: OutputComparison) -> None:
         keep_worst(worst, c)
@@ -371,6 +377,7 @@ def validate_rank(
             if np.issubdtype(v.dtype, np.floating) and moved[k].shape == v.shape
         }
         clock["at"] = time.perf_counter()
+        work["at"] = plugin_clock.snapshot()
         actual = _run_fused(plan, sessions.fused, feeds)
         tick("fused")
         values = {**held_constants(sessions.fused), **feeds, **expected}
@@ -418,7 +425,10 @@ def validate_rank(
         # Ranks run their collectives together: with several, every rank asks every run.
         together = plan.ranks > 1
         truth = sessions.float64_values(feeds) if together else {}
+        judging = time.perf_counter()
         found = _judge_run(plan, _Judge(plan, *run_values, truth, rtol, atol, run, rank), *computed)
+        clock["at"] = time.perf_counter()
+        spent["compare"] = spent.get("compare", 0.0) + clock["at"] - judging
         if not together and any(not c.ok for c in found):
             # Something differs beyond tolerance and last-bit spread: is the original itself
             # far from real arithmetic there? Ask its float64 copy (made on first need).

@@ -8,4 +8,5 @@
 - `launch`: SPMD over cores with balanced splits; a kernel's time is launch + slowest core.
 - `stats`: `RunStats`; `timeline`: busy intervals and the Chrome trace export.
 - `errors`: `TargetError`, `CapacityError`.
+- `clock`: `ARITHMETIC`, the seconds functional runs spend on tile arithmetic (benchmarks).
 """

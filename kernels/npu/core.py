@@ -19,10 +19,12 @@ same schedule runs without data.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from time import perf_counter
 from typing import Any
 
 import numpy as np
 
+from .clock import ARITHMETIC
 from .machine import Machine
 from .memory import Buffer, Tile
 from .pipes import Level, Pipe
@@ -33,11 +35,16 @@ Source = np.ndarray | Callable[[], np.ndarray] | None
 class Core:
     """The state of one core during one kernel run."""
 
-    def __init__(self, machine: Machine, index: int, active_cores: int, functional: bool) -> None:
+    def __init__(
+        self, machine: Machine, index: int, active_cores: int, functional: bool, record: bool = True
+    ) -> None:
         self.machine = machine
         self.index = index
         self.active_cores = active_cores
         self.functional = functional
+        # Whether `intervals` keeps every instruction (for the run's timeline); without it the
+        # schedule, cycles and bytes are the same, only the per-instruction list is not built.
+        self.record = record
         self.ub = Buffer(Level.UB, machine.ub_bytes)
         self.l1 = Buffer(Level.L1, machine.l1_bytes)
         self.l0a = Buffer(Level.L0A, machine.l0a_bytes)
@@ -82,7 +89,8 @@ class Core:
         for t in writes:
             t.ready = end
             t.released = end
-        self.intervals.append((pipe, start, end, label))
+        if self.record:
+            self.intervals.append((pipe, start, end, label))
         return end
 
     @property
@@ -127,7 +135,9 @@ class Core:
         if gm is not None:
             self.gm_reads[gm] = self.gm_reads.get(gm, 0) + nbytes
         if self.functional and src is not None:
+            t = perf_counter()
             dst.data = src() if callable(src) else src
+            ARITHMETIC.seconds += perf_counter() - t
 
     def copy_out(
         self, src: Tile, nbytes: int, dst: np.ndarray | None = None, label: str = ""
@@ -137,8 +147,10 @@ class Core:
         self.issue(Pipe.MTE3, cycles, (src,), (), label or f"out {src.name}")
         self.moved["gm_write"] += nbytes
         if self.functional and dst is not None:
+            t = perf_counter()
             data = _data(src)
             dst[...] = data.reshape(dst.shape)
+            ARITHMETIC.seconds += perf_counter() - t
 
     def load_l0(
         self,
@@ -156,8 +168,10 @@ class Core:
         self.issue(Pipe.MTE1, cycles, (src,), (dst,), label or f"load {dst.name}")
         self.moved[dst.level._value_] += nbytes
         if self.functional:
+            t = perf_counter()
             data = _data(src)
             dst.data = transform(data) if transform is not None else data
+            ARITHMETIC.seconds += perf_counter() - t
 
     def fixpipe(
         self,
@@ -174,9 +188,11 @@ class Core:
         self.issue(Pipe.FIXP, cycles, (src, *reads), (), label or f"fixpipe {src.name}")
         self.moved["gm_write"] += nbytes
         if self.functional and dst is not None:
+            t0 = perf_counter()
             acc = _data(src)
             out = epilogue(acc, *(_data(t) for t in reads)) if epilogue is not None else acc
             dst[...] = out.reshape(dst.shape)
+            ARITHMETIC.seconds += perf_counter() - t0
 
     # -- compute ----------------------------------------------------------------------------
     def mmad(
@@ -191,13 +207,17 @@ class Core:
         # Integer ceilings: blocks of the Cube's m x k0 x n shape.
         blocks = (-(-m // mc.cube_m)) * (-(-k // k0)) * (-(-n // mc.cube_n))
         reads = (l0a, l0b) if init else (l0a, l0b, l0c)
-        self.issue(Pipe.CUBE, float(blocks), reads, (l0c,), f"mmad {m}x{k}x{n}")
+        self.issue(
+            Pipe.CUBE, float(blocks), reads, (l0c,), f"mmad {m}x{k}x{n}" if self.record else ""
+        )
         self.moved["l0c"] += m * n * 4
         if self.functional:
+            t = perf_counter()
             a = _data(l0a).astype(np.float32, copy=False)
             b = _data(l0b).astype(np.float32, copy=False)
             prod = np.matmul(a, b)
             l0c.data = prod if init else _data(l0c) + prod
+            ARITHMETIC.seconds += perf_counter() - t
 
     def vector(
         self,
@@ -224,10 +244,13 @@ class Core:
         written = n * np.dtype(dtype).itemsize if out_bytes is None else out_bytes
         for t in writes:
             t.check_fits(written)
-        self.issue(Pipe.VECTOR, cycles, reads, writes, "+".join(names) + f" {n}")
+        label = "+".join(names) + f" {n}" if self.record else ""
+        self.issue(Pipe.VECTOR, cycles, reads, writes, label)
         self.moved["ub"] += written * len(writes)
         if self.functional and fn is not None:
+            t0 = perf_counter()
             _assign(writes, fn(*(_data(t) for t in reads)))
+            ARITHMETIC.seconds += perf_counter() - t0
 
     def scalar(
         self,
@@ -240,7 +263,9 @@ class Core:
         """Scalar unit: `n_ops` arithmetic operations (e.g. folding per-channel parameters)."""
         self.issue(Pipe.SCALAR, n_ops * self.machine.scalar_op_cycles, reads, writes, label)
         if self.functional and fn is not None:
+            t0 = perf_counter()
             _assign(writes, fn(*(_data(t) for t in reads)))
+            ARITHMETIC.seconds += perf_counter() - t0
 
 
 def _data(tile: Tile) -> np.ndarray:

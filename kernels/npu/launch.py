@@ -77,7 +77,7 @@ def launch(
             if key in cache:
                 results.append(cache[key])
                 continue
-        core = Core(machine, c, n_cores, functional)
+        core = Core(machine, c, n_cores, functional, record=timeline)
         if items:
             body(core, items)
         res = _CoreResult(core)
