@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from fuser.patterns.conv_activation import Activation
 
 from .._cost_base import (
     LastProblem,
@@ -40,16 +41,24 @@ from .._cost_base import (
     fitting,
     kernel_cycles,
 )
+from .._groups import vector_cores_per_group
 from ..api import TensorMeta, Tiling
 from ..npu.machine import Machine
 from ..registry import get_kernel
+from .epilogue import epilogue_cycles
 from .geometry import ConvGeometry
 from .kernel import _ConvKernel
 from .tiling import ConvTiling, conv_specs, effective, fold_saves, images, n_items
 
 
 def conv_cycles(
-    machine: Machine, g: ConvGeometry, dtype: np.dtype, has_b: bool, has_bn: bool, t: ConvTiling
+    machine: Machine,
+    g: ConvGeometry,
+    dtype: np.dtype,
+    has_b: bool,
+    has_bn: bool,
+    t: ConvTiling,
+    act: Activation = Activation(),
 ) -> float:
     """Predicted cycles of `t` (see the module docstring)."""
     th, tw, co, ci = effective(g, t)
@@ -128,7 +137,16 @@ def conv_cycles(
     s.drain = fix
     gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
     first_in = nimg * (width if t.fold_taps else min(ci, width)) * x_rows * x_cols * isz
-    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
+    if not act.on_vector:
+        return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
+    # The activation on the group's vector cores, after FixPipe wrote each block to the L2.
+    heads = machine.copy_in_head(int(first_in), cores) + machine.copy_out_head_cycles
+    per_group = vector_cores_per_group(machine) or 1
+    end = epilogue_cycles(
+        machine, act, dtype, m * co, per_core, per_group, cores * per_group,
+        s.time(bool(t.double_buffer)) + heads,
+    )  # fmt: skip
+    return machine.kernel_launch_cycles + max(end, machine.hbm_cycles(gm))
 
 
 def conv_space(
@@ -224,16 +242,16 @@ class _ConvModel:
 
     def _setup(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
-    ) -> tuple[ConvGeometry, np.dtype, bool, bool]:
+    ) -> tuple[ConvGeometry, np.dtype, bool, bool, Activation]:
         k = get_kernel(self.domain, self.op_type)
         assert isinstance(k, _ConvKernel)
         g, x, has_b, has_bn = k._geometry(metas, attrs)
-        return g, x.dtype, has_b, has_bn
+        return g, x.dtype, has_b, has_bn, k.activation(attrs)
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
-        g, dtype, has_b, has_bn = self._setup(metas, attrs)
+        g, dtype, has_b, has_bn, _ = self._setup(metas, attrs)
         return list(conv_space(machine, g, dtype, has_b or has_bn))
 
     def cost(
@@ -244,8 +262,10 @@ class _ConvModel:
         machine: Machine,
     ) -> float:
         assert isinstance(tiling, ConvTiling)
-        g, dtype, has_b, has_bn = self._last.get(metas, attrs, lambda: self._setup(metas, attrs))
-        return conv_cycles(machine, g, dtype, has_b, has_bn, tiling)
+        g, dtype, has_b, has_bn, act = self._last.get(
+            metas, attrs, lambda: self._setup(metas, attrs)
+        )
+        return conv_cycles(machine, g, dtype, has_b, has_bn, tiling, act)
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -253,7 +273,7 @@ class _ConvModel:
         """The MatMul rule carried to the implicit GEMM: a 128-pixel x 128-channel block
         (tile_w up to 16, rows to fill 128 pixels), K chunks of 128 channels, double-buffered;
         halved until it fits."""
-        g, dtype, has_b, has_bn = self._setup(metas, attrs)
+        g, dtype, has_b, has_bn, _ = self._setup(metas, attrs)
         tw = min(g.wo, 16)
         t = ConvTiling(max(1, 128 // tw), tw, 128, 128, 1, machine.cube_cores)
         while not fitting(machine, conv_specs(g, dtype, has_b or has_bn, t)):
