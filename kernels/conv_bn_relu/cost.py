@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 from fuser.patterns.conv_activation import Activation
 
+NO_ACTIVATION = Activation()
+
 from .._cost_base import (
     LastProblem,
     Stage,
@@ -58,7 +60,7 @@ def conv_cycles(
     has_b: bool,
     has_bn: bool,
     t: ConvTiling,
-    act: Activation = Activation(),
+    act: Activation = NO_ACTIVATION,
 ) -> float:
     """Predicted cycles of `t` (see the module docstring)."""
     th, tw, co, ci = effective(g, t)
