@@ -29,8 +29,6 @@ from typing import Any
 import numpy as np
 from fuser.patterns.conv_activation import Activation
 
-NO_ACTIVATION = Activation()
-
 from .._cost_base import (
     LastProblem,
     Stage,
@@ -51,6 +49,8 @@ from .epilogue import epilogue_cycles
 from .geometry import ConvGeometry
 from .kernel import _ConvKernel
 from .tiling import ConvTiling, conv_specs, effective, fold_saves, images, n_items
+
+NO_ACTIVATION = Activation()
 
 
 def conv_cycles(
