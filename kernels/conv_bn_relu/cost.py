@@ -145,8 +145,8 @@ def conv_cycles(
     heads = machine.copy_in_head(int(first_in), cores) + machine.copy_out_head_cycles
     per_group = vector_cores_per_group(machine) or 1
     end = epilogue_cycles(
-        machine, act, dtype, m * co, per_core, per_group, cores * per_group,
-        s.time(bool(t.double_buffer)) + heads,
+        machine, act, dtype, m * co, per_core, per_group, cores * per_group, heads,
+        s.time(bool(t.double_buffer)),
     )  # fmt: skip
     return machine.kernel_launch_cycles + max(end, machine.hbm_cycles(gm))
 

@@ -139,11 +139,13 @@ def epilogue_cycles(
     blocks: int,
     vec_cores: int,
     vec_active: int,
-    cube_end: float,
+    cube_heads: float,
+    cube_stream: float,
 ) -> float:
-    """When the last vector core finishes, given the cube core's own end `cube_end` for
-    `blocks` blocks of `elements` each, handed in turn to its `vec_cores` vector cores
-    (`vec_active` vector cores in the whole launch share the DMA head)."""
+    """When the last vector core finishes, given the cube core's DMA heads and its stream of
+    `blocks` blocks of `elements` each (`cube_stream` cycles), handed in turn to its
+    `vec_cores` vector cores (`vec_active` vector cores in the whole launch share the DMA
+    head)."""
     vb, _ = block_cycles(machine, activation, dtype, elements)
     isz = np.dtype(dtype).itemsize
     heads = (
@@ -151,9 +153,10 @@ def epilogue_cycles(
         + machine.copy_out_head_cycles
     )
     per_vec = math.ceil(blocks / max(1, vec_cores))
-    pace = cube_end / max(1, blocks)
+    cube_end = cube_heads + cube_stream
+    first = cube_heads + cube_stream / max(1, blocks)
     # Either the vector cores keep up (the last block's epilogue trails the cube) or they set
     # the pace (the first block's arrival, then their own blocks back to back).
     trailing = cube_end + vb + (heads if per_vec <= 1 else 0.0)
-    paced = pace + heads + per_vec * vb
+    paced = first + heads + per_vec * vb
     return max(trailing, paced)
