@@ -120,16 +120,38 @@ def _is(node: onnx.NodeProto, op: str) -> bool:
 
 
 def _activation_shaped(graph: GraphIndex, r: int, v: str) -> bool:
+    """Whether reader `r` of `v` is an activation op on v, or the start of a decomposed one
+    (x * Sigmoid(x), x * HardSigmoid(x), the erf GELU's scaling or its products): a Mul by
+    anything else (a squeeze-excite gate, a residual scale) is not."""
     node = graph.node(r)
     if node.domain not in ("", "ai.onnx"):
         return False
     if node.op_type in ACTIVATION_OPS:
         return node.input[0] == v
-    if node.op_type == "Mul":
-        # x * f(x), the decomposed SiLU / HardSwish / GELU.
-        return v in node.input[:2]
     if node.op_type == "Div":
-        return node.input[0] == v
+        return node.input[0] == v and _is_const(graph, node.input[1], _SQRT2)
+    if node.op_type != "Mul":
+        return False
+    other = _other_input(node, v)
+    if other is None:
+        return False
+    if _is_const(graph, other, 0.5) or _is_const(graph, other, 1 / _SQRT2):
+        return True
+    return _from_activation_of(graph, other, v, depth=3)
+
+
+def _from_activation_of(graph: GraphIndex, value: str, v: str, depth: int) -> bool:
+    """`value` is Sigmoid(v) / HardSigmoid(v), or an Erf (of anything) lies within `depth`
+    Add/Mul steps upstream of it (the GELU's `1 + Erf(...)` factor)."""
+    p = graph.producer_of(value)
+    if p is None or p.domain not in ("", "ai.onnx"):
+        return False
+    if p.op_type in ("Sigmoid", "HardSigmoid"):
+        return p.input[0] == v
+    if p.op_type == "Erf":
+        return True
+    if p.op_type in ("Add", "Mul") and depth > 0:
+        return any(_from_activation_of(graph, i, v, depth - 1) for i in p.input[:2] if i)
     return False
 
 
@@ -152,6 +174,17 @@ def _match(graph: GraphIndex, v: str, readers: list[int]) -> Found | None:
                 return found
     shaped = [r for r in readers if _activation_shaped(graph, r, v)]
     first = graph.node(shaped[0])
+    erf_like = [
+        r for r in shaped
+        if graph.node(r).op_type == "Mul"
+        and _from_activation_of(graph, _other_input(graph.node(r), v) or "", "", depth=3)
+    ]  # fmt: skip
+    if erf_like:
+        raise _Miss(
+            f"Mul '{graph.describe(erf_like[0])}' left unfused: it looks like the erf GELU but "
+            "is not x * 0.5 * (1 + Erf(x / sqrt2)) with those exact constants",
+            v,
+        )
     others = [graph.describe(r) for r in readers if r != shaped[0]]
     raise _Miss(
         f"{first.op_type} '{graph.describe(shaped[0])}' left unfused: its input '{v}' is also "

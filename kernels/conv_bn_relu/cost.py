@@ -244,16 +244,21 @@ class _ConvModel:
 
     def _setup(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
-    ) -> tuple[ConvGeometry, np.dtype, bool, bool, Activation]:
+    ) -> tuple[ConvGeometry, np.dtype, bool, bool]:
         k = get_kernel(self.domain, self.op_type)
         assert isinstance(k, _ConvKernel)
         g, x, has_b, has_bn = k._geometry(metas, attrs)
-        return g, x.dtype, has_b, has_bn, k.activation(attrs)
+        return g, x.dtype, has_b, has_bn
+
+    def _activation(self, attrs: Mapping[str, Any]) -> Activation:
+        k = get_kernel(self.domain, self.op_type)
+        assert isinstance(k, _ConvKernel)
+        return k.activation(attrs)
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
-        g, dtype, has_b, has_bn, _ = self._setup(metas, attrs)
+        g, dtype, has_b, has_bn = self._setup(metas, attrs)
         return list(conv_space(machine, g, dtype, has_b or has_bn))
 
     def cost(
@@ -264,10 +269,8 @@ class _ConvModel:
         machine: Machine,
     ) -> float:
         assert isinstance(tiling, ConvTiling)
-        g, dtype, has_b, has_bn, act = self._last.get(
-            metas, attrs, lambda: self._setup(metas, attrs)
-        )
-        return conv_cycles(machine, g, dtype, has_b, has_bn, tiling, act)
+        g, dtype, has_b, has_bn = self._last.get(metas, attrs, lambda: self._setup(metas, attrs))
+        return conv_cycles(machine, g, dtype, has_b, has_bn, tiling, self._activation(attrs))
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
@@ -275,7 +278,7 @@ class _ConvModel:
         """The MatMul rule carried to the implicit GEMM: a 128-pixel x 128-channel block
         (tile_w up to 16, rows to fill 128 pixels), K chunks of 128 channels, double-buffered;
         halved until it fits."""
-        g, dtype, has_b, has_bn, _ = self._setup(metas, attrs)
+        g, dtype, has_b, has_bn = self._setup(metas, attrs)
         tw = min(g.wo, 16)
         t = ConvTiling(max(1, 128 // tw), tw, 128, 128, 1, machine.cube_cores)
         while not fitting(machine, conv_specs(g, dtype, has_b or has_bn, t)):
