@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-
 from fuser.patterns.conv_activation import (
     HARDSWISH_ALPHA,
     HARDSWISH_BETA,
