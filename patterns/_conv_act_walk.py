@@ -182,7 +182,7 @@ def _match(graph: GraphIndex, v: str, readers: list[int]) -> Found | None:
     if erf_like:
         raise _Miss(
             f"Mul '{graph.describe(erf_like[0])}' left unfused: it looks like the erf GELU but "
-            "is not x * 0.5 * (1 + Erf(x / sqrt2)) with those exact constants",
+            "is not x * 0.5 * (1 + Erf(x / sqrt2)) with constant factors of exactly those values",
             v,
         )
     others = [graph.describe(r) for r in readers if r != shaped[0]]

@@ -320,7 +320,7 @@ def gelu_wrong_constant(dt: int, opset: int) -> tuple[list[onnx.NodeProto], list
         (silu_read_twice, 17, ("z",), "Sigmoid 'act' left unfused: its input 'n' is also read by "
          "'mul'", ["Sigmoid", "Mul", "Neg"]),
         (gelu_wrong_constant, 13, (), "Mul 'mul' left unfused: it looks like the erf GELU but "
-         "is not x * 0.5 * (1 + Erf(x / sqrt2)) with those exact constants",
+         "is not x * 0.5 * (1 + Erf(x / sqrt2)) with constant factors of exactly those values",
          ["Div", "Erf", "Add", "Mul", "Mul"]),
     ],
     ids=["prelu", "mish", "clip-runtime-bound", "act-input-is-output", "silu-sigmoid-read-twice",
