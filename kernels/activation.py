@@ -135,8 +135,7 @@ class Clip(_Activation):
             act = Activation("Clip", lo, hi)
             return apply(act, x.astype(np.float32)).astype(x.dtype)
         # Both bounds as inputs (expanded to the tile): as onnxruntime, max with min, then min.
-        lo, hi = operands[1], operands[2]
-        return np.minimum(np.maximum(x, lo), hi).astype(x.dtype)
+        return np.minimum(np.maximum(x, operands[1]), operands[2]).astype(x.dtype)
 
 
 KERNELS = (Sigmoid(), Tanh(), LeakyRelu(), HardSigmoid(), HardSwish(), Gelu(), Clip())

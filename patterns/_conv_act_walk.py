@@ -9,7 +9,9 @@ also given as `CastLike(bound, x)`: that CastLike reads only x's dtype, and join
 LeakyRelu, HardSigmoid, HardSwish, Sigmoid, Tanh, Gelu (opset 20); the decomposed
 `x * Sigmoid(x)` (SiLU), `x * HardSigmoid(x)` (HardSwish), and the erf GELU
 `x * 0.5 * (1 + Erf(x / sqrt2))` in the orders exporters write (TorchScript: ((x * (Erf(x / c)
-+ 1)) * 0.5); the ONNX function: (x * 0.5) * (1 + Erf(x * 1/sqrt2)); or x * ((1 + Erf) * 0.5)).
++ 1)) * 0.5); the ONNX function: (x * 0.5) * (1 + Erf(x * 1/sqrt2)); dynamo: x * (0.5 * (Erf(x /
+c) + 1))), and the tanh GELU `0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))` with x^3
+as Pow(x, 3) (dynamo) or x * (x * x) (TorchScript), ending in the same three orders.
 `Identity` nodes that are a value's only reader are looked through everywhere.
 """
 
@@ -130,7 +132,12 @@ def _activation_shaped(graph: GraphIndex, r: int, v: str) -> bool:
         return node.input[0] == v
     if node.op_type == "Div":
         return node.input[0] == v and _is_const(graph, node.input[1], _SQRT2)
+    if node.op_type == "Pow":  # the tanh GELU's x^3
+        return node.input[0] == v and _is_const(graph, node.input[1], 3.0)
     if node.op_type != "Mul":
+        return False
+    if list(node.input[:2]) == [v, v]:  # the tanh GELU's x * x
+        return True
         return False
     other = _other_input(node, v)
     if other is None:
@@ -170,6 +177,10 @@ def _match(graph: GraphIndex, v: str, readers: list[int]) -> Found | None:
     for r, op in zip(readers, ops, strict=True):
         if op in ("Div", "Mul"):
             found = _erf_gelu(graph, v, r, readers)
+            if found is not None:
+                return found
+        if op in ("Pow", "Mul"):
+            found = _tanh_gelu(graph, v, r, readers)
             if found is not None:
                 return found
     shaped = [r for r in readers if _activation_shaped(graph, r, v)]
@@ -314,6 +325,7 @@ def _times_x(graph: GraphIndex, v: str, r: int, readers: list[int]) -> Found | N
 
 
 _SQRT2 = math.sqrt(2.0)
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)
 
 
 def _is_const(graph: GraphIndex, name: str | None, want: float) -> bool:
@@ -339,10 +351,63 @@ def _erf_gelu(graph: GraphIndex, v: str, d: int, readers: list[int]) -> Found | 
     e = only_reader(graph, scale.output[0])
     if e is None or not _is(graph.node(e), "Erf"):
         return None
-    a = only_reader(graph, graph.node(e).output[0])
+    return _gelu_tail(graph, v, graph.node(e).output[0], [d, e], {d}, readers, "Gelu")
+
+
+def _tanh_gelu(graph: GraphIndex, v: str, first: int, readers: list[int]) -> Found | None:
+    """0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), x^3 as Pow(x, 3) (dynamo) or
+    Mul(x, Mul(x, x)) (TorchScript), each product and sum in either operand order."""
+    node = graph.node(first)
+    if node.op_type == "Pow":
+        if node.input[0] != v or not _is_const(graph, node.input[1], 3.0):
+            return None
+        nodes, x_readers, cube = [first], {first}, node.output[0]
+    elif node.op_type == "Mul" and list(node.input[:2]) == [v, v]:
+        c = only_reader(graph, node.output[0])
+        if c is None or not _is(graph.node(c), "Mul"):
+            return None
+        if _other_input(graph.node(c), node.output[0]) != v:
+            return None
+        nodes, x_readers, cube = [first, c], {first, c}, graph.node(c).output[0]
+    else:
+        return None
+    k = only_reader(graph, cube)
+    if k is None or not _is(graph.node(k), "Mul"):
+        return None
+    if not _is_const(graph, _other_input(graph.node(k), cube), 0.044715):
+        return None
+    s = only_reader(graph, graph.node(k).output[0])
+    if s is None or not _is(graph.node(s), "Add"):
+        return None
+    if _other_input(graph.node(s), graph.node(k).output[0]) != v:
+        return None
+    z = only_reader(graph, graph.node(s).output[0])
+    if z is None or not _is(graph.node(z), "Mul"):
+        return None
+    if not _is_const(graph, _other_input(graph.node(z), graph.node(s).output[0]), _SQRT_2_PI):
+        return None
+    t = only_reader(graph, graph.node(z).output[0])
+    if t is None or not _is(graph.node(t), "Tanh"):
+        return None
+    core = [*nodes, k, s, z, t]
+    return _gelu_tail(graph, v, graph.node(t).output[0], core, x_readers | {s}, readers, "GeluTanh")
+
+
+def _gelu_tail(
+    graph: GraphIndex,
+    v: str,
+    f: str,
+    core: list[int],
+    x_readers: set[int],
+    readers: list[int],
+    name: str,
+) -> Found | None:
+    """The common end of both GELU forms: 1 + f, times x and 0.5 in any of three orders;
+    every reader of x must be one of the form's own."""
+    a = only_reader(graph, f)
     if a is None or not _is(graph.node(a), "Add"):
         return None
-    if not _is_const(graph, _other_input(graph.node(a), graph.node(e).output[0]), 1.0):
+    if not _is_const(graph, _other_input(graph.node(a), f), 1.0):
         return None
     one_plus = graph.node(a).output[0]
     m1 = only_reader(graph, one_plus)
@@ -350,25 +415,25 @@ def _erf_gelu(graph: GraphIndex, v: str, d: int, readers: list[int]) -> Found | 
         return None
     mul1 = graph.node(m1)
     partner = _other_input(mul1, one_plus)
-    core = [d, e, a, m1]
+    core = [*core, a, m1]
     if partner == v:
-        # (x * (1 + erf)) * 0.5
+        # (x * (1 + f)) * 0.5
         m2 = only_reader(graph, mul1.output[0])
         if m2 is None or not _is(graph.node(m2), "Mul"):
             return None
         if not _is_const(graph, _other_input(graph.node(m2), mul1.output[0]), 0.5):
             return None
-        nodes, x_readers = [*core, m2], {d, m1}
+        nodes, uses = [*core, m2], {m1}
     elif partner is not None and _is_const(graph, partner, 0.5):
-        # x * ((1 + erf) * 0.5)
+        # x * ((1 + f) * 0.5)
         m2 = only_reader(graph, mul1.output[0])
         if m2 is None or not _is(graph.node(m2), "Mul"):
             return None
         if _other_input(graph.node(m2), mul1.output[0]) != v:
             return None
-        nodes, x_readers = [*core, m2], {d, m2}
+        nodes, uses = [*core, m2], {m2}
     else:
-        # (x * 0.5) * (1 + erf)
+        # (x * 0.5) * (1 + f)
         half = graph.producer.get(partner or "")
         if half is None or half not in readers or not _is(graph.node(half), "Mul"):
             return None
@@ -376,8 +441,8 @@ def _erf_gelu(graph: GraphIndex, v: str, d: int, readers: list[int]) -> Found | 
             return None
         if only_reader(graph, graph.node(half).output[0]) != m1:
             return None
-        nodes, x_readers = [*core, half], {d, half}
+        nodes, uses = [*core, half], {half}
         m2 = m1
-    if set(readers) != x_readers:
+    if set(readers) != x_readers | uses:
         return None
-    return Found(Activation("Gelu"), tuple(nodes), graph.node(m2).output[0])
+    return Found(Activation(name), tuple(nodes), graph.node(m2).output[0])

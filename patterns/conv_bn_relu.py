@@ -142,7 +142,7 @@ class ConvBnReluPattern:
     anchors: tuple[tuple[str, str], ...] = (
         ("", "Conv"),
         ("", "ConvTranspose"),
-        *(("", op) for op in sorted(walk.ACTIVATION_OPS | {"Mul", "Div"})),
+        *(("", op) for op in sorted(walk.ACTIVATION_OPS | {"Mul", "Div", "Pow"})),
     )
     ops: tuple[FusedOp, ...] = (CONV_BN_RELU,)
 

@@ -126,6 +126,52 @@ def gelu_half_last(dt: int, opset: int) -> tuple[list[onnx.NodeProto], list[onnx
     ], [_c("sqrt2", math.sqrt(2), dt), _c("one", 1.0, dt), _c("half", 0.5, dt)]
 
 
+def gelu_dynamo(dt: int, opset: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    # x * (0.5 * (Erf(x / sqrt2) + 1)), as the dynamo exporter writes it at opset 18.
+    return [
+        helper.make_node("Div", ["a", "sqrt2"], ["d"], name="act"),
+        helper.make_node("Erf", ["d"], ["e"], name="erf"),
+        helper.make_node("Add", ["e", "one"], ["p"], name="add"),
+        helper.make_node("Mul", ["half", "p"], ["q"], name="mul"),
+        helper.make_node("Mul", ["a", "q"], ["y"], name="mul2"),
+    ], [_c("sqrt2", math.sqrt(2), dt), _c("one", 1.0, dt), _c("half", 0.5, dt)]
+
+
+def _tanh_tail(dt: int, cube: list[onnx.NodeProto], k: float = 0.044715) -> tuple[
+    list[onnx.NodeProto], list[onnx.TensorProto]
+]:  # fmt: skip
+    return [
+        *cube,
+        helper.make_node("Mul", ["k", "cube"], ["kc"], name="mul_k"),
+        helper.make_node("Add", ["a", "kc"], ["inner"], name="add_x"),
+        helper.make_node("Mul", ["sqrt2pi", "inner"], ["z"], name="mul_c"),
+        helper.make_node("Tanh", ["z"], ["t"], name="tanh"),
+        helper.make_node("Add", ["one", "t"], ["p"], name="add1"),
+        helper.make_node("Mul", ["a", "p"], ["m"], name="mul_x"),
+        helper.make_node("Mul", ["half", "m"], ["y"], name="mul_half"),
+    ], [_c("k", k, dt), _c("sqrt2pi", math.sqrt(2 / math.pi), dt), _c("one", 1.0, dt),
+        _c("half", 0.5, dt), _c("three", 3.0, dt)]  # fmt: skip
+
+
+def gelu_tanh_torchscript(
+    dt: int, opset: int
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    # x^3 as x * (x * x), as torch.onnx (TorchScript) writes nn.GELU(approximate="tanh").
+    return _tanh_tail(dt, [
+        helper.make_node("Mul", ["a", "a"], ["sq"], name="act"),
+        helper.make_node("Mul", ["a", "sq"], ["cube"], name="mul_cube"),
+    ])  # fmt: skip
+
+
+def gelu_tanh_pow(dt: int, opset: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    # x^3 as Pow(x, 3), as the dynamo exporter writes it.
+    return _tanh_tail(dt, [helper.make_node("Pow", ["a", "three"], ["cube"], name="act")])
+
+
+def gelu_tanh_wrong(dt: int, opset: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    return _tanh_tail(dt, [helper.make_node("Pow", ["a", "three"], ["cube"], name="act")], 0.05)
+
+
 def model(
     form: Form,
     *,
@@ -221,6 +267,9 @@ CASES = [
     (gelu_torchscript, 13, "Gelu", None, None),
     (gelu_onnx_order, 17, "Gelu", None, None),
     (gelu_half_last, 17, "Gelu", None, None),
+    (gelu_dynamo, 18, "Gelu", None, None),
+    (gelu_tanh_torchscript, 13, "GeluTanh", None, None),
+    (gelu_tanh_pow, 18, "GeluTanh", None, None),
 ]
 IDS = [f"{c[0].__name__}-op{c[1]}" for c in CASES]
 
@@ -322,9 +371,11 @@ def gelu_wrong_constant(dt: int, opset: int) -> tuple[list[onnx.NodeProto], list
         (gelu_wrong_constant, 13, (), "Mul 'mul' left unfused: it looks like the erf GELU but "
          "is not x * 0.5 * (1 + Erf(x / sqrt2)) with constant factors of exactly those values",
          ["Div", "Erf", "Add", "Mul", "Mul"]),
+        (gelu_tanh_wrong, 18, (), "Pow 'act' left unfused: its input 'n' is also read by "
+         "'add_x', 'mul_x'", ["Pow", "Mul", "Add", "Mul", "Tanh", "Add", "Mul", "Mul"]),
     ],
     ids=["prelu", "mish", "clip-runtime-bound", "act-input-is-output", "silu-sigmoid-read-twice",
-         "gelu-wrong-constant"],
+         "gelu-wrong-constant", "tanh-gelu-wrong-constant"],
 )  # fmt: skip
 def test_activation_traps_are_near_misses_with_the_reason(
     form: Form, opset: int, extra: tuple[str, ...], reason: str, kept: list[str]
