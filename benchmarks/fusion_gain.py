@@ -11,6 +11,8 @@ default tiling unless a sweep says otherwise) on the chosen target; nothing is a
 5. AllGather+MatMul for 2/4/8 ranks: how much of the communication the fused kernel hides.
 6. Simulation speed: a functional kernel run over its op's numpy `reference` (target <= 20x).
 7. RMSNorm+MatMul (float16 Llama form) -> Q, K, V at Llama-2-7B's [1, 2048, 4096]: time, GM bytes.
+8. Conv+BN+activation forms (ReLU6, SiLU, HardSwish, GELU, Conv+SiLU without BN) at
+   MobileNet / EfficientNet / YOLO layer shapes: time, GM bytes, launches.
 
     python benchmarks/fusion_gain.py [--target ascend910b] [--quick]
 
@@ -607,6 +609,65 @@ def print_rmsnorm_matmul(machine: Machine) -> None:
     )
 
 
+# -- 8. Conv + BN + activation forms (issue 8) --------------------------------------------------
+
+# (row, layer, activation attributes of the fused op, the unfused activation's kernels after
+# Conv (+ BN): (op, attrs, extra scalar inputs)); BN folded at fuse time in every fused row.
+CONV_ACT_ROWS: tuple[tuple[str, ConvLayer, dict[str, Any], bool,
+                           tuple[tuple[str, dict[str, Any], int], ...]], ...] = (
+    ("Conv+BN+ReLU6 (MobileNetV2 1x1 24->144)", ConvLayer("", 24, 56, 144, 1),
+     {"activation": "Clip", "alpha": 0.0, "beta": 6.0}, True, (("Clip", {}, 2),)),
+    ("Conv+BN+SiLU (EfficientNet 1x1 16->96)", ConvLayer("", 16, 112, 96, 1),
+     {"activation": "Silu"}, True, (("Sigmoid", {}, 0), ("Mul", {}, 1))),
+    ("Conv+BN+HardSwish (MobileNetV3 1x1 40->240)", ConvLayer("", 40, 28, 240, 1),
+     {"activation": "HardSwish", "alpha": 1 / 6, "beta": 0.5}, True, (("HardSwish", {}, 0),)),
+    ("Conv+BN+GELU (1x1 96->384)", ConvLayer("", 96, 56, 384, 1),
+     {"activation": "Gelu"}, True, (("Gelu", {}, 0),)),
+    ("Conv+SiLU, no BN (YOLO 3x3 64)", ConvLayer("", 64, 80, 64, 3),
+     {"activation": "Silu"}, False, (("Sigmoid", {}, 0), ("Mul", {}, 1))),
+)  # fmt: skip
+
+
+def print_conv_activations(batch: int, dtype: np.dtype, machine: Machine) -> None:
+    rows: list[tuple[str, ...]] = []
+    for label, layer, act, with_bn, tail in CONV_ACT_ROWS:
+        x, w = layer.x(batch, dtype), layer.w(dtype)
+        vec = TensorMeta((layer.cout,), dtype)
+        attrs = layer.attrs()
+        (y,) = _kernel("", "Conv").infer([x, w, vec], attrs)
+        runs = [_time("", "Conv", machine, [x, w, vec], attrs)]
+        if with_bn:
+            runs.append(_time("", "BatchNormalization", machine, [y, vec, vec, vec, vec], {}))
+        for op, op_attrs, extra in tail:
+            if op == "Clip":
+                ins: list[Input] = [y, np.zeros((), dtype), np.full((), 6, dtype)]
+            else:
+                ins = [y] + [y] * extra
+            runs.append(_time("", op, machine, ins, op_attrs))
+        unfused = sequence(runs)
+        fused = _time("fuser", "ConvBnRelu", machine, [x, w, vec], {**attrs, **act})
+        relu = _time("fuser", "ConvBnRelu", machine, [x, w, vec], {**attrs, "relu": 1})
+        rows.append((label, f"{unfused.us:.1f}", f"{fused.us:.1f}",
+                     f"{unfused.us / fused.us:.2f}x", f"{relu.us:.1f}",
+                     _mb(unfused.gm_bytes), _mb(fused.gm_bytes),
+                     f"{unfused.launches} -> {fused.launches}"))  # fmt: skip
+    rows.append(("ConvTranspose+BN (+act)", "-", "not fused", "-", "-", "-", "-", "-"))
+    _table(
+        f"8. Conv+BN+activation forms, batch {batch}, {dtype.name}, on {machine.name}",
+        ("form", "unfused us", "fused us", "speedup", "same conv with ReLU us",
+         "unfused GM MB", "fused GM MB", "launches"),
+        rows,
+    )  # fmt: skip
+    OUT.print(
+        "Fused: BN folded into W and B; ReLU runs in FixPipe, every other activation on the "
+        "group's vector cores after FixPipe writes the block to an L2 workspace (so a vector "
+        "activation costs more than ReLU on the same conv: the 'same conv with ReLU' column). "
+        "Unfused: Conv (bias in FixPipe), BatchNormalization, then the activation's own vector "
+        "kernels (SiLU as Sigmoid and Mul), each a launch with its own GM round trip. "
+        "ConvTranspose is not fused (no transposed-convolution kernel; a near-miss in inspect)."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--target", default="ascend910b", help="target name or JSON file")
@@ -623,6 +684,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_softmax_topk_sweep(machine)
     print_allgather_matmul(machine)
     print_rmsnorm_matmul(machine)
+    print_conv_activations(args.batch, np.dtype(args.dtype), machine)
     if not args.no_cost:
         print_simulation_cost(machine, 1 if args.quick else 3)
     OUT.print(f"\n(benchmark wall time {time.perf_counter() - start:.0f} s)")

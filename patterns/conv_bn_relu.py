@@ -1,4 +1,5 @@
-"""Conv -> BatchNormalization (inference) -> Relu (optional)  =>  fuser.ConvBnRelu.
+"""Conv -> BatchNormalization (inference) -> activation, each of BN and activation optional
+(at least one present)  =>  fuser.ConvBnRelu.
 
 Math. Inference-mode BN is an affine map per output channel c:
     BN(y)_c = (y_c - mean_c) * scale_c / sqrt(var_c + eps) + bias_c
@@ -7,11 +8,17 @@ and Conv is linear in its weight, so with  a_c = scale_c / sqrt(var_c + eps):
 When W, B and the four BN parameters are known at fuse time, the fused op gets W', B' and no BN
 inputs (folded in float64, then cast to the weight's dtype). When any is computed at run time,
 the fused op takes the BN parameters as inputs and applies BN itself in its epilogue.
-Relu, when it is the only reader of the BN output, is applied on the way out.
+The activation (`conv_activation`: Relu, Clip, LeakyRelu, HardSigmoid, HardSwish, SiLU, GELU,
+Sigmoid, Tanh, in the forms `_conv_act_walk` finds), when only it reads the BN (or Conv)
+output, is applied on the way out. `Identity` nodes between Conv, BN and the activation are
+looked through.
 
 Refused, with the reason: BN in training mode (training_mode=1 or extra outputs) or with
 spatial=0, 3-D and higher convolutions, a weight whose rank is unknown, parameters of the wrong
-size. If the BN output is read elsewhere, Relu is left out of the fusion rather than refused.
+size. If the BN output is read elsewhere, the activation is left out of the fusion rather than
+refused, and the activation's node is a near-miss saying why; so is every activation-shaped
+reader of a Conv that is not fused (PRelu, Mish, a non-constant Clip bound, ...), and a
+ConvTranspose followed by BN or an activation (no transposed-convolution kernel).
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
 from fuser.pattern import Match, Rejection, rejection
 
+from . import _conv_act_walk as walk
 from ._conv import conv, conv_output_spatial
+from .conv_activation import Activation, apply, from_attributes
 
 NAME = "conv_bn_relu"
 PRIORITY = 10
@@ -57,10 +66,14 @@ def _infer(
 def reference(
     inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]
 ) -> tuple[np.ndarray, ...]:
-    """relu?(BN?(Conv(X, W, B))) with ONNX semantics, computed in float64."""
+    """act(BN?(Conv(X, W, B))) with ONNX semantics, computed in float64.
+
+    The pre-activation value is rounded to X's dtype first, as the original's Conv (or BN)
+    output is; the activation is then computed in float64 and rounded once."""
     x, w, b = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
     assert x is not None
     assert w is not None
+    activation = from_attributes(attrs)
     y = conv(x, w, b, attrs)
     bn = list(inputs[3:7]) if len(inputs) > 3 else []
     if any(p is not None for p in bn):
@@ -68,14 +81,18 @@ def reference(
         shape = (1, -1) + (1,) * (y.ndim - 2)
         y = (y - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + float(attrs["epsilon"]))
         y = y * scale.reshape(shape) + bias.reshape(shape)
-    if int(attrs["relu"]):
-        y = np.maximum(y, 0.0)
+    if activation.on_vector:
+        y = y.astype(x.dtype).astype(np.float64)
+    y = apply(activation, y)
     return (y.astype(x.dtype),)
 
 
 CONV_BN_RELU = FusedOp(
     name="ConvBnRelu",
-    doc="Conv, then inference BatchNormalization (folded or applied), then optional Relu.",
+    doc=(
+        "Conv, then inference BatchNormalization (folded or applied), then an optional "
+        "activation (Relu, or `activation` with alpha/beta)."
+    ),
     inputs=(
         Param("X", "T", "input, [N, C, *spatial]"),
         Param("W", "T", "weight, [Cout, C/group, *kernel]; BN-folded when no BN inputs"),
@@ -94,7 +111,16 @@ CONV_BN_RELU = FusedOp(
         Attr("pads", "ints", "as Conv", []),
         Attr("strides", "ints", "as Conv", []),
         Attr("epsilon", "float", "BN epsilon (used with BN inputs)", 1e-5),
-        Attr("relu", "int", "1 = apply Relu on the way out", 0),
+        Attr("relu", "int", "1 = apply Relu on the way out (the activation Relu)", 0),
+        Attr(
+            "activation",
+            "string",
+            "activation on the way out besides Relu: Clip, LeakyRelu, HardSigmoid, HardSwish, "
+            "Silu, Gelu, GeluTanh, Sigmoid, Tanh (empty: as `relu` says)",
+            "",
+        ),
+        Attr("alpha", "float", "Clip min, LeakyRelu / HardSigmoid / HardSwish alpha", 0.0),
+        Attr("beta", "float", "Clip max, HardSigmoid / HardSwish beta", 0.0),
     ),
     type_constraints=(("T", FLOAT_TYPES, "float tensors"),),
     infer=_infer,
@@ -105,16 +131,33 @@ CONV_BN_RELU = FusedOp(
 
 @dataclass(frozen=True)
 class ConvBnReluPattern:
-    """Conv -> BatchNormalization -> Relu (optional), anchored at the Conv."""
+    """Conv -> BatchNormalization (optional) -> activation (optional), anchored at the Conv;
+    anchored at an activation-shaped op, the near-miss saying why it was left out."""
 
     name: str = NAME
-    description: str = "Conv -> BatchNormalization (inference) -> Relu (optional) => ConvBnRelu"
-    anchors: tuple[tuple[str, str], ...] = (("", "Conv"),)
+    description: str = (
+        "Conv -> BatchNormalization (inference) -> activation (Relu, Clip, LeakyRelu, "
+        "HardSigmoid, HardSwish, SiLU, GELU, Sigmoid, Tanh), each optional => ConvBnRelu"
+    )
+    anchors: tuple[tuple[str, str], ...] = (
+        ("", "Conv"),
+        ("", "ConvTranspose"),
+        *(("", op) for op in sorted(walk.ACTIVATION_OPS | {"Mul", "Div", "Pow"})),
+    )
     ops: tuple[FusedOp, ...] = (CONV_BN_RELU,)
 
     def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
+        node = graph.node(node_id)
+        if node.op_type == "Conv":
+            return self._match_conv(graph, node_id)
+        if node.op_type == "ConvTranspose":
+            return self._transposed(graph, node_id)
+        return self._unfused_activation(graph, node_id)
+
+    def _match_conv(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
         conv_node = graph.node(node_id)
-        conv_out = conv_node.output[0]
+        ids = [node_id]
+        conv_out = walk.through_identity(graph, conv_node.output[0], ids)
         bn_ids = [
             r
             for r in graph.readers(conv_out)
@@ -122,15 +165,19 @@ class ConvBnReluPattern:
             and graph.node(r).domain == ""
             and graph.node(r).input[0] == conv_out
         ]
-        if not bn_ids:
+        bn = graph.node(bn_ids[0]) if bn_ids else None
+        if bn is not None:
+            ids.append(bn_ids[0])
+            problem = _bn_problem(graph, bn)
+            if problem is not None:
+                return rejection(self.name, graph, ids, *problem)
+            act_in = bn.output[0]
+        else:
+            act_in = conv_out
+        act = walk.find(graph, act_in)
+        if bn is None and not isinstance(act, walk.Found):
+            # A lone Conv is not this pattern; an activation left out says so at its node.
             return None
-        bn_id = bn_ids[0]
-        bn = graph.node(bn_id)
-        ids = [node_id, bn_id]
-
-        problem = _bn_problem(graph, bn)
-        if problem is not None:
-            return rejection(self.name, graph, ids, *problem)
         w_name = conv_node.input[1]
         w_shape = graph.shape(w_name)
         if w_shape is None or not all(isinstance(d, int) for d in w_shape):
@@ -151,7 +198,7 @@ class ConvBnReluPattern:
                 w_name,
             )
         cout = int(w_shape[0])  # type: ignore[arg-type]
-        for param in bn.input[1:5]:
+        for param in bn.input[1:5] if bn is not None else ():
             shape = graph.shape(param)
             if shape is not None and tuple(shape) != (cout,):
                 return rejection(
@@ -162,17 +209,29 @@ class ConvBnReluPattern:
                     "(one value per Conv output channel)",
                     param,
                 )
-
-        relu_ids, notes = _relu_after(graph, bn.output[0])
-        ids += relu_ids
-        out_value = graph.node(relu_ids[0]).output[0] if relu_ids else bn.output[0]
+        notes: list[str] = []
+        activation = Activation()
+        out_value = act_in
+        if isinstance(act, walk.Found):
+            ids += act.nodes
+            activation = act.activation
+            out_value = act.out
+        elif isinstance(act, walk.Refused):
+            notes.append(act.reason)
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in conv_node.attribute}
         attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-        attrs["relu"] = 1 if relu_ids else 0
-        epsilon = _bn_epsilon(bn)
-
-        folded = _fold(graph, conv_node, bn, epsilon)
+        attrs.update(activation.attributes())
+        if activation.name:
+            notes.append(f"activation: {activation.describe()}")
         conv_b = conv_node.input[2] if len(conv_node.input) > 2 else ""
+        if bn is None:
+            inputs = (conv_node.input[0], w_name, conv_b)
+            return Match(
+                self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs,
+                notes=tuple(notes),
+            )  # fmt: skip
+        epsilon = _bn_epsilon(bn)
+        folded = _fold(graph, conv_node, bn, epsilon)
         if isinstance(folded, tuple):
             w_new, b_new = folded
             return Match(
@@ -203,6 +262,60 @@ class ConvBnReluPattern:
             self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs, notes=tuple(notes)
         )
 
+    def _transposed(self, graph: GraphIndex, node_id: int) -> Rejection | None:
+        """ConvTranspose followed by BN or an activation: not fused (no transposed-conv
+        kernel), said at the ConvTranspose."""
+        node = graph.node(node_id)
+        members: list[int] = []
+        out = walk.through_identity(graph, node.output[0], members)
+        followers = [
+            graph.node(r).op_type
+            for r in graph.readers(out)
+            if graph.node(r).op_type == "BatchNormalization"
+        ]
+        if not followers and not isinstance(walk.find(graph, out), walk.Found):
+            return None
+        what = "BatchNormalization" if followers else "an activation"
+        return rejection(
+            self.name,
+            graph,
+            [node_id, *members],
+            f"ConvTranspose '{graph.describe(node_id)}' followed by {what} is not fused: "
+            "ConvBnRelu has no transposed-convolution kernel (output_padding, output_shape "
+            "and the scatter of its taps are not implemented)",
+            out,
+        )
+
+    def _unfused_activation(self, graph: GraphIndex, node_id: int) -> Rejection | None:
+        """An activation-shaped node reading a Conv / BN / ConvBnRelu output that the Conv's
+        match left out: the near-miss, with the reason (reported once, at its first node)."""
+        node = graph.node(node_id)
+        for value in dict.fromkeys(node.input[:2]):
+            if not value:
+                continue
+            start = walk.back_through_identity(graph, value)
+            producer = graph.producer_of(start)
+            if producer is None or not _conv_like(graph, producer):
+                continue
+            found = walk.find(graph, start)
+            if isinstance(found, walk.Refused) and found.head == node_id:
+                return rejection(self.name, graph, [node_id], found.reason, found.value)
+        return None
+
+
+def _conv_like(graph: GraphIndex, node: onnx.NodeProto) -> bool:
+    """A Conv, a fused ConvBnRelu, or a BatchNormalization reading a Conv's output."""
+    if node.domain == "fuser":
+        return node.op_type == CONV_BN_RELU.name
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type == "Conv":
+        return True
+    if node.op_type != "BatchNormalization":
+        return False
+    source = graph.producer_of(walk.back_through_identity(graph, node.input[0]))
+    return source is not None and source.op_type == "Conv" and source.domain in ("", "ai.onnx")
+
 
 def _bn_problem(graph: GraphIndex, bn: onnx.NodeProto) -> tuple[str, str | None] | None:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in bn.attribute}
@@ -230,21 +343,6 @@ def _bn_epsilon(bn: onnx.NodeProto) -> float:
         if attr.name == "epsilon":
             return float(attr.f)
     return 1e-5
-
-
-def _relu_after(graph: GraphIndex, bn_out: str) -> tuple[list[int], list[str]]:
-    readers = graph.readers(bn_out)
-    relus = [r for r in readers if graph.node(r).op_type == "Relu" and graph.node(r).domain == ""]
-    if not relus:
-        return [], []
-    if len(readers) == 1 and not graph.is_graph_output(bn_out):
-        return relus, []
-    other = (
-        "is a graph output"
-        if graph.is_graph_output(bn_out)
-        else (f"is also read by '{graph.describe(next(r for r in readers if r != relus[0]))}'")
-    )
-    return [], [f"Relu '{graph.describe(relus[0])}' left unfused: BN output '{bn_out}' {other}"]
 
 
 def _fold(

@@ -54,6 +54,7 @@ class Fixture:
     options: dict[str, Any] = field(default_factory=dict)
     library: str = "torch.nn"
     half: bool = False  # export in float16 (checked against PyTorch with fp16 tolerances)
+    strip_metadata: bool = False  # drop the dynamo exporter's per-node stack traces (size)
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -423,6 +424,168 @@ FIXTURES = [
 ]
 
 
+# -- MobileNetV2 and EfficientNet-style CNNs (issue 8: Conv + BN + activation forms) ----------
+
+
+class _InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand -> BN -> ReLU6, 3x3 depthwise -> BN -> ReLU6, 1x1
+    project -> BN (linear bottleneck), residual when the shape allows."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = c_in * expand
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(c_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6()]
+        layers += [
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(),
+            nn.Conv2d(hidden, c_out, 1, bias=False),
+            nn.BatchNorm2d(c_out),
+        ]
+        self.body = nn.Sequential(*layers)
+        self.residual = stride == 1 and c_in == c_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        return x + y if self.residual else y
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2's layout (t, c, n, s) at width 1/4 with 8-channel minimum, 10 classes."""
+
+    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                (6, 160, 3, 2), (6, 320, 1, 1))  # fmt: skip
+
+    def __init__(self, width: float = 0.25) -> None:
+        super().__init__()
+
+        def ch(c: int) -> int:
+            return max(8, int(c * width + 4) // 8 * 8)
+
+        c = ch(32)
+        layers: list[nn.Module] = [nn.Conv2d(3, c, 3, 2, 1, bias=False), nn.BatchNorm2d(c),
+                                   nn.ReLU6()]  # fmt: skip
+        for t, co, n, s in self.SETTINGS:
+            for i in range(n):
+                layers.append(_InvertedResidual(c, ch(co), s if i == 0 else 1, t))
+                c = ch(co)
+        layers += [nn.Conv2d(c, 128, 1, bias=False), nn.BatchNorm2d(128), nn.ReLU6()]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images).mean((2, 3)))
+
+
+def build_mobilenetv2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = MobileNetV2()
+    _randomize_batchnorm(model, gen)
+    return model.eval(), {"images": torch.randn(2, 3, 32, 32, generator=gen)}
+
+
+class _MBConv(nn.Module):
+    """EfficientNet's block: 1x1 expand -> BN -> SiLU, depthwise -> BN -> SiLU, squeeze-excite
+    (mean -> 1x1 -> SiLU -> 1x1 -> Sigmoid gate), 1x1 project -> BN, residual."""
+
+    def __init__(self, c_in: int, c_out: int, kernel: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = c_in * expand
+        squeeze = max(2, c_in // 4)
+        self.expand = nn.Sequential(
+            nn.Conv2d(c_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.SiLU()
+        )
+        self.dw = nn.Sequential(
+            nn.Conv2d(hidden, hidden, kernel, stride, kernel // 2, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.SiLU(),
+        )
+        self.se = nn.Sequential(
+            nn.Conv2d(hidden, squeeze, 1), nn.SiLU(), nn.Conv2d(squeeze, hidden, 1), nn.Sigmoid()
+        )
+        self.project = nn.Sequential(nn.Conv2d(hidden, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+        self.residual = stride == 1 and c_in == c_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dw(self.expand(x))
+        y = y * self.se(y.mean((2, 3), keepdim=True))
+        y = self.project(y)
+        return x + y if self.residual else y
+
+
+class EfficientNetStyle(nn.Module):
+    """EfficientNet-B0's stages (kernel, stride, channels) at small widths (expansion 3) and
+    depth x3:
+    50 MBConv blocks, 3 Conv+BN chains each, plus stem and head (152 Conv+BN chains)."""
+
+    STAGES = ((3, 1, 8, 3), (3, 2, 8, 6), (5, 2, 8, 6), (3, 2, 12, 9), (3, 1, 12, 9),
+              (5, 2, 16, 12), (3, 1, 16, 5))  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [
+            nn.Conv2d(3, 8, 3, 2, 1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.SiLU(),
+        ]
+        c = 8
+        for kernel, stride, co, n in self.STAGES:
+            for i in range(n):
+                layers.append(_MBConv(c, co, kernel, stride if i == 0 else 1, 3))
+                c = co
+        layers += [nn.Conv2d(c, 64, 1, bias=False), nn.BatchNorm2d(64), nn.SiLU()]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images).mean((2, 3)))
+
+
+def build_efficientnet() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = EfficientNetStyle()
+    _randomize_batchnorm(model, gen)
+    return model.eval(), {"images": torch.randn(2, 3, 32, 32, generator=gen)}
+
+
+_CNN_NOTES = {
+    "mobilenetv2": "MobileNetV2 (width 1/4): Conv+BN+ReLU6 (Clip) incl. depthwise, linear"
+    " bottlenecks (Conv+BN, no activation), inverted residuals",
+    "efficientnet": "EfficientNet-style (B0 stages, depth x3, small widths): Conv+BN+SiLU"
+    " (x * Sigmoid(x)) incl. depthwise 3x3/5x5, squeeze-excite Conv+SiLU and Conv+Sigmoid"
+    " gate without BN, 152 Conv+BN chains",
+}
+FIXTURES += [
+    Fixture(
+        f"{name}-ts13",
+        build,
+        "torchscript",
+        13,
+        _CNN_NOTES[name] + "; BN kept with training=PRESERVE",
+        dynamic={"images": {0: "N"}},
+        options={"training": torch.onnx.TrainingMode.PRESERVE},
+    )
+    for name, build in (("mobilenetv2", build_mobilenetv2), ("efficientnet", build_efficientnet))
+] + [
+    Fixture(
+        f"{name}-dynamo18",
+        build,
+        "dynamo",
+        18,
+        _CNN_NOTES[name] + "; optimize=False keeps BN; node metadata (stack traces) dropped"
+        " to stay under 1 MB",
+        dynamic={"images": {0: "N"}},
+        options={"optimize": False},
+        strip_metadata=True,
+    )
+    for name, build in (("mobilenetv2", build_mobilenetv2), ("efficientnet", build_efficientnet))
+]
+
+
 # -- export ------------------------------------------------------------------------------------
 
 
@@ -458,6 +621,9 @@ def export(fx: Fixture, path: Path) -> tuple[dict[str, np.ndarray], list[np.ndar
                 **fx.options,
             )  # fmt: skip
             assert program is not None
+            if fx.strip_metadata:
+                for node in program.model.graph.all_nodes():
+                    node.metadata_props.clear()
             program.save(str(path))
     feeds = {k: v.numpy() for k, v in inputs.items()}
     return feeds, [o.detach().numpy() for o in outputs]

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from fuser.patterns.conv_activation import Activation
 
 from .._cost_base import (
     LastProblem,
@@ -42,16 +43,26 @@ from .._cost_base import (
     fitting,
     kernel_cycles,
 )
+from .._groups import vector_cores_per_group
 from ..api import TensorMeta, Tiling
 from ..npu.machine import Machine
 from ..registry import get_kernel
+from .epilogue import epilogue_cycles
 from .geometry import ConvGeometry
 from .kernel import _ConvKernel
 from .tiling import ConvTiling, conv_specs, effective, fold_saves, images, n_items
 
+NO_ACTIVATION = Activation()
+
 
 def conv_cycles(
-    machine: Machine, g: ConvGeometry, dtype: np.dtype, has_b: bool, has_bn: bool, t: ConvTiling
+    machine: Machine,
+    g: ConvGeometry,
+    dtype: np.dtype,
+    has_b: bool,
+    has_bn: bool,
+    t: ConvTiling,
+    act: Activation = NO_ACTIVATION,
 ) -> float:
     """Predicted cycles of `t` (see the module docstring)."""
     th, tw, co, ci = effective(g, t)
@@ -130,7 +141,16 @@ def conv_cycles(
     s.drain = fix
     gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
     first_in = nimg * (width if t.fold_taps else min(ci, width)) * x_rows * x_cols * isz
-    return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
+    if not act.on_vector:
+        return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
+    # The activation on the group's vector cores, after FixPipe wrote each block to the L2.
+    heads = machine.copy_in_head(int(first_in), cores) + machine.copy_out_head_cycles
+    per_group = vector_cores_per_group(machine) or 1
+    end = epilogue_cycles(
+        machine, act, dtype, m * co, per_core, per_group, cores * per_group, heads,
+        s.time(bool(t.double_buffer)),
+    )  # fmt: skip
+    return machine.kernel_launch_cycles + max(end, machine.hbm_cycles(gm))
 
 
 def conv_space(
@@ -232,6 +252,11 @@ class _ConvModel:
         g, x, has_b, has_bn = k._geometry(metas, attrs)
         return g, x.dtype, has_b, has_bn
 
+    def _activation(self, attrs: Mapping[str, Any]) -> Activation:
+        k = get_kernel(self.domain, self.op_type)
+        assert isinstance(k, _ConvKernel)
+        return k.activation(attrs)
+
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
@@ -247,7 +272,7 @@ class _ConvModel:
     ) -> float:
         assert isinstance(tiling, ConvTiling)
         g, dtype, has_b, has_bn = self._last.get(metas, attrs, lambda: self._setup(metas, attrs))
-        return conv_cycles(machine, g, dtype, has_b, has_bn, tiling)
+        return conv_cycles(machine, g, dtype, has_b, has_bn, tiling, self._activation(attrs))
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine

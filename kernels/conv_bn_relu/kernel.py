@@ -28,8 +28,10 @@ from functools import partial
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
+from fuser.patterns.conv_activation import Activation, from_attributes
 
 from .._budget import QueueSpec, check_flag, check_positive, require_fits
+from .._groups import Group, launch_groups
 from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
 from ..npu.core import Core
 from ..npu.launch import launch
@@ -37,6 +39,7 @@ from ..npu.machine import Machine
 from ..npu.memory import Tile
 from ..npu.pipes import Level
 from ..search import Searched
+from .epilogue import WORKSPACE, VectorEpilogue
 from .geometry import ConvGeometry, conv_geometry
 from .tiling import ConvTiling, conv_specs, default_conv_tiling, effective, images
 
@@ -93,6 +96,15 @@ class _ConvKernel(Kernel):
                         f"{self.op_type}: {name} must have shape ({cout},), got {m.shape}"
                     )
         return g, x, b is not None, has_bn
+
+    def activation(self, attrs: Mapping[str, Any]) -> Activation:
+        """The activation the attributes say (none for plain Conv); `KernelError` if bad."""
+        if not self.fused:
+            return Activation()
+        try:
+            return from_attributes(attrs)
+        except ValueError as e:
+            raise KernelError(f"{self.op_type}: {e}") from None
 
     def infer(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
@@ -179,20 +191,35 @@ class _ConvKernel(Kernel):
                 y=y.reshape(g.n, g.cout, g.ho, g.wo),
             )
         specs = conv_specs(g, x.dtype, has_b or has_bn, tiling)
-        relu = bool(int(attrs.get("relu", 0))) if self.fused else False
+        act = self.activation(attrs)
+        relu = act.name == "Relu"
         eps = float(attrs.get("epsilon", 1e-5))
         program = partial(_program, g, x.dtype, specs, tiling, has_b, has_bn, relu, eps, data)
-        stats = launch(
-            machine,
-            self.op_type,
-            work,
-            program,
-            max_cores=tiling.cores,
-            functional=functional,
-            signature=partial(_signature, g),
-            timeline=timeline,
-            gm_sizes=_gm_sizes(inputs_meta),
-        )
+        sizes = _gm_sizes(inputs_meta)
+        if act.on_vector:
+            sizes[WORKSPACE] = 0  # written by this kernel into the L2 just before it is read
+            stats = launch_groups(
+                machine,
+                self.op_type,
+                work,
+                partial(_grouped, program, act, x.dtype),
+                max_groups=tiling.cores,
+                functional=functional,
+                timeline=timeline,
+                gm_sizes=sizes,
+            )
+        else:
+            stats = launch(
+                machine,
+                self.op_type,
+                work,
+                program,
+                max_cores=tiling.cores,
+                functional=functional,
+                signature=partial(_signature, g),
+                timeline=timeline,
+                gm_sizes=sizes,
+            )
         return KernelRun((y,) if y is not None else (), stats)
 
     def _raw_params(self, inputs: Sequence[np.ndarray | None], g: ConvGeometry) -> np.ndarray:
@@ -226,6 +253,7 @@ def _program(
     data: _RunData | None,
     core: Core,
     items: Sequence[_Item],
+    vector: VectorEpilogue | None = None,
 ) -> None:
     bufs = {Level.L1: core.l1, Level.L0A: core.l0a, Level.L0B: core.l0b, Level.L0C: core.l0c}
     q = {s.name: bufs[s.level].queue(s.name, s.slot_bytes, s.depth) for s in specs}
@@ -318,16 +346,25 @@ def _program(
                     core.load_l0(b, wt, b_bytes, tap, label="load w")
                     core.mmad(acc, a, b, m, cc, nco, dtype, init=first)
                     first = False
-        core.fixpipe(
-            acc,
-            m * nco * isz,
+        dst = (
             None
             if data is None
-            else data.y[it.n : it.n1, it.co0 : it.co1, it.h0 : it.h1, it.w0 : it.w1],
-            partial(_epilogue, dtype, relu, nimg, rows_out, cols_out, has_b or has_bn),
-            reads=(params,) if params is not None else (),
-            label="fixpipe out",
+            else data.y[it.n : it.n1, it.co0 : it.co1, it.h0 : it.h1, it.w0 : it.w1]
         )
+        epilogue = partial(_epilogue, dtype, relu, nimg, rows_out, cols_out, has_b or has_bn)
+        reads = (params,) if params is not None else ()
+        if vector is not None:
+            vector.run(core, acc, reads, m * nco, dst, epilogue)
+            continue
+        core.fixpipe(acc, m * nco * isz, dst, epilogue, reads=reads, label="fixpipe out")
+
+
+def _grouped(
+    program: Any, act: Activation, dtype: np.dtype, group: Group, items: Sequence[_Item]
+) -> None:
+    """One group's share: the convolution on its cube core, the activation on its vector
+    cores (`epilogue`)."""
+    program(group.cube, items, VectorEpilogue(group.vecs, act, dtype))
 
 
 def _fold_bn(eps: float, p: np.ndarray) -> np.ndarray:

@@ -4,6 +4,10 @@
 gives the same model on any machine). It plants one or two fusion families:
 
     conv_bn_relu      Conv -> BatchNormalization (-> Relu)
+    conv_act          Conv (-> BatchNormalization) (-> Identity) -> an activation in one of
+                      the forms exporters write (Clip with constant / CastLike / run-time
+                      bounds, LeakyRelu, HardSigmoid, HardSwish op or x * HardSigmoid(x),
+                      x * Sigmoid(x), the erf GELU, Sigmoid, Tanh, PRelu, Softplus)
     ln_op             LayerNormalization (opset 17+) -> MatMul(s) (-> Add bias) / Reshape -> Gemm
     ln_decomposed     ReduceMean/Sub/Pow|Mul/ReduceMean/Add/Sqrt/Div|Reciprocal (-> Mul/Add)
     softmax_topk      Softmax -> TopK (-> renormalize), with an optional Cast between
@@ -42,6 +46,7 @@ FAMILIES = (
     "softmax_topk",
     "topk_softmax",
     "allgather_matmul",
+    "conv_act",
 )
 # fused-op pattern name of each planted family
 PATTERN_OF = {
@@ -51,6 +56,7 @@ PATTERN_OF = {
     "softmax_topk": "softmax_topk",
     "topk_softmax": "softmax_topk",
     "allgather_matmul": "allgather_matmul",
+    "conv_act": "conv_bn_relu",
 }
 DTYPES = (np.float32, np.float16, np.float64)
 GROUP = 2  # ranks of an allgather case
@@ -484,6 +490,97 @@ def allgather_matmul(b: Builder) -> None:
     b.scope.outputs.append(y)
 
 
+# -- conv_act: Conv (+BN) + activation forms (issue 8) -------------------------------------------
+
+
+def _act_scalar(b: Builder, value: float, base: str) -> str:
+    """A one-value constant of the case's dtype (any of the ways a graph holds one)."""
+    return b.const(np.array(value, b.dtype), base)
+
+
+def _activation_form(b: Builder, x: str) -> str:
+    """One activation of `x`, in a form exporters write (or one fuser must refuse)."""
+    forms = ["clip", "leaky", "hardsigmoid", "silu", "gelu", "sigmoid", "tanh", "hs_mul",
+             "prelu", "softplus"]  # fmt: skip
+    if b.opset >= 14:
+        forms.append("hardswish")
+    form = b.pick(forms)
+    b.traps.append(f"activation:{form}")
+    if form == "clip":
+        lo, hi = b.pick([(0.0, 6.0), (-1.0, 1.0), (None, 2.0), (0.5, None)])
+        bounds = []
+        for value, what in ((lo, "lo"), (hi, "hi")):
+            if value is None:
+                bounds.append("")
+            elif b.opset >= 15 and b.chance(0.4):  # the dynamo exporter's CastLike(bound, x)
+                b.traps.append("castlike bound")
+                bound = b.const(np.array(value, np.float32), what)
+                bounds.append(b.one("CastLike", [bound, x]))
+            else:
+                bounds.append(_act_scalar(b, value, what))
+        while bounds and bounds[-1] == "":
+            bounds.pop()
+        return b.one("Clip", [x, *bounds])
+    if form == "leaky":
+        return b.one("LeakyRelu", [x], alpha=b.pick([None, 0.01, 0.2, 1.5]))
+    if form == "hardsigmoid":
+        return b.one("HardSigmoid", [x], alpha=b.pick([None, 0.3]), beta=b.pick([None, 0.4]))
+    if form == "hardswish":
+        return b.one("HardSwish", [x])
+    if form == "hs_mul":
+        h = b.one("HardSigmoid", [x], alpha=1 / 6, beta=0.5)
+        return b.one("Mul", b.pick([[x, h], [h, x]]))
+    if form == "silu":
+        s = b.one("Sigmoid", [x])
+        b.expose(s, 0.1)
+        return b.one("Mul", b.pick([[x, s], [s, x]]))
+    if form == "gelu":
+        d = b.one("Div", [x, _act_scalar(b, float(np.sqrt(2.0)), "sqrt2")])
+        e = b.one("Erf", [d])
+        p = b.one("Add", [e, _act_scalar(b, 1.0, "one")])
+        m = b.one("Mul", [x, p])
+        return b.one("Mul", [m, _act_scalar(b, 0.5, "half")])
+    if form == "prelu":
+        return b.one("PRelu", [x, _act_scalar(b, 0.1, "slope")])
+    if form == "softplus":
+        return b.one("Softplus", [x])
+    return b.one("Sigmoid" if form == "sigmoid" else "Tanh", [x])
+
+
+def conv_act(b: Builder) -> None:
+    cin = int(b.rng.integers(1, 5))
+    cout = int(b.rng.integers(1, 6))
+    group = 1
+    if b.chance(0.25) and cin > 1:
+        group, cout = cin, cin
+    spatial = [int(b.rng.integers(3, 8)) for _ in range(2)]
+    x = b.activation([int(b.rng.integers(1, 3)), cin, *spatial], ["batch", None, "h", "w"])
+    attrs: dict[str, Any] = {"pads": [1, 1, 1, 1], "group": group if group > 1 else None}
+    ins = [x, b.weight((cout, cin // group, 3, 3), "W")]
+    if b.chance(0.5):
+        ins.append(b.weight((cout,), "B", scale=1.0))
+    name = b.name("conv")
+    b.decoy(f"{name}.W_bn_folded")
+    b.decoy(f"{name}.B_bn_folded")
+    y = b.one("Conv", ins, name=name, **attrs)
+    if b.chance(0.2):
+        b.traps.append("identity after conv")
+        y = b.one("Identity", [y])
+    if b.chance(0.6):
+        params = [
+            b.const(b.rng.uniform(0.5, 2, cout).astype(b.dtype), "scale"),
+            b.const(b.rng.standard_normal(cout).astype(b.dtype), "bias"),
+            b.const(b.rng.standard_normal(cout).astype(b.dtype), "mean"),
+            b.const(b.rng.uniform(0.3, 2, cout).astype(b.dtype), "var", role="positive"),
+        ]
+        y = b.one("BatchNormalization", [y, *params], epsilon=b.pick([None, 1e-3]))
+        if b.chance(0.2):
+            b.traps.append("identity after bn")
+            y = b.one("Identity", [y])
+    b.expose(y, 0.2)  # the activation's input read elsewhere
+    b.scope.outputs.append(_activation_form(b, y))
+
+
 BUILDERS: dict[str, Callable[[Builder], None]] = {
     "conv_bn_relu": conv_bn_relu,
     "ln_op": ln_op,
@@ -491,6 +588,7 @@ BUILDERS: dict[str, Callable[[Builder], None]] = {
     "softmax_topk": softmax_topk,
     "topk_softmax": topk_softmax,
     "allgather_matmul": allgather_matmul,
+    "conv_act": conv_act,
 }
 
 
@@ -600,6 +698,7 @@ def make_case(seed: int) -> Case:
             pool.remove("ln_op")
         if b.dtype == np.float64:  # onnxruntime's CPU provider has no double Conv
             pool.remove("conv_bn_relu")
+            pool.remove("conv_act")
         families = [b.pick(pool) for _ in range(1 if b.chance(0.7) else 2)]
     for family in families:
         b.planted.append(family)

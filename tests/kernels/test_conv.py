@@ -261,3 +261,113 @@ def test_images_per_block_cut_the_weight_reads() -> None:
     # parameter rows once per block: 4 blocks (one per core) against 2.
     per_block = w.nbytes + 5 * 32 * 2
     assert reads[1] - reads[2] == per_block * (4 - 2)
+
+
+# -- activations in the epilogue (issue 8): on the Vector unit, priced there ------------------
+
+# activation attributes -> the ONNX nodes after BN (reading t1), extra feeds
+ACTIVATIONS: list[tuple[dict[str, Any], list[tuple[str, list[str], dict[str, Any]]], list[str]]]
+ACTIVATIONS = [
+    ({"activation": "Clip", "alpha": 0.0, "beta": 6.0}, [("Clip", ["t1", "lo", "hi"], {})],
+     ["lo", "hi"]),
+    ({"activation": "LeakyRelu", "alpha": 0.1}, [("LeakyRelu", ["t1"], {"alpha": 0.1})], []),
+    ({"activation": "HardSigmoid", "alpha": 0.3, "beta": 0.4},
+     [("HardSigmoid", ["t1"], {"alpha": 0.3, "beta": 0.4})], []),
+    ({"activation": "HardSwish", "alpha": 1 / 6, "beta": 0.5}, [("HardSwish", ["t1"], {})], []),
+    ({"activation": "Silu"}, [("Sigmoid", ["t1"], {}), ("Mul", ["t1", "t2"], {})], []),
+    ({"activation": "Sigmoid"}, [("Sigmoid", ["t1"], {})], []),
+    ({"activation": "Tanh"}, [("Tanh", ["t1"], {})], []),
+    ({"activation": "Gelu"}, [("Gelu", ["t1"], {})], []),
+    ({"activation": "GeluTanh"}, [("Gelu", ["t1"], {"approximate": "tanh"})], []),
+]  # fmt: skip
+ACT_IDS = [str(a[0]["activation"]) for a in ACTIVATIONS]
+
+
+@pytest.mark.parametrize(("act", "tail", "extra"), ACTIVATIONS, ids=ACT_IDS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("case", [0, 1, 7], ids=["tails-batch1", "depthwise-batch2", "odd-33ch"])
+def test_each_activation_matches_the_chain(
+    act: dict[str, Any], tail: list[Any], extra: list[str], dtype: type, case: int
+) -> None:
+    xs, ws, attrs = CASES[case]
+    x, w, b, bn = _data(xs, ws, dtype, seed=6)
+    w = (w / _scale(ws)).astype(dtype)  # pre-activations of order 1, where the curves bend
+    chain: list[tuple[str, list[str], dict[str, Any]]] = [
+        ("Conv", ["x", "w", "b"], attrs),
+        ("BatchNormalization", ["t0", "s", "beta", "mean", "var"], {"epsilon": 1e-3}),
+        *tail,
+    ]
+    feeds = dict(zip(["x", "w", "b", "s", "beta", "mean", "var"], [x, w, b, *bn], strict=True))
+    feeds |= {"lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+    feeds = {k: v for k, v in feeds.items() if k in {"x", "w", "b", "s", "beta", "mean", "var",
+                                                     *extra}}  # fmt: skip
+    want = run_chain(chain, feeds, opset=20)
+    full = {**attrs, "epsilon": 1e-3, "relu": 0, **act}
+    got = _kernel(FUSED).run(MACHINE, [x, w, b, *bn], full)
+    assert got.outputs[0].dtype == dtype
+    assert_close(got.outputs[0], want, np.dtype(dtype), 2.0)
+    # Timing-only runs the same schedule; the Vector unit did the activation.
+    metas = [TensorMeta.of(a) for a in (x, w, b, *bn)]
+    timing = _kernel(FUSED).run(MACHINE, metas, full, functional=False)
+    assert timing.stats == got.stats
+    assert got.stats.pipe_busy["VECTOR"] > 0
+
+
+def test_vector_epilogue_charges_each_instruction_row() -> None:
+    """VECTOR busy time is exactly the activation's rows (k * n + b per instruction, per UB
+    chunk): the price comes from the target's table, nothing else."""
+    from fuser.kernels.conv_bn_relu.epilogue import chunk_elements
+    from fuser.patterns.conv_activation import VECTOR_OPS
+
+    x, w, b, _ = _data((1, 16, 40, 40), (32, 16, 3, 3), np.float16, seed=7)
+    metas = [TensorMeta.of(a) for a in (x, w, b)]
+    attrs = {"pads": [1, 1, 1, 1], "activation": "Silu"}
+    t = ConvTiling(4, 40, 32, 16, 1, 24)
+    run = _kernel(FUSED).run(MACHINE, metas, attrs, tiling=t, functional=False)
+    step = chunk_elements(np.dtype(np.float16))
+    want = 0.0
+    for _ in range(10):  # 10 blocks of 4 x 40 pixels x 32 channels
+        n_left = 4 * 40 * 32
+        while n_left:
+            n = min(step, n_left)
+            n_left -= n
+            for op in VECTOR_OPS["Silu"]:
+                k, c = MACHINE.vector_cost(op, np.dtype(np.float16))
+                want += k * n + c
+    assert run.stats.pipe_busy["VECTOR"] == pytest.approx(want)
+    relu = _kernel(FUSED).run(MACHINE, metas, {**attrs, "activation": "", "relu": 1}, tiling=t,
+                              functional=False)  # fmt: skip
+    assert relu.stats.pipe_busy.get("VECTOR", 0.0) == 0.0  # Relu stays in FixPipe
+    assert run.stats.cycles > relu.stats.cycles  # the extra pass is never free
+
+
+@pytest.mark.parametrize("act", ["Silu", "Clip", "Gelu"])
+@pytest.mark.parametrize(
+    ("xs", "ws", "attrs"),
+    [
+        ((1, 32, 56, 56), (32, 1, 3, 3), {"group": 32, "pads": [1, 1, 1, 1]}),
+        ((4, 96, 28, 28), (24, 96, 1, 1), {}),
+        ((1, 3, 64, 64), (16, 3, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ],
+    ids=["depthwise", "pointwise-batch4", "stem"],
+)
+def test_cost_model_agrees_with_the_simulated_vector_epilogue(
+    act: str, xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict[str, Any]
+) -> None:
+    from fuser.kernels.search import search
+
+    f16 = np.dtype(np.float16)
+    metas = [TensorMeta(xs, f16), TensorMeta(ws, f16), TensorMeta((ws[0],), f16)]
+    full = {**attrs, "activation": act, "alpha": 0.0, "beta": 6.0}
+    result = search("fuser", "ConvBnRelu", metas, full, MACHINE)
+    for priced in result.candidates[:4]:
+        sim = _kernel(FUSED).run(MACHINE, metas, full, tiling=priced.tiling, functional=False)
+        assert priced.cycles == pytest.approx(sim.stats.cycles, rel=0.12)
+
+
+def test_conflicting_activation_attributes_are_refused() -> None:
+    x, w, b, _ = _data((1, 4, 6, 6), (4, 4, 3, 3), np.float32)
+    with pytest.raises(KernelError, match="relu=1 conflicts with activation 'Tanh'"):
+        _kernel(FUSED).run(MACHINE, [x, w, b], {"relu": 1, "activation": "Tanh"})
+    with pytest.raises(KernelError, match="unknown activation 'Mish'"):
+        _kernel(FUSED).run(MACHINE, [x, w, b], {"activation": "Mish"})

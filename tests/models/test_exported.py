@@ -38,6 +38,16 @@ EXPECTED: dict[str, dict[str, int]] = {
     },
 }
 
+# MobileNetV2 and EfficientNet-style (issue 8): every Conv+BN is followed by ReLU6 / SiLU or
+# nothing (count_chains counts Relu only, so they show as conv_bn).
+CNN_ACT = {
+    "mobilenetv2-ts13": {"conv_bn": 52},
+    "mobilenetv2-dynamo18": {"conv_bn": 52},
+    "efficientnet-ts13": {"conv_bn": 152},
+    "efficientnet-dynamo18": {"conv_bn": 152},
+}
+EXPECTED |= CNN_ACT
+
 
 def _load(name: str) -> onnx.ModelProto:
     return onnx.load(str(DATA / f"{name}.onnx"))
@@ -141,3 +151,52 @@ def test_where_the_float32_cast_sits() -> None:
         assert cast.op_type == "Cast"
         assert cast.attribute[0].i == onnx.TensorProto.FLOAT
         assert [n.op_type for n in readers(model, cast.output[0])] == ["TopK"]
+
+
+# -- MobileNetV2 / EfficientNet-style: Conv + BN + activation (issue 8) -----------------------
+
+# (fixture, activations the fused nodes carry: ReLU6 as Clip(0, 6), SiLU; none = a linear
+# bottleneck / projection), with the real cost model deciding
+CNN_FUSED = {
+    "mobilenetv2-ts13": {"Clip": 35, "": 17},
+    "mobilenetv2-dynamo18": {"Clip": 35, "": 17},
+    "efficientnet-ts13": {"Silu": 152, "Sigmoid": 50, "": 50},
+    "efficientnet-dynamo18": {"Silu": 152, "Sigmoid": 50, "": 50},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CNN_FUSED))
+def test_every_conv_bn_chain_fuses_with_its_activation(name: str) -> None:
+    import fuser
+    from fuser.fusedop import DOMAIN
+
+    model = _load(name)
+    chains = sum(n.op_type == "BatchNormalization" for n in model.graph.node)
+    # before: how many Conv+BN chains have an activation reading the BN output
+    with_act = [
+        n for n in model.graph.node
+        if n.op_type == "BatchNormalization"
+        and {r.op_type for r in readers(model, n.output[0])} & {"Clip", "Sigmoid", "Mul"}
+    ]  # fmt: skip
+    result = fuser.fuse(model)
+    fused = [n for n in result.model.graph.node if n.domain == DOMAIN]
+    acts: dict[str, int] = {}
+    for n in fused:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        act = attrs.get("activation", b"").decode()
+        acts[act] = acts.get(act, 0) + 1
+    assert acts == CNN_FUSED[name]
+    # no Conv or BN is left, and no activation op reads a fused node's output
+    left = {n.op_type for n in result.model.graph.node if n.domain != DOMAIN}
+    assert not left & {"Conv", "BatchNormalization", "Clip", "Sigmoid"}
+    outputs = {o for n in fused for o in n.output}
+    separate = [
+        n for n in result.model.graph.node if n.domain != DOMAIN and set(n.input) & outputs
+        and n.op_type in ("Clip", "Sigmoid", "Mul", "Relu")
+        and not (n.op_type == "Mul" and all(i in outputs for i in n.input[:2]))
+    ]  # fmt: skip
+    # the squeeze-excite gate y * sigmoid(...) multiplies two fused outputs: not an activation
+    assert separate == []
+    assert len(with_act) == (35 if "mobilenet" in name else 102) and chains > len(with_act)
+    assert not [r for r in result.report.rejected if r.pattern == "conv_bn_relu"]
+    assert fuser.validate(model, result, runs=1).ok

@@ -259,7 +259,10 @@ def test_bn_output_read_elsewhere_leaves_relu_out() -> None:
     result = fuse_all(model)
     assert [n.op_type for n in result.model.graph.node] == ["ConvBnRelu", "Relu"]
     notes = [n for f in result.report.fusions for n in f.notes]
-    assert notes == ["Relu 'relu' left unfused: BN output 'n' is a graph output"]
+    assert notes == ["Relu 'relu' left unfused: its input 'n' is a graph output"]
+    # ... and the Relu is a near-miss of its own, with the same reason and value.
+    assert reasons(result) == notes
+    assert result.report.rejected[0].value == "n"
     assert_equivalent(model, result.model)
 
 
