@@ -297,6 +297,9 @@ def _group_limit(
         return Problem(
             f"the group mask '{cond}' is not scattered at the kept groups '{kept}'", cond
         )
+    assert scatter_id is not None
+    assert unsq_id is not None
+    assert expand_id is not None
     zeros = _filled_like(graph, scatter.input[0], gs)
     ones = _filled_like(graph, scatter.input[2], kept)
     if zeros is None or ones is None or zeros[0] != 0.0 or ones[0] == 0.0:

@@ -280,17 +280,18 @@ def _softmax_axis_problem(graph: GraphIndex, softmax: onnx.NodeProto) -> str | N
     """Why this Softmax is not a softmax over the last axis alone, or None if it is."""
     x = softmax.input[0]
     rank = _rank(graph, x)
-    name = softmax.name or "Softmax"
+    op = softmax.op_type
+    name = softmax.name or op
     if graph.opset("") >= 13:
         axis = int(_attr(softmax, "axis", -1))
         if axis == -1 or (rank is not None and axis == rank - 1):
             return None
         if rank is None:
             return (
-                f"Softmax '{name}' has axis={axis} and the rank of '{x}' is unknown: "
+                f"{op} '{name}' has axis={axis} and the rank of '{x}' is unknown: "
                 "cannot tell whether it is the last axis"
             )
-        return f"Softmax '{name}' normalizes axis {axis} of '{x}', not the last axis ({rank - 1})"
+        return f"{op} '{name}' normalizes axis {axis} of '{x}', not the last axis ({rank - 1})"
     # Before opset 13 Softmax flattens its input to 2-D at `axis` (default 1) and normalizes
     # everything from `axis` on together: a last-axis softmax only when axis is the last one.
     axis = int(_attr(softmax, "axis", 1))
@@ -298,11 +299,11 @@ def _softmax_axis_problem(graph: GraphIndex, softmax: onnx.NodeProto) -> str | N
         return None
     if rank is None:
         return (
-            f"Softmax '{name}' (opset {graph.opset('')}, coerced 2-D at axis {axis}) reads "
+            f"{op} '{name}' (opset {graph.opset('')}, coerced 2-D at axis {axis}) reads "
             f"'{x}' of unknown rank: cannot prove it is a last-axis softmax"
         )
     return (
-        f"Softmax '{name}' (opset {graph.opset('')}) normalizes dims {axis}..{rank - 1} of "
+        f"{op} '{name}' (opset {graph.opset('')}) normalizes dims {axis}..{rank - 1} of "
         f"'{x}' together (coerced 2-D at axis {axis}), not the last axis alone"
     )
 
@@ -467,7 +468,7 @@ def _finish(graph: GraphIndex, values: str, rank: int | None) -> _Finish:
     """Renormalization and scale after `values` (each left out, with a note, if it does not fit)."""
     ids, note, epsilon = _renormalization(graph, values, rank)
     out = graph.node(ids[-1]).output[0] if ids else values
-    notes = (note,) if note else ()
+    notes: tuple[str, ...] = (note,) if note else ()
     muls = [r for r in graph.readers(out) if _is_op(graph, r, "Mul")]
     scale = 1.0
     if muls:
