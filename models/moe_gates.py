@@ -74,6 +74,12 @@ def gate_model(gate: Gate, opset: int = 17) -> onnx.ModelProto:
     b = _Builder(gate)
     e = gate.experts
     axes = b.const([-1], "axes", np.int64)
+
+    def reduce_sum(x: str, keepdims: int) -> str:  # axes as input from opset 13
+        if opset >= 13:
+            return str(b.op("ReduceSum", x, axes, keepdims=keepdims))
+        return str(b.op("ReduceSum", x, axes=[-1], keepdims=keepdims))
+
     scores = b.op(gate.score, "x", **({} if gate.score == "Sigmoid" else {"axis": -1}))
     choice = scores
     if gate.bias == "const":
@@ -88,12 +94,12 @@ def gate_model(gate: Gate, opset: int = 17) -> onnx.ModelProto:
         split = gate.split or (n_group, e // n_group)
         grouped = b.op("Reshape", choice, b.const([-1, *split], "split", np.int64))
         top2 = b.op("TopK", grouped, b.const([2], "two", np.int64), n_out=2)[0]
-        group_scores = b.op("ReduceSum", top2, axes, keepdims=0)
+        group_scores = reduce_sum(top2, 0)
         kept = b.op("TopK", group_scores, b.const([topk_group], "topk_group", np.int64),
                     n_out=2, sorted=0)[1]  # fmt: skip
         zeros, ones = b.filled(group_scores, 0.0), b.filled(kept, 1.0)
         mask = b.op("ScatterElements", zeros, kept, ones, axis=1)
-        mask = b.op("Unsqueeze", mask, axes)
+        mask = b.op("Unsqueeze", mask, axes) if opset >= 13 else b.op("Unsqueeze", mask, axes=[-1])
         mask = b.op("Expand", mask, b.const([1, *split], "to_experts", np.int64))
         mask = b.op("Cast", b.op("Reshape", mask, b.const([-1, e], "flat", np.int64)), to=9)
         drop = b.op("Not", mask)
@@ -111,7 +117,7 @@ def gate_model(gate: Gate, opset: int = 17) -> onnx.ModelProto:
     if gate.read_weights:
         b.outputs.append(weights)
     if gate.renorm:
-        total = b.op("ReduceSum", weights, axes, keepdims=1)
+        total = reduce_sum(weights, 1)
         if gate.renorm == "eps":
             total = b.op("Add", total, b.const(gate.epsilon, "eps"))
         weights = b.op("Div", weights, total)
