@@ -50,7 +50,8 @@ def softmax_rows(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def sigmoid_rows(x32: np.ndarray) -> np.ndarray:
     """Sigmoid of float32 rows, in float32."""
     one = np.float32(1.0)
-    return (one / (one + np.exp(-x32))).astype(F32, copy=False)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0: the sigmoid is then 0
+        return (one / (one + np.exp(-x32))).astype(F32, copy=False)
 
 
 def log_softmax_rows(x32: np.ndarray) -> np.ndarray:

@@ -325,9 +325,13 @@ def _group_limit(
     return nodes, n_group, int(topk_group[0]), fill, where.output[0]
 
 
-def constant_scalar(graph: GraphIndex, value: str) -> float | None:
-    """The float scalar (any shape of one element) `value` holds at fuse time, else None."""
-    return _scalar(graph, value)
+def constant_scalar(graph: GraphIndex, value: str, rank: int | None) -> float | None:
+    """The float scalar `value` holds at fuse time (one element, of a rank that does not
+    broadcast a tensor of `rank` up: at most 1 when the rank is unknown), else None."""
+    found = graph.constant(value)
+    if found is None or found.size != 1 or found.ndim > (1 if rank is None else rank):
+        return None
+    return float(found.reshape(-1)[0])
 
 
 def np_float(value: float) -> float:

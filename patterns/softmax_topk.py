@@ -109,7 +109,8 @@ def compute_dtype(x_dtype: np.dtype) -> np.dtype:
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     """Sigmoid computed in float64, rounded to x's dtype."""
-    return (1.0 / (1.0 + np.exp(-x.astype(np.float64)))).astype(x.dtype)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0: the sigmoid is then 0
+        return (1.0 / (1.0 + np.exp(-x.astype(np.float64)))).astype(x.dtype)
 
 
 def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
@@ -420,7 +421,7 @@ def _renormalization(
     if adds:
         add = graph.node(adds[0])
         other = add.input[1] if add.input[0] == total else add.input[0]
-        found = _gating.constant_scalar(graph, other)
+        found = _gating.constant_scalar(graph, other, rank)
         if found is None:
             return (
                 [],
@@ -466,7 +467,8 @@ def _renormalization(
 
 def _finish(graph: GraphIndex, values: str, rank: int | None) -> _Finish:
     """Renormalization and scale after `values` (each left out, with a note, if it does not fit)."""
-    ids, note, epsilon = _renormalization(graph, values, rank)
+    renorm, note, epsilon = _renormalization(graph, values, rank)
+    ids = list(renorm)
     out = graph.node(ids[-1]).output[0] if ids else values
     notes: tuple[str, ...] = (note,) if note else ()
     muls = [r for r in graph.readers(out) if _is_op(graph, r, "Mul")]
@@ -474,7 +476,7 @@ def _finish(graph: GraphIndex, values: str, rank: int | None) -> _Finish:
     if muls:
         mul = graph.node(muls[0])
         other = mul.input[1] if mul.input[0] == out else mul.input[0]
-        found = _gating.constant_scalar(graph, other)
+        found = _gating.constant_scalar(graph, other, rank)
         if found is None:
             pass  # a Mul by a tensor (the experts' outputs): not a routed scaling factor
         elif len(graph.readers(out)) > 1 or graph.is_graph_output(out):
@@ -484,8 +486,7 @@ def _finish(graph: GraphIndex, values: str, rank: int | None) -> _Finish:
             )
         else:
             ids, scale, out = [*ids, muls[0]], found, mul.output[0]
-    renormalize = int(bool(ids) and (scale == 1.0 or len(ids) > 1))
-    return _Finish(tuple(ids), renormalize, epsilon, scale, out, notes)
+    return _Finish(tuple(ids), int(bool(renorm)), epsilon, scale, out, notes)
 
 
 _SCORE_OF = {"Softmax": SOFTMAX, "Sigmoid": SIGMOID, "LogSoftmax": LOG_SOFTMAX}

@@ -228,3 +228,33 @@ def test_a_scaled_value_read_elsewhere_leaves_the_rest_out(
     assert "scale" not in attrs
     assert count_ops(result.model, "Mul") == 1
     assert_equivalent(model, result.model)
+
+
+@pytest.mark.parametrize("renorm", [None, "plain"])
+def test_a_scale_of_one_is_absorbed_without_renormalizing(renorm: str | None) -> None:
+    """Regression (fuzz seed 731): a Mul by 1.0 and no renormalization was fused as
+    renormalize=1."""
+    model = gate_model(Gate(renorm=renorm, scale=1.0, sorted=1))
+    result = fuse_all(model, PATTERN)
+    assert result.report.nodes_after == 1
+    attrs = fused_attrs(result.model)
+    assert attrs["renormalize"] == int(renorm is not None)
+    assert "scale" not in attrs
+    assert_equivalent(model, result.model)
+
+
+def test_a_scale_that_broadcasts_the_rank_up_is_left_out() -> None:
+    model = gate_model(Gate(scale=None, sorted=1))
+    out = model.graph.output[0].name
+    scale = onnx.numpy_helper.from_array(np.full((1, 1, 1), 2.0, np.float32), "scale3")
+    model.graph.initializer.append(scale)
+    mul = onnx.helper.make_node("Mul", [out, "scale3"], ["scaled"], name="Mul_rank3")
+    model.graph.node.append(mul)
+    model.graph.output[0].CopyFrom(
+        onnx.helper.make_tensor_value_info("scaled", onnx.TensorProto.FLOAT, [1, "N", 4])
+    )
+    result = fuse_all(model, PATTERN)
+    assert result.report.summary["softmax_topk"] == 1
+    assert "scale" not in fused_attrs(result.model)
+    assert count_ops(result.model, "Mul") == 1
+    assert_equivalent(model, result.model)
