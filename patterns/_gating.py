@@ -314,7 +314,7 @@ def _group_limit(
     chosen, other = (
         (where.input[1], where.input[2]) if keep_first else (where.input[2], where.input[1])
     )
-    fill = _scalar(graph, other)
+    fill = constant_scalar(graph, other, 2)  # no rank broadcast up from [N, E]
     if chosen != choice or fill is None:
         return Problem(
             f"Where '{_name(graph, where_id)}' does not keep '{choice}' in the kept groups and a "
