@@ -94,7 +94,11 @@ def selection(graph: GraphIndex, scores: str, experts: int | None) -> Selection 
     """The bias/group/gather form reading `scores` [N, E], or why it does not fit, or None."""
     nodes: list[int] = []
     choice, bias = scores, None
-    adds = _readers(graph, scores, "Add")
+    # Only an Add or a Where on the way to a TopK makes a gate: a Sigmoid + residual Add, or a
+    # Sigmoid gate of an MLP, is not one (and is no near-miss either).
+    adds = [
+        a for a in _readers(graph, scores, "Add") if _feeds_topk(graph, graph.node(a).output[0])
+    ]
     if adds:
         add_id = adds[0]
         add = graph.node(add_id)
@@ -115,7 +119,7 @@ def selection(graph: GraphIndex, scores: str, experts: int | None) -> Selection 
             )
         nodes.append(add_id)
         choice, bias = add.output[0], other
-    group = _group_limit(graph, choice, experts)
+    group = _group_limit(graph, choice, experts) if _feeds_topk(graph, choice, True) else None
     if isinstance(group, Problem):
         return group
     n_group, topk_group, mask_value, where_out = 1, 1, float("-inf"), choice
@@ -161,6 +165,19 @@ def selection(graph: GraphIndex, scores: str, experts: int | None) -> Selection 
     nodes.append(gathers[0])
     return Selection(tuple(nodes), bias, n_group, topk_group, mask_value, topk_id,
                      gather.output[0])  # fmt: skip
+
+
+def _feeds_topk(graph: GraphIndex, value: str, through_where_only: bool = False) -> bool:
+    """Whether a TopK ranks `value`, directly or through a Where that reads it."""
+    for r in graph.readers(value):
+        node = graph.node(r)
+        if is_op(graph, r, "TopK") and node.input[0] == value and not through_where_only:
+            return True
+        ranked = (graph.node(t).input[0] == node.output[0]
+                  for t in _readers(graph, node.output[0], "TopK"))  # fmt: skip
+        if is_op(graph, r, "Where") and value in node.input[1:] and any(ranked):
+            return True
+    return False
 
 
 def _filled_like(graph: GraphIndex, value: str, like: str) -> tuple[float, list[int]] | None:

@@ -258,3 +258,12 @@ def test_a_scale_that_broadcasts_the_rank_up_is_left_out() -> None:
     assert "scale" not in fused_attrs(result.model)
     assert count_ops(result.model, "Mul") == 1
     assert_equivalent(model, result.model)
+
+
+def test_a_sigmoid_plus_a_tensor_feeding_no_topk_is_no_near_miss() -> None:
+    """A Sigmoid gate added to a residual (no TopK after it) is not a router."""
+    model = parse("(float[N, 8] x, float[N, 8] r) => (float[N, 8] y)",
+                  "s = Sigmoid(x)\ny = Add(s, r)")  # fmt: skip
+    result = fuse_all(model, PATTERN)
+    assert result.report.summary["softmax_topk"] == 0
+    assert reasons(result) == []
