@@ -13,6 +13,8 @@ default tiling unless a sweep says otherwise) on the chosen target; nothing is a
 7. RMSNorm+MatMul (float16 Llama form) -> Q, K, V at Llama-2-7B's [1, 2048, 4096]: time, GM bytes.
 8. Conv+BN+activation forms (ReLU6, SiLU, HardSwish, GELU, Conv+SiLU without BN) at
    MobileNet / EfficientNet / YOLO layer shapes: time, GM bytes, launches.
+9. MoE gating beyond softmax: DeepSeek-V3's router (256 experts, 8 groups, top-4 groups, k=8,
+   4096 tokens) and TopK -> Sigmoid, unfused vs fused: launches, time, GM bytes.
 
     python benchmarks/fusion_gain.py [--target ascend910b] [--quick]
 
@@ -668,6 +670,64 @@ def print_conv_activations(batch: int, dtype: np.dtype, machine: Machine) -> Non
     )
 
 
+# -- 9. MoE gating beyond softmax (gating lane) -------------------------------------------------
+
+
+def _gating_cases() -> list[tuple[str, Any]]:
+    from fuser.models.moe_gates import Gate, gate_model
+
+    def topk_sigmoid(tokens: int, experts: int, k: int) -> Any:
+        import onnx
+
+        text = (
+            f'<ir_version: 8, opset_import: ["" : 18]>\ng (float[{tokens}, {experts}] x) => '
+            f"(float[{tokens}, {k}] v, int64[{tokens}, {k}] i) {{\n"
+            f"kk = Constant<value = int64[1] {{{k}}}>()\nt, i = TopK(x, kk)\nv = Sigmoid(t)\n}}"
+        )
+        return onnx.parser.parse_model(text)
+
+    deepseek = Gate(experts=256, groups=(8, 4), k=8, tokens=4096, sorted=0)
+    return [
+        ("DeepSeek-V3 (TorchScript form): sigmoid + bias, 8 groups, top-4 groups, k=8, renorm "
+         "+ eps, x2.5", gate_model(deepseek, opset=14)),
+        ("the same, dynamo form (mask by ConstantOfShape, no eps)",
+         gate_model(Gate(**{**deepseek.__dict__, "mask_form": "dynamo", "renorm": "plain"}),
+                    opset=18)),
+        ("sigmoid + bias, no groups, k=8", gate_model(Gate(**{**deepseek.__dict__,
+                                                              "groups": None}), opset=18)),
+        ("Llama-4 style TopK(1 of 16) -> Sigmoid", topk_sigmoid(4096, 16, 1)),
+        ("TopK(8 of 256) -> Sigmoid", topk_sigmoid(4096, 256, 8)),
+    ]  # fmt: skip
+
+
+def print_gating(machine: Machine, target: str) -> None:
+    rows = []
+    for label, model in _gating_cases():
+        result = fuse(model, target=target)
+        fused = result.report.summary.get("softmax_topk", 0)
+        a, b = profile_model(model, target), profile_model(result.model, target)
+        est = a.estimated_cycles / a.total_cycles
+        rows.append((
+            label, f"{fused}", f"{a.launches} -> {b.launches}", f"{a.total_us:.1f}",
+            f"{b.total_us:.1f}", f"{a.total_us / b.total_us:.2f}x", _mb(a.gm_bytes),
+            _mb(b.gm_bytes), f"{100 * est:.0f}%",
+        ))  # fmt: skip
+    _table(
+        f"9. MoE gating beyond softmax, 4096 tokens, float32, on {machine.name} (fuser.profile, "
+        "whole gate: unfused chain vs one SoftmaxTopK)",
+        ("gate", "fused", "launches", "unfused us", "fused us", "speedup", "unfused GM MB",
+         "fused GM MB", "estimated"),
+        rows,
+    )  # fmt: skip
+    OUT.print(
+        "estimated = share of the unfused time in ops without a kernel (Sigmoid, Where, "
+        "ScatterElements, GatherElements, Expand, ...: roofline estimates). The fused kernel "
+        "reads the logits and the bias row once and writes k weights and indices per token; the "
+        "chain writes and reads the scores, the biased choice, the group scores and masks, and "
+        "the masked choice through GM."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--target", default="ascend910b", help="target name or JSON file")
@@ -685,6 +745,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_allgather_matmul(machine)
     print_rmsnorm_matmul(machine)
     print_conv_activations(args.batch, np.dtype(args.dtype), machine)
+    print_gating(machine, args.target)
     if not args.no_cost:
         print_simulation_cost(machine, 1 if args.quick else 3)
     OUT.print(f"\n(benchmark wall time {time.perf_counter() - start:.0f} s)")

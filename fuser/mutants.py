@@ -83,6 +83,10 @@ def _mutate(
     if family == "epsilon" and "epsilon" in {a.name for a in fusedop.get(node.op_type).attributes}:
         if node.op_type == "ConvBnRelu" and (len(node.input) < 4 or not node.input[3]):
             return None  # BN folded into W and B: epsilon is not used
+        if node.op_type == "SoftmaxTopK" and (
+            "renormalize" not in attrs or not attrs["renormalize"].i
+        ):
+            return None  # epsilon is the renormalization's: unused without it
         old = attrs["epsilon"].f if "epsilon" in attrs else 1e-5
         new = old * 10 + 0.01
         model = _copy(fused)

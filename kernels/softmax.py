@@ -22,6 +22,10 @@ from .npu.machine import Machine
 F32 = np.dtype(np.float32)
 #: The softmax of one row, as npu-model.md lists it (max, sub, exp, sum, div).
 SOFTMAX_OPS: tuple[str, ...] = ("ReduceMax", "Sub", "Exp", "ReduceSum", "Div")
+#: Sigmoid as 1 / (1 + exp(-x)): the target prices each of these (no Sigmoid row of its own).
+SIGMOID_OPS: tuple[str, ...] = ("Muls", "Exp", "Adds", "Reciprocal")
+#: LogSoftmax as x - max - ln(sum(exp(x - max))).
+LOG_SOFTMAX_OPS: tuple[str, ...] = ("ReduceMax", "Sub", "Exp", "ReduceSum", "Ln", "Sub")
 
 
 def softmax_steps(dtype: np.dtype, per_row: int) -> list[VecStep]:
@@ -41,6 +45,19 @@ def softmax_rows(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     e = np.exp(x32 - x32.max(axis=-1, keepdims=True))
     e /= e.sum(axis=-1, keepdims=True)
     return e.astype(dtype, copy=False)
+
+
+def sigmoid_rows(x32: np.ndarray) -> np.ndarray:
+    """Sigmoid of float32 rows, in float32."""
+    one = np.float32(1.0)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0: the sigmoid is then 0
+        return (one / (one + np.exp(-x32))).astype(F32, copy=False)
+
+
+def log_softmax_rows(x32: np.ndarray) -> np.ndarray:
+    """LogSoftmax of float32 rows along the last axis, in float32."""
+    shifted = x32 - x32.max(axis=-1, keepdims=True)
+    return (shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))).astype(F32)
 
 
 def check_float(op: str, dtype: np.dtype) -> None:

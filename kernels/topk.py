@@ -54,6 +54,19 @@ def topk_rows(x: np.ndarray, k: int, largest: bool) -> tuple[np.ndarray, np.ndar
     return np.take_along_axis(x, idx, axis=-1), idx.astype(I64, copy=False)
 
 
+def group_limit_rows(choice: np.ndarray, n_group: int, topk_group: int, fill: float) -> np.ndarray:
+    """DeepSeek-V3's group limit on rows [t, E]: each of the n_group groups scores the sum of
+    its top-2, the topk_group best groups (ties to the lower group) keep their experts, the
+    others' become `fill`."""
+    t, e = choice.shape
+    grouped = choice.reshape(t, n_group, e // n_group)
+    top2, _ = topk_rows(grouped, 2, largest=True)
+    _, kept = topk_rows(top2[..., 0] + top2[..., 1], topk_group, largest=True)
+    keep = np.zeros((t, n_group), dtype=bool)
+    np.put_along_axis(keep, kept, True, axis=-1)
+    return np.where(np.repeat(keep, e // n_group, axis=-1), choice, choice.dtype.type(fill))
+
+
 def k_value(op: str, k_input: np.ndarray | TensorMeta | None, attrs: Mapping[str, Any]) -> int:
     """k from TopK's second input (an array, also in timing-only runs) or the `k` attribute."""
     if isinstance(k_input, np.ndarray):

@@ -37,11 +37,22 @@ from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
 from fuser.pattern import Match, Rejection, rejection
 
+from . import _gating
+
 NAME = "softmax_topk"
 PRIORITY = 40
 
 SOFTMAX_TOPK_ORDER = "softmax_topk"
 TOPK_SOFTMAX_ORDER = "topk_softmax"
+SOFTMAX = "softmax"
+SIGMOID = "sigmoid"
+LOG_SOFTMAX = "log_softmax"
+SCORES = (SOFTMAX, SIGMOID, LOG_SOFTMAX)
+#: The gating attributes' defaults (the plain Softmax -> TopK of the first version).
+DEFAULTS: dict[str, Any] = {
+    "score": SOFTMAX, "n_group": 1, "topk_group": 1, "mask_value": float("-inf"),
+    "epsilon": 0.0, "scale": 1.0,
+}  # fmt: skip
 
 
 # -- the fused op ---------------------------------------------------------------------------------
@@ -96,6 +107,78 @@ def compute_dtype(x_dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float32) if x_dtype.itemsize < 4 else np.dtype(x_dtype)
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    """Sigmoid computed in float64, rounded to x's dtype."""
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0: the sigmoid is then 0
+        return (1.0 / (1.0 + np.exp(-x.astype(np.float64)))).astype(x.dtype)
+
+
+def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    """LogSoftmax along `axis`, computed in float64, rounded to x's dtype."""
+    x64 = x.astype(np.float64)
+    shifted = x64 - x64.max(axis=axis, keepdims=True)
+    return (shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))).astype(x.dtype)
+
+
+def _score(x: np.ndarray, score: str, axis: int) -> np.ndarray:
+    if score == SIGMOID:
+        return _sigmoid(x)
+    if score == LOG_SOFTMAX:
+        return _log_softmax(x, axis)
+    return _softmax(x, axis)
+
+
+def group_mask(choice: np.ndarray, n_group: int, topk_group: int, fill: float) -> np.ndarray:
+    """DeepSeek-V3's group limit on [rows, E]: the score of each of the n_group groups of
+    E / n_group experts is the sum of its top-2 (TopK 2, ReduceSum keepdims=0), the topk_group
+    best groups are kept (TopK, ties to the lower group), every other expert becomes `fill`."""
+    rows, experts = choice.shape
+    grouped = choice.reshape(rows, n_group, experts // n_group)
+    top2, _ = _topk(grouped, 2, axis=-1)
+    group_scores = (top2[..., 0] + top2[..., 1]).astype(choice.dtype)  # one Add in the dtype
+    _, kept = _topk(group_scores, topk_group, axis=-1)
+    keep = np.zeros((rows, n_group), dtype=bool)
+    np.put_along_axis(keep, kept, True, axis=-1)
+    mask = np.repeat(keep, experts // n_group, axis=-1)
+    return np.where(mask, choice, choice.dtype.type(fill))
+
+
+def _select(
+    scores: np.ndarray, bias: np.ndarray | None, attrs: Mapping[str, Any], axis: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(values, indices): TopK on the choice (scores [+ bias], [group-masked]), the values
+    gathered from the unbiased scores at the chosen indices (the TopK's own values when the
+    choice is the scores)."""
+    k = int(attrs["k"])
+    n_group = int(attrs["n_group"])
+    choice = scores if bias is None else (scores + bias.astype(scores.dtype)).astype(scores.dtype)
+    if n_group > 1:
+        moved = np.moveaxis(choice, axis, -1)
+        flat = moved.reshape(-1, moved.shape[-1])
+        masked = group_mask(flat, n_group, int(attrs["topk_group"]), float(attrs["mask_value"]))
+        choice = np.moveaxis(masked.reshape(moved.shape), -1, axis)
+    _, indices = _topk(choice, k, axis)
+    return np.take_along_axis(scores, indices, axis=axis), indices
+
+
+def _renormalize_and_scale(values: np.ndarray, attrs: Mapping[str, Any], axis: int) -> np.ndarray:
+    """Renormalize `v / (sum(v) + epsilon)` (no Add when epsilon is 0), then times `scale`
+    (no Mul when 1), each op rounded to the values' dtype."""
+    dtype = values.dtype
+    if int(attrs["renormalize"]):
+        epsilon = float(attrs["epsilon"])
+        if epsilon:
+            total = values.astype(np.float64).sum(axis=axis, keepdims=True).astype(dtype)
+            total = (total.astype(np.float64) + np.float64(dtype.type(epsilon))).astype(dtype)
+            values = (values.astype(np.float64) / total.astype(np.float64)).astype(dtype)
+        else:
+            values = _renormalize(values, axis)
+    scale = float(attrs["scale"])
+    if scale != 1.0:
+        values = (values.astype(np.float64) * np.float64(dtype.type(scale))).astype(dtype)
+    return values
+
+
 def reference(
     inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]
 ) -> tuple[np.ndarray, ...]:
@@ -106,28 +189,40 @@ def reference(
     """
     x = inputs[0]
     assert x is not None
+    bias = inputs[1] if len(inputs) > 1 else None
     axis = int(attrs["axis"]) % x.ndim
     k = int(attrs["k"])
+    score = str(attrs.get("score", SOFTMAX))
     to_float32 = bool(int(attrs["to_float32"]))
     compute = compute_dtype(x.dtype)
     between = np.dtype(np.float32) if to_float32 else compute  # after the optional Cast
+    full_attrs = {**DEFAULTS, **attrs}
     if attrs["order"] == TOPK_SOFTMAX_ORDER:
         top, indices = _topk(x, k, axis)
-        values = _softmax(top.astype(between), axis)
+        values = _score(top.astype(between), score, axis)
         probs = np.zeros((0,), dtype=x.dtype)
     else:
-        full = _softmax(x.astype(compute), axis)
-        values, indices = _topk(full.astype(between), k, axis)
+        full = _score(x.astype(compute), score, axis)
+        values, indices = _select(full.astype(between), bias, full_attrs, axis)
         probs = full.astype(x.dtype)
-    if int(attrs["renormalize"]):
-        values = _renormalize(values, axis)
+    values = _renormalize_and_scale(values, full_attrs, axis)
     return values.astype(np.float32 if to_float32 else x.dtype), indices, probs
 
 
 SOFTMAX_TOPK = FusedOp(
     name="SoftmaxTopK",
-    doc="Softmax and TopK along the last axis (either order), optionally renormalized.",
-    inputs=(Param("X", "T", "logits"),),
+    doc="MoE gating: scores (softmax, sigmoid, log-softmax) and TopK along the last axis (either "
+    "order), optional selection bias and expert groups, renormalized, scaled.",
+    inputs=(
+        Param("X", "T", "logits"),
+        Param(
+            "selection_bias",
+            "V",
+            "per-expert bias added to the scores for the choice only "
+            "(DeepSeek-V3 e_score_correction_bias); the values stay unbiased",
+            "optional",
+        ),
+    ),
     outputs=(
         Param("values", "V", "top-k probabilities (T, or float32 with to_float32)"),
         Param("indices", "tensor(int64)", "their positions along axis (ties: lower index first)"),
@@ -145,6 +240,12 @@ SOFTMAX_TOPK = FusedOp(
         Attr("renormalize", "int", "1 = values divided by their sum (keepdims)", 0),
         Attr("sorted", "int", "as TopK (0: order of the k results unspecified)", 1),
         Attr("to_float32", "int", "1 = a Cast to float32 sits between the two ops", 0),
+        Attr("score", "string", "softmax, sigmoid or log_softmax: the scores of X", SOFTMAX),
+        Attr("n_group", "int", "expert groups (DeepSeek-V3 n_group; 1 = no group limit)", 1),
+        Attr("topk_group", "int", "groups kept, by the sum of each group's top-2", 1),
+        Attr("mask_value", "float", "the choice of experts in dropped groups", float("-inf")),
+        Attr("epsilon", "float", "renormalize as v / (sum(v) + epsilon)", 0.0),
+        Attr("scale", "float", "values times this (routed scaling factor)", 1.0),
     ),
     type_constraints=(
         ("T", FLOAT_TYPES, "float tensors"),
@@ -180,17 +281,18 @@ def _softmax_axis_problem(graph: GraphIndex, softmax: onnx.NodeProto) -> str | N
     """Why this Softmax is not a softmax over the last axis alone, or None if it is."""
     x = softmax.input[0]
     rank = _rank(graph, x)
-    name = softmax.name or "Softmax"
+    op = softmax.op_type
+    name = softmax.name or op
     if graph.opset("") >= 13:
         axis = int(_attr(softmax, "axis", -1))
         if axis == -1 or (rank is not None and axis == rank - 1):
             return None
         if rank is None:
             return (
-                f"Softmax '{name}' has axis={axis} and the rank of '{x}' is unknown: "
+                f"{op} '{name}' has axis={axis} and the rank of '{x}' is unknown: "
                 "cannot tell whether it is the last axis"
             )
-        return f"Softmax '{name}' normalizes axis {axis} of '{x}', not the last axis ({rank - 1})"
+        return f"{op} '{name}' normalizes axis {axis} of '{x}', not the last axis ({rank - 1})"
     # Before opset 13 Softmax flattens its input to 2-D at `axis` (default 1) and normalizes
     # everything from `axis` on together: a last-axis softmax only when axis is the last one.
     axis = int(_attr(softmax, "axis", 1))
@@ -198,11 +300,11 @@ def _softmax_axis_problem(graph: GraphIndex, softmax: onnx.NodeProto) -> str | N
         return None
     if rank is None:
         return (
-            f"Softmax '{name}' (opset {graph.opset('')}, coerced 2-D at axis {axis}) reads "
+            f"{op} '{name}' (opset {graph.opset('')}, coerced 2-D at axis {axis}) reads "
             f"'{x}' of unknown rank: cannot prove it is a last-axis softmax"
         )
     return (
-        f"Softmax '{name}' (opset {graph.opset('')}) normalizes dims {axis}..{rank - 1} of "
+        f"{op} '{name}' (opset {graph.opset('')}) normalizes dims {axis}..{rank - 1} of "
         f"'{x}' together (coerced 2-D at axis {axis}), not the last axis alone"
     )
 
@@ -286,67 +388,144 @@ def _through_cast(graph: GraphIndex, value: str, want: str) -> list[tuple[int | 
     return found
 
 
-def _renormalization(graph: GraphIndex, values: str, rank: int | None) -> tuple[list[int], str]:
-    """The ReduceSum and Div that renormalize `values` (empty if none), or why they do not fit."""
+@dataclass(frozen=True)
+class _Finish:
+    """The renormalization (ReduceSum, [Add epsilon], Div) and scale (Mul) after the values."""
+
+    nodes: tuple[int, ...] = ()
+    renormalize: int = 0
+    epsilon: float = 0.0
+    scale: float = 1.0
+    out: str = ""
+    notes: tuple[str, ...] = ()
+
+
+def _renormalization(
+    graph: GraphIndex, values: str, rank: int | None
+) -> tuple[list[int], str, float]:
+    """The ReduceSum, optional Add(epsilon) and Div that renormalize `values` (empty if none),
+    why they do not fit, and the epsilon (0: none)."""
     readers = graph.readers(values)
     sums = [
         r for r in readers if _is_op(graph, r, "ReduceSum") and graph.node(r).input[0] == values
     ]
     if not sums:
-        return [], ""
+        return [], "", 0.0
     sum_id = sums[0]
     reduce = graph.node(sum_id)
     total = reduce.output[0]
+    eps_ids: list[int] = []
+    epsilon = 0.0
+    denominator = total
+    adds = [r for r in graph.readers(total) if _is_op(graph, r, "Add")]
+    if adds:
+        add = graph.node(adds[0])
+        other = add.input[1] if add.input[0] == total else add.input[0]
+        found = _gating.constant_scalar(graph, other, rank)
+        if found is None:
+            return (
+                [],
+                (
+                    f"renormalization left unfused: the epsilon '{other}' added to the sum "
+                    f"'{total}' is not a constant scalar"
+                ),
+                0.0,
+            )
+        eps_ids, epsilon, denominator = [adds[0]], found, add.output[0]
     divs = [
         r
-        for r in graph.readers(total)
+        for r in graph.readers(denominator)
         if _is_op(graph, r, "Div")
         and graph.node(r).input[0] == values
-        and graph.node(r).input[1] == total
+        and graph.node(r).input[1] == denominator
     ]
     if not divs:
-        return [], ""
+        return [], "", 0.0
     div_id = divs[0]
-    left_out = (
-        f"renormalization ('{graph.describe(sum_id)}', '{graph.describe(div_id)}') left unfused: "
-    )
-    others = [r for r in readers if r not in (sum_id, div_id)]
+    ids = [sum_id, *eps_ids, div_id]
+    left_out = f"renormalization ({', '.join(repr(graph.describe(i)) for i in ids)}) left unfused: "
+    others = [r for r in readers if r not in ids]
     if others or graph.is_graph_output(values):
         who = f"read by '{graph.describe(others[0])}'" if others else "a graph output"
-        return [], left_out + f"the top-k values '{values}' are also {who}"
-    if len(graph.readers(total)) > 1 or graph.is_graph_output(total):
-        return [], left_out + f"the sum '{total}' is also read elsewhere"
+        return [], left_out + f"the top-k values '{values}' are also {who}", 0.0
+    for inner in (total, denominator) if eps_ids else (total,):
+        if len(graph.readers(inner)) > 1 or graph.is_graph_output(inner):
+            return [], left_out + f"the sum '{inner}' is also read elsewhere", 0.0
     if int(_attr(reduce, "keepdims", 1)) != 1:
-        return [], left_out + "ReduceSum has keepdims=0"
+        return [], left_out + "ReduceSum has keepdims=0", 0.0
     if graph.opset("") >= 13:
         axes_name = reduce.input[1] if len(reduce.input) > 1 else ""
-        found = graph.constant(axes_name) if axes_name else None
-        axes = None if found is None else [int(a) for a in found.reshape(-1)]
+        found_axes = graph.constant(axes_name) if axes_name else None
+        axes = None if found_axes is None else [int(a) for a in found_axes.reshape(-1)]
     else:
         axes = _attr(reduce, "axes", None)
     last = {-1} if rank is None else {-1, rank - 1}
     if axes is None or len(axes) != 1 or axes[0] not in last:
-        return [], left_out + f"ReduceSum axes {axes} are not the last axis alone"
-    return [sum_id, div_id], ""
+        return [], left_out + f"ReduceSum axes {axes} are not the last axis alone", 0.0
+    return ids, "", epsilon
+
+
+def _finish(graph: GraphIndex, values: str, rank: int | None) -> _Finish:
+    """Renormalization and scale after `values` (each left out, with a note, if it does not fit)."""
+    renorm, note, epsilon = _renormalization(graph, values, rank)
+    ids = list(renorm)
+    out = graph.node(ids[-1]).output[0] if ids else values
+    notes: tuple[str, ...] = (note,) if note else ()
+    muls = [r for r in graph.readers(out) if _is_op(graph, r, "Mul")]
+    scale = 1.0
+    if muls:
+        mul = graph.node(muls[0])
+        other = mul.input[1] if mul.input[0] == out else mul.input[0]
+        found = _gating.constant_scalar(graph, other, rank)
+        if found is None:
+            pass  # a Mul by a tensor (the experts' outputs): not a routed scaling factor
+        elif len(graph.readers(out)) > 1 or graph.is_graph_output(out):
+            notes += (
+                f"scale '{graph.describe(muls[0])}' left unfused: the values '{out}' are also "
+                "read elsewhere",
+            )
+        else:
+            ids, scale, out = [*ids, muls[0]], found, mul.output[0]
+    return _Finish(tuple(ids), int(bool(renorm)), epsilon, scale, out, notes)
+
+
+_SCORE_OF = {"Softmax": SOFTMAX, "Sigmoid": SIGMOID, "LogSoftmax": LOG_SOFTMAX}
 
 
 @dataclass(frozen=True)
 class SoftmaxTopKPattern:
-    """Softmax -> [Cast] -> TopK [-> renormalize], or TopK -> [Cast] -> Softmax; anchored at
-    the Softmax."""
+    """Scores (Softmax, Sigmoid, LogSoftmax) -> [Cast] -> [bias, group limit] -> TopK [->
+    gather, renormalize, scale], or TopK -> [Cast] -> Softmax/Sigmoid; anchored at the score op."""
 
     name: str = NAME
     description: str = (
-        "Softmax -> TopK (-> ReduceSum/Div renormalize), or TopK -> Softmax => SoftmaxTopK"
+        "Softmax/Sigmoid/LogSoftmax -> [bias, expert groups] -> TopK (-> renormalize [+eps], "
+        "scale), or TopK -> Softmax/Sigmoid => SoftmaxTopK"
     )
-    anchors: tuple[tuple[str, str], ...] = (("", "Softmax"),)
+    anchors: tuple[tuple[str, str], ...] = (("", "Softmax"), ("", "Sigmoid"), ("", "LogSoftmax"))
     ops: tuple[FusedOp, ...] = (SOFTMAX_TOPK,)
 
     def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
         softmax = graph.node(node_id)
-        before = self._topk_before(graph, softmax)
-        if before is not None:
-            return self._match_topk_softmax(graph, node_id, *before)
+        score = _SCORE_OF[softmax.op_type]
+        if score != LOG_SOFTMAX:
+            before = self._topk_before(graph, softmax)
+            if before is not None:
+                return self._match_topk_softmax(graph, node_id, *before)
+        casts = [
+            r for r in graph.readers(softmax.output[0])
+            if _is_op(graph, r, "Cast") and graph.node(r).input[0] == softmax.output[0]
+        ]  # fmt: skip
+        for cast_id in [None, *casts]:
+            scores = softmax.output[0] if cast_id is None else graph.node(cast_id).output[0]
+            shape = graph.shape(scores)
+            experts = shape[-1] if shape and isinstance(shape[-1], int) else None
+            found = _gating.selection(graph, scores, experts)
+            if isinstance(found, _gating.Problem):
+                ids = [node_id, *([cast_id] if cast_id is not None else [])]
+                return rejection(self.name, graph, ids, found.reason, found.value)
+            if found is not None:
+                return self._match_selection(graph, node_id, cast_id, found)
         after = _through_cast(graph, softmax.output[0], "TopK")
         if not after:
             return None
@@ -368,6 +547,35 @@ class SoftmaxTopKPattern:
             return None
         return cast_id, producer
 
+    def _match_selection(
+        self, graph: GraphIndex, softmax_id: int, cast_id: int | None, sel: _gating.Selection
+    ) -> Match | Rejection:
+        softmax, topk = graph.node(softmax_id), graph.node(sel.topk)
+        x = softmax.input[0]
+        ids = [softmax_id, *([cast_id] if cast_id is not None else []), *sel.nodes[:-1], sel.topk,
+               sel.nodes[-1]]  # fmt: skip
+        rank = _rank(graph, x)
+        common = self._common_checks(graph, softmax, topk, cast_id, rank, x)
+        if isinstance(common, _Problem):
+            return rejection(self.name, graph, ids, common.reason, common.value)
+        k, to_float32 = common
+        if rank != 2 and sel.n_group > 1:
+            return rejection(
+                self.name, graph, ids,
+                f"the expert-group limit reads '{x}' of rank {rank}; SoftmaxTopK takes it on "
+                "[tokens, experts]", x,
+            )  # fmt: skip
+        fin = _finish(graph, sel.values, rank)
+        attrs = self._attributes(k, SOFTMAX_TOPK_ORDER, fin, topk, to_float32, softmax)
+        attrs.update(n_group=sel.n_group, topk_group=sel.topk_group, mask_value=sel.mask_value)
+        indices = topk.output[1]
+        inputs = (x, sel.bias) if sel.bias else (x,)
+        return Match(
+            self.name, SOFTMAX_TOPK, tuple(ids + list(fin.nodes)), inputs,
+            (fin.out or sel.values, indices, ""), attrs,
+            exportable={softmax.output[0]: 2}, notes=fin.notes,
+        )  # fmt: skip
+
     def _match_softmax_topk(
         self, graph: GraphIndex, softmax_id: int, cast_id: int | None, topk_id: int
     ) -> Match | Rejection:
@@ -380,13 +588,12 @@ class SoftmaxTopKPattern:
             return rejection(self.name, graph, ids, common.reason, common.value)
         k, to_float32 = common
         values = topk.output[0]
-        renorm, note = _renormalization(graph, values, rank)
-        out_values = graph.node(renorm[-1]).output[0] if renorm else values
-        attrs = self._attributes(k, SOFTMAX_TOPK_ORDER, renorm, topk, to_float32)
-        outputs = (out_values, topk.output[1] if len(topk.output) > 1 else "", "")
+        fin = _finish(graph, values, rank)
+        attrs = self._attributes(k, SOFTMAX_TOPK_ORDER, fin, topk, to_float32, softmax)
+        outputs = (fin.out or values, topk.output[1] if len(topk.output) > 1 else "", "")
         return Match(
-            self.name, SOFTMAX_TOPK, tuple(ids + renorm), (x,), outputs, attrs,
-            exportable={softmax.output[0]: 2}, notes=(note,) if note else (),
+            self.name, SOFTMAX_TOPK, tuple(ids + list(fin.nodes)), (x,), outputs, attrs,
+            exportable={softmax.output[0]: 2}, notes=fin.notes,
         )  # fmt: skip
 
     def _match_topk_softmax(
@@ -400,19 +607,13 @@ class SoftmaxTopKPattern:
         if isinstance(common, _Problem):
             return rejection(self.name, graph, ids, common.reason, common.value)
         k, to_float32 = common
-        renorm, note = _renormalization(graph, softmax.output[0], rank)
-        out_values = graph.node(renorm[-1]).output[0] if renorm else softmax.output[0]
-        attrs = self._attributes(k, TOPK_SOFTMAX_ORDER, renorm, topk, to_float32)
-        outputs = (out_values, topk.output[1] if len(topk.output) > 1 else "", "")
+        fin = _finish(graph, softmax.output[0], rank)
+        attrs = self._attributes(k, TOPK_SOFTMAX_ORDER, fin, topk, to_float32, softmax)
+        outputs = (fin.out or softmax.output[0], topk.output[1] if len(topk.output) > 1 else "", "")
         return Match(
-            self.name,
-            SOFTMAX_TOPK,
-            tuple(ids + renorm),
-            (x,),
-            outputs,
-            attrs,
-            notes=(note,) if note else (),
-        )
+            self.name, SOFTMAX_TOPK, tuple(ids + list(fin.nodes)), (x,), outputs, attrs,
+            notes=fin.notes,
+        )  # fmt: skip
 
     @staticmethod
     def _common_checks(
@@ -424,9 +625,10 @@ class SoftmaxTopKPattern:
         x: str,
     ) -> tuple[int, int] | _Problem:
         """(k, to_float32), or why the two ops cannot be fused."""
-        axis_problem = _softmax_axis_problem(graph, softmax)
-        if axis_problem is not None:
-            return _Problem(axis_problem, softmax.input[0])
+        if softmax.op_type != "Sigmoid":  # elementwise: any axis is its axis
+            axis_problem = _softmax_axis_problem(graph, softmax)
+            if axis_problem is not None:
+                return _Problem(axis_problem, softmax.input[0])
         k = _topk_problem(graph, topk, rank)
         if isinstance(k, _Problem):
             return k
@@ -440,16 +642,31 @@ class SoftmaxTopKPattern:
 
     @staticmethod
     def _attributes(
-        k: int, order: str, renorm: list[int], topk: onnx.NodeProto, to_float32: int
+        k: int,
+        order: str,
+        fin: _Finish,
+        topk: onnx.NodeProto,
+        to_float32: int,
+        score_node: onnx.NodeProto,
     ) -> dict[str, Any]:
-        return {
+        attrs: dict[str, Any] = {
             "k": k,
             "axis": -1,
             "order": order,
-            "renormalize": 1 if renorm else 0,
+            "renormalize": fin.renormalize,
             "sorted": int(_attr(topk, "sorted", 1)),
             "to_float32": to_float32,
         }
+        # The gating attributes only where they differ from the softmax chain's (older fused
+        # models and their bodies stay as they were).
+        score = _SCORE_OF[score_node.op_type]
+        if score != SOFTMAX:
+            attrs["score"] = score
+        if fin.epsilon:
+            attrs["epsilon"] = fin.epsilon
+        if fin.scale != 1.0:
+            attrs["scale"] = fin.scale
+        return attrs
 
 
 PATTERN = SoftmaxTopKPattern()

@@ -586,6 +586,70 @@ FIXTURES += [
 ]
 
 
+# -- DeepSeek-V3 routers (gating lane) -----------------------------------------------------------
+
+
+class DeepseekV3Router(nn.Module):
+    """transformers' own DeepseekV3TopkRouter (sigmoid scores, e_score_correction_bias for the
+    choice, n_group=4 / topk_group=2 group limit, top-4, renormalized with + 1e-20, times the
+    routed scaling factor). Returns each token's weights scattered over the experts [B*S, E]
+    (as the experts combine them): TopK(sorted=0) leaves the order of the k results open, and
+    onnxruntime's order is not PyTorch's, while the scattered weights are the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+        config = DeepseekV3Config(
+            hidden_size=32, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
+            routed_scaling_factor=2.5, norm_topk_prob=True,
+        )  # fmt: skip
+        self.gate = DeepseekV3TopkRouter(config)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        _, weights, indices = self.gate(hidden)
+        dense = torch.zeros(weights.shape[0], 16, dtype=weights.dtype)
+        return dense.scatter(1, indices, weights)
+
+
+def build_deepseekv3_router() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(4)
+    model = DeepseekV3Router().eval()
+    model.gate.weight.data = torch.randn(16, 32, generator=gen) * 0.3
+    # A real bias (fresh ones are zero): it moves the choice, not the weights.
+    model.gate.e_score_correction_bias.data = torch.rand(16, generator=gen) * 0.2
+    return model, {"hidden": torch.randn(2, 8, 32, generator=gen)}
+
+
+_ROUTER_TOKENS = {"hidden": {0: "batch", 1: "seq"}}
+FIXTURES += [
+    Fixture(
+        "deepseekv3-router-ts14",
+        build_deepseekv3_router,
+        "torchscript",
+        14,
+        "DeepSeek-V3 router (transformers DeepseekV3TopkRouter): Sigmoid -> Add(bias) ->"
+        " group limit (Reshape, TopK(2), ReduceSum, TopK(2 groups), ScatterElements mask, Where"
+        " -inf) -> TopK(4) -> GatherElements of the unbiased scores -> ReduceSum/Add(1e-20)/Div"
+        " -> Mul(2.5)",
+        dynamic=_ROUTER_TOKENS,
+        library="transformers",
+    ),
+    Fixture(
+        "deepseekv3-router-dynamo18",
+        build_deepseekv3_router,
+        "dynamo",
+        18,
+        "the same router through dynamo: Gemm, ConstantOfShape/Expand masks, Not -> Where;"
+        " the + 1e-20 is dropped by the exporter (renormalized without epsilon)",
+        dynamic=_ROUTER_TOKENS,
+        library="transformers",
+    ),
+]
+
+
 # -- export ------------------------------------------------------------------------------------
 
 

@@ -24,7 +24,12 @@ from .._rows import RowPlan, RowTiling, specs
 from ..api import Kernel, TensorMeta, Tiling
 from ..npu.machine import Machine
 from ..registry import get_kernel
-from .kernel import SoftmaxTopKTiling, softmax_topk_tiling, staged_spec
+from .kernel import (
+    SoftmaxTopKTiling,
+    softmax_topk_tiling,
+    staged_schedule_applies,
+    staged_spec,
+)
 from .staged import staged_cycles
 
 
@@ -129,8 +134,10 @@ class _RowModel:
         space: list[Tiling] = [
             softmax_topk_tiling(t) for t in row_space(machine, self._plan(metas, attrs, machine))
         ]
-        # The unfused chain's schedule is always a candidate: fused is never priced slower.
-        space.append(SoftmaxTopKTiling(1, 1, machine.vector_cores, staged=1))
+        # The unfused chain's schedule is a candidate wherever its stages exist (the softmax
+        # chain): fused is never priced slower there.
+        if staged_schedule_applies(metas, attrs):
+            space.append(SoftmaxTopKTiling(1, 1, machine.vector_cores, staged=1))
         return space
 
     def cost(

@@ -32,11 +32,21 @@ from .._rows import RowOut, RowPlan, RowTiling, VecStep
 from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
 from ..npu.machine import Machine
 from ..search import Searched
-from ..softmax import F32, SOFTMAX_OPS, check_float, softmax_rows
-from ..topk import I64, select_steps, topk_rows
+from ..softmax import (
+    F32,
+    LOG_SOFTMAX_OPS,
+    SIGMOID_OPS,
+    SOFTMAX_OPS,
+    check_float,
+    log_softmax_rows,
+    sigmoid_rows,
+    softmax_rows,
+)
+from ..topk import I64, group_limit_rows, select_steps, topk_rows
 from .staged import Spec, run_staged
 
 ORDERS = ("softmax_topk", "topk_softmax")
+SCORES = ("softmax", "sigmoid", "log_softmax")
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,21 @@ class _Spec:
     emit_probs: bool
     dtype: np.dtype
     shape: tuple[int, ...]
+    score: str = "softmax"
+    bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    mask_value: float = float("-inf")
+    epsilon: float = 0.0
+    scale: float = 1.0
+
+    @property
+    def classic(self) -> bool:
+        """The first version's chain (softmax, no bias, groups, epsilon or scale): the one
+        the staged schedule runs."""
+        return (self.score, self.bias, self.n_group, self.epsilon, self.scale) == (
+            "softmax", False, 1, 0.0, 1.0
+        )  # fmt: skip
 
     @property
     def width(self) -> int:
@@ -91,6 +116,23 @@ def _spec(op: str, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str,
     order = str(attrs.get("order", "softmax_topk"))
     if order not in ORDERS:
         raise KernelError(f"{op}: order must be one of {', '.join(ORDERS)}, got '{order}'")
+    score = str(attrs.get("score", "softmax"))
+    if score not in SCORES:
+        raise KernelError(f"{op}: score must be one of {', '.join(SCORES)}, got '{score}'")
+    bias = len(inputs_meta) > 1 and inputs_meta[1] is not None
+    width = x.shape[axis]
+    if bias and inputs_meta[1] is not None and inputs_meta[1].shape not in ((width,), (1, width)):
+        raise KernelError(f"{op}: selection_bias must be [{width}], got {inputs_meta[1].shape}")
+    n_group = int(attrs.get("n_group", 1))
+    topk_group = int(attrs.get("topk_group", 1))
+    if n_group > 1 and (width % n_group or width // n_group < 2):
+        raise KernelError(
+            f"{op}: n_group={n_group} does not split {width} experts into groups of 2+"
+        )
+    if n_group > 1 and not 1 <= topk_group <= n_group:
+        raise KernelError(f"{op}: topk_group={topk_group} outside [1, {n_group}]")
+    if order != "softmax_topk" and (bias or n_group > 1):
+        raise KernelError(f"{op}: selection_bias and n_group need order softmax_topk")
     return _Spec(
         axis=axis,
         k=k,
@@ -100,39 +142,94 @@ def _spec(op: str, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str,
         emit_probs=bool(int(attrs.get("emit_probs", 0))),
         dtype=x.dtype,
         shape=x.shape,
+        score=score,
+        bias=bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        mask_value=float(attrs.get("mask_value", float("-inf"))),
+        epsilon=float(attrs.get("epsilon", 0.0)),
+        scale=float(attrs.get("scale", 1.0)),
     )
+
+
+def _score_steps(score: str, per_row: int) -> list[VecStep]:
+    """The score of `per_row` elements in float32: softmax (npu-model.md's five), sigmoid as
+    1 / (1 + exp(-x)) (Muls, Exp, Adds, Reciprocal: the target's rows, no Sigmoid row of its
+    own), log-softmax as max, sub, exp, sum, ln, sub."""
+    if score == "sigmoid":
+        return [VecStep(SIGMOID_OPS, per_row, F32)]
+    if score == "log_softmax":
+        return [VecStep(LOG_SOFTMAX_OPS, per_row, F32)]
+    return [VecStep(SOFTMAX_OPS, per_row, F32)]
+
+
+def _choice_steps(s: _Spec, machine: Machine | None) -> list[VecStep]:
+    """From the scores to the k chosen indices: the bias added (the resident row broadcast to
+    the tile first), the group limit (top-2 of each group: two masked-max rounds over the row,
+    segmented by group; their Add; the topk_group selection over the G group scores; the group
+    mask broadcast back to the experts and selected), then the top-k, and the gather of the
+    unbiased scores at the chosen positions (a Select and ReduceMax per chosen expert)."""
+    e, k = s.width, s.k
+    steps = [VecStep(("Duplicate", "Add"), e, F32)] if s.bias else []
+    if s.n_group > 1:
+        g = s.n_group
+        steps += select_steps(None, F32, e, 2)
+        steps += [VecStep(("Add",), g, F32), *select_steps(machine, F32, g, s.topk_group)]
+        steps.append(VecStep(("Duplicate", "Select"), e, F32))
+    steps += select_steps(machine, F32, e, k)
+    if s.bias or s.n_group > 1:
+        steps += [VecStep(("Select", "ReduceMax"), e, F32)] * k
+    return steps
 
 
 def _steps(s: _Spec, machine: Machine | None) -> list[VecStep]:
     e, k = s.width, s.k
     up = [VecStep(("Cast",), e, s.dtype)] if s.dtype != F32 else []
     if s.order == "softmax_topk":
-        steps = [*up, VecStep(SOFTMAX_OPS, e, F32), *select_steps(machine, F32, e, k)]
+        steps = [*up, *_score_steps(s.score, e), *_choice_steps(s, machine)]
         if s.emit_probs and s.dtype != F32:
             steps.append(VecStep(("Cast",), e, F32))
     else:
-        steps = [*up, *select_steps(machine, F32, e, k), VecStep(SOFTMAX_OPS, k, F32)]
+        steps = [*up, *select_steps(machine, F32, e, k), *_score_steps(s.score, k)]
     if s.renormalize:
-        steps.append(VecStep(("ReduceSum", "Div"), k, F32))
+        steps.append(VecStep(("ReduceSum", *(("Adds",) if s.epsilon else ()), "Div"), k, F32))
+    if s.scale != 1.0:
+        steps.append(VecStep(("Muls",), k, F32))
     if s.values_dtype != F32:
         steps.append(VecStep(("Cast",), k, F32))
     return steps
 
 
-def _tile(s: _Spec, x: np.ndarray) -> tuple[np.ndarray, ...]:
+def _scores(score: str, x32: np.ndarray) -> np.ndarray:
+    if score == "sigmoid":
+        return sigmoid_rows(x32)
+    if score == "log_softmax":
+        return log_softmax_rows(x32)
+    return softmax_rows(x32, F32)
+
+
+def _tile(s: _Spec, x: np.ndarray, *resident: np.ndarray) -> tuple[np.ndarray, ...]:
     """values, indices (and probs in softmax_topk order) of a tile of points [t, E], all in
     float32 until the values are rounded at the end."""
     x32 = x.astype(F32, copy=False)
     if s.order == "softmax_topk":
-        full = softmax_rows(x32, F32)
-        values, indices = topk_rows(full, s.k, largest=True)
+        full = _scores(s.score, x32)
+        choice = full + resident[0].reshape(1, -1).astype(F32) if s.bias else full
+        if s.n_group > 1:
+            choice = group_limit_rows(choice, s.n_group, s.topk_group, s.mask_value)
+        values, indices = topk_rows(choice, s.k, largest=True)
+        if choice is not full:
+            values = np.take_along_axis(full, indices, axis=-1)
         extra: tuple[np.ndarray, ...] = (full.astype(s.dtype, copy=False),)
     else:
         top, indices = topk_rows(x32, s.k, largest=True)
-        values = softmax_rows(top, F32)
+        values = _scores(s.score, top)
         extra = ()
     if s.renormalize:
-        values = values / values.sum(axis=-1, keepdims=True)
+        total = values.sum(axis=-1, keepdims=True, dtype=F32)
+        values = values / (total + np.float32(s.epsilon)) if s.epsilon else values / total
+    if s.scale != 1.0:
+        values = values * np.float32(s.scale)
     return (values.astype(s.values_dtype, copy=False), indices, *extra)
 
 
@@ -158,8 +255,11 @@ class SoftmaxTopKKernel(Searched, Kernel):
                 *([RowOut("probs", width, s.dtype, emit=s.emit_probs)] if s.probs_width else []),
             ),
             steps=tuple(_steps(s, machine)),
-            # fp32 copy of the row (exp, then the masked copy the selection rounds walk).
-            temp_bytes_per_row=width * 4,
+            # fp32 copy of the row (exp, then the masked copy the selection rounds walk); the
+            # biased, group-masked choice is a second one.
+            temp_bytes_per_row=width * 4 * (2 if s.bias or s.n_group > 1 else 1),
+            # The bias row, loaded once per core and kept (float32 after its one Cast).
+            resident_bytes=(width * 4,) if s.bias else (),
         )
 
     def infer(
@@ -192,6 +292,12 @@ class SoftmaxTopKKernel(Searched, Kernel):
         staged = int(getattr(tiling, "staged", 0))
         if staged not in (0, 1):
             raise TilingError(f"{self.op_type}: staged must be 0 or 1, got {staged}")
+        if staged and not _spec(self.op_type, inputs_meta, attrs).classic:
+            raise TilingError(
+                f"{self.op_type}: the staged schedule runs only the softmax chain without "
+                "bias, groups, epsilon or scale (its stages have no Sigmoid, Where, Gather "
+                "kernels)"
+            )
         if not staged:  # the stages check their own tilings
             _rows.check(plan, tiling, machine)
 
@@ -212,11 +318,18 @@ class SoftmaxTopKKernel(Searched, Kernel):
         plan = self._plan(s, machine)
         x = inputs[0]
         x_rows = _rows.to_rows(x, [s.axis]) if functional and x is not None else None
+        bias = inputs[1] if len(inputs) > 1 else None
+        residents = (
+            (np.asarray(bias, F32).reshape(-1),) if s.bias and functional and bias is not None
+            else ()
+        )  # fmt: skip
 
-        def tile(xt: np.ndarray) -> tuple[np.ndarray, ...]:
-            return _tile(s, xt)
+        def tile(xt: np.ndarray, *res: np.ndarray) -> tuple[np.ndarray, ...]:
+            return _tile(s, xt, *res)
 
-        outs, stats = _rows.run(machine, plan, tiling, x_rows, (), tile, functional, timeline)
+        outs, stats = _rows.run(
+            machine, plan, tiling, x_rows, residents, tile, functional, timeline
+        )
         if not functional:
             return KernelRun((), stats)
         metas = self.infer(inputs_meta, attrs)
@@ -249,6 +362,13 @@ class SoftmaxTopKKernel(Searched, Kernel):
         assert isinstance(indices, np.ndarray)
         p = probs if isinstance(probs, np.ndarray) else np.empty(metas[2].shape, metas[2].dtype)
         return KernelRun((values, indices, p), stats)
+
+
+def staged_schedule_applies(
+    inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+) -> bool:
+    """Whether the staged schedule can run these attributes (the softmax chain only)."""
+    return _spec(SoftmaxTopKKernel.op_type, inputs_meta, attrs).classic
 
 
 def staged_spec(inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) -> Spec:

@@ -592,6 +592,104 @@ BUILDERS: dict[str, Callable[[Builder], None]] = {
 }
 
 
+# -- gating lane: MoE gates beyond softmax (DeepSeek-V3 sigmoid + bias + groups, TopK -> Sigmoid)
+
+
+def _axes_op(b: Builder, op: str, v: str, **attrs: Any) -> str:
+    """ReduceSum/Unsqueeze over the last axis: axes as input from opset 13, attribute before."""
+    if b.opset >= 13:
+        return b.one(op, [v, b.const(np.array([-1], np.int64), "axes", allow_input=False)], **attrs)
+    return b.one(op, [v], axes=[-1], **attrs)
+
+
+def _group_limit(b: Builder, choice: str, e: int, dtype: Any) -> str:
+    """DeepSeek-V3's group limit as the TorchScript exporter writes it (Expand of ones, Cast ->
+    Not -> Cast) or dynamo (ConstantOfShape of ones, Not); mask value -inf or 0."""
+    g = int(b.pick([d for d in (2, 3, 4, 6) if e % d == 0 and e // d >= 2]))
+    split = b.const(np.array([-1, g, e // g], np.int64), "split", allow_input=False)
+    top2 = b.node(
+        "TopK",
+        [
+            b.one("Reshape", [choice, split]),
+            b.const(np.array([2], np.int64), "two", allow_input=False),
+        ],
+        2,
+    )[0]
+    scores = _axes_op(b, "ReduceSum", top2, keepdims=0)
+    kept = b.node(
+        "TopK",
+        [
+            scores,
+            b.const(
+                np.array([int(b.rng.integers(1, g + 1))], np.int64), "topk_group", allow_input=False
+            ),
+        ],
+        2,
+        sorted=0,
+    )[1]
+    zeros = b.one("ConstantOfShape", [b.one("Shape", [scores])])
+    one = numpy_helper.from_array(np.ones(1, np.float32))
+    ones = b.one("ConstantOfShape", [b.one("Shape", [kept])], value=one)
+    mask = _axes_op(b, "Unsqueeze", b.one("ScatterElements", [zeros, kept, ones], axis=1))
+    mask = b.one("Expand", [mask, b.const(np.array([1, g, e // g], np.int64), "to_experts",
+                                          allow_input=False)])  # fmt: skip
+    flat = b.const(np.array([-1, e], np.int64), "flat", allow_input=False)
+    drop = b.one("Not", [b.one("Cast", [b.one("Reshape", [mask, flat])], to=TensorProto.BOOL)])
+    if b.chance(0.5):
+        drop = b.one("Cast", [drop], to=TensorProto.BOOL)
+    fill = np.array(b.pick([-np.inf, 0.0]), dtype=dtype)
+    b.traps.append(f"group limit {g}")
+    return b.one("Where", [drop, b.const(fill, "fill", allow_input=False), choice])
+
+
+def sigmoid_gate(b: Builder) -> None:
+    """Sigmoid scores [-> Cast float32] [+ bias] [-> group limit] -> TopK (k up to E) ->
+    GatherElements of the scores [-> renormalize (+ eps)] [-> Mul scale]; or TopK -> Sigmoid.
+    Traps: a bias as graph input or overridable, the scores / choice / weights read elsewhere,
+    ties (a zero or repeated bias), sorted=0, k = E."""
+    e = int(b.pick([8, 12, 16]))
+    tokens = int(b.rng.integers(1, 6))
+    x = b.activation([tokens, e], ["tokens", None])
+    if b.chance(0.2):  # Llama-4 style: top-k of the logits, then their sigmoid
+        vals, idx = _topk(b, x, [tokens, e])
+        b.scope.outputs += [idx, b.one("Sigmoid", [vals])]
+        return
+    scores = b.one("Sigmoid", [x])
+    dtype = b.dtype
+    if b.dtype == np.float16 and b.chance(0.3):
+        scores, dtype = b.one("Cast", [scores], to=TensorProto.FLOAT), np.float32
+    b.expose(scores, 0.1)
+    choice = scores
+    if b.chance(0.8):
+        bias = b.pick([np.zeros(e), np.repeat(b.rng.random(e // 2), 2), b.rng.random(e) * 0.2])
+        choice = b.one("Add", [scores, b.const(bias.astype(dtype), "bias")])
+        b.expose(choice, 0.1)
+    if choice == scores or b.chance(0.6):
+        choice = _group_limit(b, choice, e, dtype) if b.opset >= 11 else choice
+    k = int(b.pick([1, 2, e // 2, e]))
+    sorted_ = None if b.chance(0.7) else 0
+    b.unsorted_topk |= sorted_ == 0
+    kname = b.const(np.array([k], np.int64), "k", allow_input=False)
+    idx = b.node("TopK", [choice, kname], 2, sorted=sorted_)[1]
+    b.scope.outputs.append(idx)
+    w = b.one("GatherElements", [scores, idx], axis=b.pick([1, -1]))
+    b.expose(w, 0.15)
+    if b.chance(0.6):
+        total = _axes_op(b, "ReduceSum", w, keepdims=1)
+        if b.chance(0.5):
+            eps = b.pick([1e-20, 1e-6, 0.01])
+            total = b.one("Add", [total, b.const(np.array(eps, dtype), "eps")])
+        w = b.one("Div", [w, total])
+    if b.chance(0.5):
+        w = b.one("Mul", [w, b.const(np.array(b.pick([2.5, 1.0, 16.0]), dtype), "scale")])
+    b.scope.outputs.append(w)
+
+
+FAMILIES += ("sigmoid_gate",)
+PATTERN_OF["sigmoid_gate"] = "softmax_topk"
+BUILDERS["sigmoid_gate"] = sigmoid_gate
+
+
 # -- placement: main graph, If branch, Loop body -------------------------------------------------
 
 

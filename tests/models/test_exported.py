@@ -30,6 +30,9 @@ EXPECTED: dict[str, dict[str, int]] = {
     "llama-ts14": {"rmsnorm": 5, "rmsnorm_matmul": 5, "rmsnorm_matmuls": 11},
     "llama-fp16-dynamo18": {"rmsnorm": 5, "rmsnorm_matmul": 5, "rmsnorm_matmuls": 11},
     "qwen3-fp16-ts14": {"rmsnorm": 5, "rmsnorm_matmul": 3, "rmsnorm_matmuls": 6},
+    # Sigmoid routers: no Softmax -> TopK chain for the structural inventory.
+    "deepseekv3-router-ts14": {},
+    "deepseekv3-router-dynamo18": {},
     "qwen2moe-dynamo18": {
         "rmsnorm": 3,
         "rmsnorm_matmul": 3,
@@ -200,3 +203,31 @@ def test_every_conv_bn_chain_fuses_with_its_activation(name: str) -> None:
     assert len(with_act) == (35 if "mobilenet" in name else 102) and chains > len(with_act)
     assert not [r for r in result.report.rejected if r.pattern == "conv_bn_relu"]
     assert fuser.validate(model, result, runs=1).ok
+
+
+# -- DeepSeek-V3 routers (gating lane) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "epsilon"), [("deepseekv3-router-ts14", True), ("deepseekv3-router-dynamo18", False)]
+)
+def test_deepseekv3_router_fuses_every_topk(name: str, epsilon: bool) -> None:
+    """Sigmoid + bias + group limit + top-k + gather + renormalize + scale: the router's three
+    TopKs (group top-2, top groups, top-k) all go into one SoftmaxTopK, with default flags."""
+    from fuser.api import fuse, validate
+
+    model = _load(name)
+    assert sum(n.op_type == "TopK" for n in model.graph.node) == 3
+    result = fuse(model, cache=False)
+    assert result.report.summary["softmax_topk"] == 1
+    assert not [n for n in result.model.graph.node if n.op_type in ("TopK", "Sigmoid", "Where")]
+    (node,) = [n for n in result.model.graph.node if n.domain == "fuser"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["score"] == b"sigmoid"
+    assert (attrs["n_group"], attrs["topk_group"], attrs["k"]) == (4, 2, 4)
+    assert attrs["mask_value"] == float("-inf")
+    assert attrs["renormalize"] == 1
+    assert attrs["scale"] == pytest.approx(2.5)
+    assert ("epsilon" in attrs) == epsilon  # the dynamo exporter drops the + 1e-20
+    assert node.input[1].endswith("e_score_correction_bias")
+    assert validate(model, result).ok

@@ -1,0 +1,136 @@
+"""MoE gates as exporters write them (onnx.helper, seeded): Sigmoid/Softmax/LogSoftmax scores,
+DeepSeek-V3's selection bias and expert-group limit (the TorchScript and the dynamo form of the
+mask), GatherElements of the unbiased scores, renormalization (with or without + epsilon) and
+the routed scaling factor; each part switchable, and each trap a keyword."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What the gate computes; the defaults are DeepSeek-V3's (16 experts here)."""
+
+    dtype: str = "float32"
+    score: str = "Sigmoid"
+    experts: int = 16
+    k: int = 4
+    bias: str | None = "const"  # "const", "input" (a trap), None
+    groups: tuple[int, int] | None = (4, 2)  # (n_group, topk_group)
+    split: tuple[int, int] | None = None  # the Reshape's [G, E/G] (default from groups)
+    # "ts": Cast -> Not -> Cast, Expand of ones; "dynamo": Not, ConstantOfShape of ones
+    mask_form: str = "ts"
+    fill: float = float("-inf")
+    renorm: str | None = "eps"  # "eps", "plain", None
+    epsilon: float = 1e-20
+    scale: float | None = 2.5
+    tokens: int | str = "N"
+    sorted: int = 0
+    gather_from: str = "scores"  # "scores" or "choice" (a trap)
+    read_choice_values: bool = False  # the TopK's biased values also an output (a trap)
+    read_weights: bool = False  # the gathered weights also an output (renormalization left out)
+    read_normalized: bool = False  # the renormalized weights also an output (scale left out)
+    seed: int = 0
+
+
+class _Builder:
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self.np = np.dtype(gate.dtype)
+        self.elem = helper.np_dtype_to_tensor_dtype(self.np)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.inputs = [helper.make_tensor_value_info("x", self.elem, [gate.tokens, gate.experts])]
+        self.outputs: list[str] = []
+        self.rng = np.random.default_rng(gate.seed)
+
+    def const(self, value: Any, name: str, dtype: Any = None) -> str:
+        array = np.asarray(value, dtype=dtype or self.np)
+        self.inits.append(numpy_helper.from_array(array, name))
+        return name
+
+    def op(self, op_type: str, *inputs: str, n_out: int = 1, **attrs: Any) -> Any:
+        name = f"{op_type}_{len(self.nodes)}"
+        outs = [f"{name}_out{i}" for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=name, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def filled(self, like: str, value: float) -> str:
+        shape = self.op("Shape", like)
+        if self.gate.mask_form == "ts" and value == 1.0:
+            return self.op("Expand", self.const(value, f"fill{len(self.inits)}", np.float32), shape)
+        tensor = numpy_helper.from_array(np.array([value], np.float32))
+        return self.op("ConstantOfShape", shape, value=tensor)
+
+
+def gate_model(gate: Gate, opset: int = 17) -> onnx.ModelProto:
+    """The gate as one model: outputs the weights and the indices (and the traps' extras)."""
+    b = _Builder(gate)
+    e = gate.experts
+    axes = b.const([-1], "axes", np.int64)
+
+    def reduce_sum(x: str, keepdims: int) -> str:  # axes as input from opset 13
+        if opset >= 13:
+            return str(b.op("ReduceSum", x, axes, keepdims=keepdims))
+        return str(b.op("ReduceSum", x, axes=[-1], keepdims=keepdims))
+
+    scores = b.op(gate.score, "x", **({} if gate.score == "Sigmoid" else {"axis": -1}))
+    choice = scores
+    if gate.bias == "const":
+        bias = b.const(b.rng.random(e) * 0.2, "e_score_correction_bias")
+        choice = b.op("Add", scores, bias)
+    elif gate.bias == "input":
+        b.inputs.append(helper.make_tensor_value_info("bias", b.elem, [e]))
+        choice = b.op("Add", scores, "bias")
+    masked = choice
+    if gate.groups is not None:
+        n_group, topk_group = gate.groups
+        split = gate.split or (n_group, e // n_group)
+        grouped = b.op("Reshape", choice, b.const([-1, *split], "split", np.int64))
+        top2 = b.op("TopK", grouped, b.const([2], "two", np.int64), n_out=2)[0]
+        group_scores = reduce_sum(top2, 0)
+        kept = b.op("TopK", group_scores, b.const([topk_group], "topk_group", np.int64),
+                    n_out=2, sorted=0)[1]  # fmt: skip
+        zeros, ones = b.filled(group_scores, 0.0), b.filled(kept, 1.0)
+        mask = b.op("ScatterElements", zeros, kept, ones, axis=1)
+        mask = b.op("Unsqueeze", mask, axes) if opset >= 13 else b.op("Unsqueeze", mask, axes=[-1])
+        mask = b.op("Expand", mask, b.const([1, *split], "to_experts", np.int64))
+        mask = b.op("Cast", b.op("Reshape", mask, b.const([-1, e], "flat", np.int64)), to=9)
+        drop = b.op("Not", mask)
+        if gate.mask_form == "ts":
+            drop = b.op("Cast", drop, to=TensorProto.BOOL)
+        masked = b.op("Where", drop, b.const(gate.fill, "fill"), choice)
+    values, indices = b.op("TopK", masked, b.const([gate.k], "k", np.int64), n_out=2,
+                           sorted=gate.sorted)  # fmt: skip
+    if gate.read_choice_values:
+        b.outputs.append(values)
+    weights = values
+    if gate.bias or gate.groups:
+        source = scores if gate.gather_from == "scores" else choice
+        weights = b.op("GatherElements", source, indices, axis=1)
+    if gate.read_weights:
+        b.outputs.append(weights)
+    if gate.renorm:
+        total = reduce_sum(weights, 1)
+        if gate.renorm == "eps":
+            total = b.op("Add", total, b.const(gate.epsilon, "eps"))
+        weights = b.op("Div", weights, total)
+        if gate.read_normalized:
+            b.outputs.append(weights)
+    if gate.scale is not None:
+        weights = b.op("Mul", weights, b.const(gate.scale, "scale"))
+    b.outputs[:0] = [weights, indices]
+    untyped = [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in b.outputs]
+    graph = helper.make_graph(b.nodes, "gate", b.inputs, untyped, b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    inferred = onnx.shape_inference.infer_shapes(model)
+    del model.graph.output[:]
+    model.graph.output.extend(inferred.graph.output)
+    return model
