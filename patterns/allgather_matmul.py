@@ -131,11 +131,13 @@ ALLGATHER_MATMUL = FusedOp(
     outputs=(
         Param("Y", "T", "Y_0 = concat(shards, axis) @ W_0 (+ b_0); 2-D if flatten[0]"),
         Param(
-            "more", "T",
-            "gathered = concat(shards, axis) (\"\" unless read outside the match), then the other "
+            "more",
+            "T",
+            'gathered = concat(shards, axis) ("" unless read outside the match), then the other '
             "Linears' Y_1, Y_2, ... (one variadic tail: only the last formal output may be "
             "variadic, and the one-Linear layout (Y, gathered) is kept)",
-            "variadic", 0,
+            "variadic",
+            0,
         ),
     ),
     attributes=(
