@@ -24,7 +24,7 @@ is left out of the fusion, with a note, rather than refused.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -443,10 +443,48 @@ class AllGatherMatMulPattern:
     anchors: tuple[tuple[str, str], ...] = ((MS_DOMAIN, "AllGather"),)
     ops: tuple[FusedOp, ...] = (ALLGATHER_MATMUL,)
 
+    @staticmethod
+    def _through_reshape(
+        graph: GraphIndex,
+        reshape_id: int,
+        k: int | None,
+        linear: Callable[[int, int], _Lin | _Problem],
+    ) -> list[_Lin] | _Problem:
+        """The Linears after a Reshape of the gathered value, the Reshape joining the first;
+        all or none (the Reshape cannot stay for some readers once it is fused)."""
+        out = graph.node(reshape_id).output[0]
+        problem = _reshape_problem(graph, reshape_id, k)
+        if problem is not None:
+            return problem
+        inner = graph.readers(out)
+        mine = [c for c in inner if (_is(graph, c, "MatMul") or _is(graph, c, "Gemm"))
+                and graph.node(c).input[0] == out]  # fmt: skip
+        if len(mine) != len(inner) or graph.is_graph_output(out):
+            others = [graph.describe(c) for c in inner if c not in mine]
+            where = "as a graph output" if not others else "by " + ", ".join(others)
+            return _Problem(
+                f"Reshape '{graph.describe(reshape_id)}' output '{out}' is also read {where}: "
+                "its Linears left unfused",
+                out,
+            )
+        found: list[_Lin] = []
+        for c in mine:
+            lin = linear(c, 1)
+            if isinstance(lin, _Problem):
+                return _Problem(
+                    f"Reshape '{graph.describe(reshape_id)}' feeds "
+                    f"'{graph.describe(c)}', which cannot join: {lin.reason}",
+                    lin.value,
+                )
+            found.append(lin)
+        first = found[0]
+        found[0] = dataclasses.replace(first, nodes=(reshape_id, *first.nodes))
+        return found
+
     def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
         gather = graph.node(node_id)
         gathered = gather.output[0]
-        readers = graph.readers(gathered)
+        readers = list(dict.fromkeys(graph.readers(gathered)))  # a node reading it twice: once
         reshapes = [
             r for r in readers if _is(graph, r, "Reshape") and graph.node(r).input[0] == gathered
         ]
@@ -477,67 +515,31 @@ class AllGatherMatMulPattern:
         k = _gathered_k(graph, gather.input[0], axis, group_size)
         lins: list[_Lin] = []
         problems: list[tuple[int, _Problem]] = []
-        used: set[int] = set()
 
-        def take(r: int, flatten: int) -> None:
-            node = graph.node(r)
-            if node.input[0] not in sources:
-                return
-            lin = (
-                _gemm_linear(graph, r, k)
-                if _is(graph, r, "Gemm")
-                else _matmul_linear(graph, r, flatten)
-            )
-            if isinstance(lin, _Problem):
-                problems.append((r, lin))
-            else:
-                lins.append(lin)
+        def linear(r: int, flatten: int) -> _Lin | _Problem:
+            if _is(graph, r, "Gemm"):
+                return _gemm_linear(graph, r, k)
+            return _matmul_linear(graph, r, flatten)
 
         for r in readers:
             if _is(graph, r, "MatMul") or _is(graph, r, "Gemm"):
-                take(r, 0)
-                used.add(r)
+                if graph.node(r).input[0] != gathered:
+                    continue  # the gathered value as B: not a Linear on it (read elsewhere)
+                found_lin = linear(r, 0)
+                if isinstance(found_lin, _Problem):
+                    problems.append((r, found_lin))
+                else:
+                    lins.append(found_lin)
             elif r in reshapes:
-                out = graph.node(r).output[0]
-                problem = _reshape_problem(graph, r, k)
-                inner = graph.readers(out)
-                linear = [c for c in inner if (_is(graph, c, "MatMul") or _is(graph, c, "Gemm"))
-                          and graph.node(c).input[0] == out]  # fmt: skip
-                if problem is None and (len(linear) != len(inner) or graph.is_graph_output(out)):
-                    others = [graph.describe(c) for c in inner if c not in linear]
-                    problem = _Problem(
-                        f"Reshape '{graph.describe(r)}' output '{out}' is also read "
-                        f"{'as a graph output' if not others else 'by ' + ', '.join(others)}: "
-                        "its Linears left unfused",
-                        out,
-                    )
-                if problem is not None:
-                    problems.append((r, problem))
-                    continue
-                before = len(lins)
-                for c in linear:
-                    take(c, 1)
-                if len(lins) > before:
-                    # The Reshape joins with its first Linear (it feeds all of them).
-                    first = lins[before]
-                    lins[before] = dataclasses.replace(first, nodes=(r, *first.nodes))
-                    used.add(r)
-                    problems[:] = [(n, p) for n, p in problems]
+                found_lins = self._through_reshape(graph, r, k, linear)
+                if isinstance(found_lins, _Problem):
+                    problems.append((r, found_lins))
+                else:
+                    lins += found_lins
         if not lins:
-            where, first = problems[0]
-            return rejection(self.name, graph, [node_id, where], first.reason, first.value)
+            where, problem = problems[0]
+            return rejection(self.name, graph, [node_id, where], problem.reason, problem.value)
         taken = {n for lin in lins for n in lin.nodes}
-        # A Reshape whose Linears were only partly taken stays outside the fusion.
-        for lin in lins:
-            if lin.nodes and _is(graph, lin.nodes[0], "Reshape"):
-                out = graph.node(lin.nodes[0]).output[0]
-                if any(c not in taken for c in graph.readers(out)):
-                    return rejection(
-                        self.name, graph, [node_id, lin.nodes[0]],
-                        f"Reshape '{graph.describe(lin.nodes[0])}' feeds Linears that cannot all "
-                        f"join the fusion: {problems[0][1].reason if problems else ''}",
-                        out,
-                    )  # fmt: skip
         others = [graph.describe(r) for r in readers if r not in taken]
         if others:
             notes.append(f"'{gathered}' is also read by {', '.join(others)}: output as 'gathered'")

@@ -358,8 +358,8 @@ class Rank:
         return out
 
     def linear(self, a: str, k: int, n: int, name: str, *, bias: bool = True) -> str:
-        y = self.node("MatMul", [a, self.const(f"W_{name}", (k, n))], f"{name}_mm" if bias else name,
-                      output=not bias)  # fmt: skip
+        w = self.const(f"W_{name}", (k, n))
+        y = self.node("MatMul", [a, w], f"{name}_mm" if bias else name, output=not bias)
         if bias:
             self.node("Add", [y, self.const(f"b_{name}", (n,))], name, output=True)
         return name
