@@ -420,6 +420,13 @@ class CostModelDecider:
                 known[node.output[0]] = view
                 return
         attrs = {a.name: _plain(helper.get_attribute_value(a)) for a in node.attribute}
+        if node.domain == "com.microsoft" and node.op_type == "AllGather":
+            # Its kernel infers from the stacked shards (as `price_node` passes them); an
+            # AllGather output without value_info (onnx has no schema) is then the gathered
+            # shape, not the shard's.
+            ins = _stacked(ins, 0, int(attrs.get("group_size", 1)))
+            if ins[0] is not None and int(attrs.get("axis", 0)) < 0:
+                attrs["axis"] = int(attrs["axis"]) + len(ins[0].shape) - 1
         kernel = get_kernel("" if node.domain == "ai.onnx" else node.domain, node.op_type)
         outs: list[Any] = []
         if kernel is not None:

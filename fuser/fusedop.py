@@ -54,6 +54,8 @@ class Param:
     type_str: str
     doc: str
     option: ParamOption = "single"
+    # A variadic parameter may take no value at all (AllGatherMatMul's Y_1, Y_2, ...).
+    min_arity: int = 1
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,8 @@ class FusedOp:
             DOMAIN,
             VERSION,
             self.doc,
-            inputs=[_formal(p, min_arity=1) for p in self.inputs],
-            outputs=[_formal(p, min_arity=1) for p in self.outputs],
+            inputs=[_formal(p, min_arity=p.min_arity) for p in self.inputs],
+            outputs=[_formal(p, min_arity=p.min_arity) for p in self.outputs],
             type_constraints=[(n, list(t), d) for n, t, d in self.type_constraints],
             attributes=[_attribute(a) for a in self.attributes] + _tiling_attributes(self),
         )

@@ -21,7 +21,7 @@ from ..errors import UnknownExampleError
 from .cnn import cnn_edge, conv1d, mobilenet, resnet
 from .llama import RmsNormStyle, llama
 from .moe import moe, qwen_router
-from .parallel import sp_mlp, tp_mlp
+from .parallel import sp_mlp, tp_attention, tp_linear, tp_mlp
 from .transformer import LayerNormStyle, bert, gpt, gpt2
 
 _BERT18_LN = LayerNormStyle(divide="reciprocal", square="mul", noop_casts=True)
@@ -52,6 +52,10 @@ EXAMPLES: Mapping[str, Callable[[], onnx.ModelProto]] = MappingProxyType(
         "tp-mlp-negaxis": partial(tp_mlp, negative_axis=True),
         "sp-mlp": sp_mlp,
         "sp-mlp-bsh": partial(sp_mlp, layout="bsh", seq="seq"),
+        "tp-attention": tp_attention,
+        "tp-gemm": tp_linear,
+        "sp-reshape-gemm": partial(tp_linear, form="reshape-gemm"),
+        "sp-reshape-matmul": partial(tp_linear, form="reshape-matmul"),
     }
 )
 
@@ -81,5 +85,7 @@ __all__ = [
     "qwen_router",
     "resnet",
     "sp_mlp",
+    "tp_attention",
+    "tp_linear",
     "tp_mlp",
 ]

@@ -17,7 +17,8 @@ Keys of the returned mapping:
   ``rmsnorm_matmul`` those whose output (after the optional Mul gamma, through Casts) feeds a
   MatMul (left operand) or Reshape -> Gemm/MatMul; ``rmsnorm_matmuls`` counts those.
 - ``softmax_topk``: Softmax -> (Cast ->) TopK; ``topk_softmax``: TopK values -> Softmax.
-- ``allgather_matmul``: com.microsoft AllGather -> MatMul (as left operand).
+- ``allgather_matmul``: com.microsoft AllGather -> MatMul or Gemm (as left operand), directly
+  or through a Reshape; one per Linear (a QKV gather counts 3).
 """
 
 from __future__ import annotations
@@ -202,5 +203,9 @@ def count_chains(model: onnx.ModelProto) -> dict[str, int]:
         elif op == "TopK":
             counts["topk_softmax"] += len(idx.readers_of(node.output[0], "Softmax", 0))
         elif op == "AllGather" and node.domain == "com.microsoft":
-            counts["allgather_matmul"] += len(idx.readers_of(node.output[0], "MatMul", 0))
+            values = [node.output[0]]
+            values += [r.output[0] for r in idx.readers_of(node.output[0], "Reshape", 0)]
+            for value in values:
+                for op in ("MatMul", "Gemm"):
+                    counts["allgather_matmul"] += len(idx.readers_of(value, op, 0))
     return {key: counts[key] for key in KEYS}

@@ -46,36 +46,48 @@ OP = "AllGatherMatMul"
 
 def agmm_cycles(machine: Machine, p: _Problem, t: AllGatherMatMulTiling) -> float:
     """Predicted cycles of `t` (see the module docstring)."""
-    tm, tn, tk, tk0 = _effective(p, t)
+    tm, _, tk, tk0 = _effective(p, t)
     isz = p.dtype.itemsize
     cores = max(1, min(t.cores, machine.cube_cores))
     k0 = machine.cube_k_block(p.dtype)
-    tiles = math.ceil(p.m / tm) * math.ceil(p.n / tn)
     shards = p.g.group_size
     db = bool(t.double_buffer)
-    tile = Stream()
-    for kk, count in _chunks(p.ks, tk):
-        steps = _chunks(kk, tk0)
-        mte1 = sum(
-            c * (2 * machine.l1_to_l0_startup_cycles
-                 + tm * s * isz / machine.l1_to_l0a_bytes_per_cycle
-                 + s * tn * isz / machine.l1_to_l0b_bytes_per_cycle)
-            for s, c in steps
-        )  # fmt: skip
-        cube = sum(c * cube_blocks(tm, s, tn, k0) for s, c in steps)
-        mte2 = dma(machine, tm * kk * isz, cores, True) + dma(machine, kk * tn * isz, cores, True)
-        tile.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count)
-    fix = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
-    arrivals = [0.0] + [end for _, end in ring_arrivals(machine, shards, p.g.shard_bytes)]
 
     def pace(s: Stream) -> float:
         return max(s.busy.values()) if db else s.single()
 
-    fill = (tile.first.total - tile.first.slowest) if (db and tile.first) else 0.0
+    # Per Linear: its tiles' work (tile_n capped by its own N). Several Linears share one work
+    # list, so a core's share is priced at the mean work of a tile.
+    tiles, work, fixes, fill = 0, 0.0, 0.0, 0.0
+    for lin in p.lins:
+        tn = min(t.tile_n, lin.n)
+        count_i = math.ceil(p.m / tm) * math.ceil(lin.n / tn)
+        tile = Stream()
+        for kk, count in _chunks(p.ks, tk):
+            steps = _chunks(kk, tk0)
+            mte1 = sum(
+                c * (2 * machine.l1_to_l0_startup_cycles
+                     + tm * s * isz / machine.l1_to_l0a_bytes_per_cycle
+                     + s * tn * isz / machine.l1_to_l0b_bytes_per_cycle)
+                for s, c in steps
+            )  # fmt: skip
+            cube = sum(c * cube_blocks(tm, s, tn, k0) for s, c in steps)
+            mte2 = dma(machine, tm * kk * isz, cores, True) + dma(
+                machine, kk * tn * isz, cores, True
+            )
+            tile.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count)
+        fix_i = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
+        tiles += count_i
+        work += count_i * pace(tile)
+        fixes += count_i * fix_i
+        if not fill and db and tile.first:
+            fill = tile.first.total - tile.first.slowest
+    w_tile, fix = work / tiles, fixes / tiles
+    arrivals = [0.0] + [end for _, end in ring_arrivals(machine, shards, p.g.shard_bytes)]
     if not p.k_gather:
         # Rotation evens the tails out over the shards, but a core still owns whole tiles:
         # from shard j on, the busiest core holds ceil((p - j) * tiles / cores) of them.
-        w = pace(tile) + (fix if not db else 0.0)
+        w = w_tile + (fix if not db else 0.0)
         core = max(a + math.ceil((shards - j) * tiles / cores) * w for j, a in enumerate(arrivals))
         fix_total = math.ceil(tiles * shards / cores) * fix if db else 0.0
         core = max(core, fix_total) + fill + (fix if db else 0.0)
@@ -83,7 +95,7 @@ def agmm_cycles(machine: Machine, p: _Problem, t: AllGatherMatMulTiling) -> floa
         mine = math.ceil(tiles / cores)
         batch = min(mine, t.acc_tiles)
         passes = math.ceil(mine / batch)
-        w = batch * pace(tile)
+        w = batch * w_tile
         first = max(a + (shards - j) * w for j, a in enumerate(arrivals))
         core = first + (passes - 1) * shards * w + mine * fix + fill
     gm = isz * (shards * p.m * p.ks + p.ks * (shards if p.k_gather else 1) * p.n
@@ -105,8 +117,9 @@ def agmm_space(machine: Machine, p: _Problem) -> list[AllGatherMatMulTiling]:
     # As MatMul's space: the even splits between 128 and 256 too (fuller last waves).
     ms = sorted({*aligned_sizes(p.m, machine.cube_m, (16, 32, 64, 128, 256)),
                  *even_splits(p.m, machine.cube_m)})  # fmt: skip
-    ns = sorted({*aligned_sizes(p.n, machine.cube_n, (16, 32, 64, 128, 256)),
-                 *even_splits(p.n, machine.cube_n)})  # fmt: skip
+    widest = max(lin.n for lin in p.lins)
+    ns = sorted({*aligned_sizes(widest, machine.cube_n, (16, 32, 64, 128, 256)),
+                 *(s for lin in p.lins for s in even_splits(lin.n, machine.cube_n))})  # fmt: skip
     ks = aligned_sizes(p.ks, k0, (128, 256, 512, 1024))
     k0s = aligned_sizes(p.ks, k0, (32, 64, 128, 256))
     accs = (1, 2, 4, 8) if p.k_gather else (1, 2)
@@ -119,7 +132,7 @@ def agmm_space(machine: Machine, p: _Problem) -> list[AllGatherMatMulTiling]:
             continue
         t = AllGatherMatMulTiling(tm, tn, tk, tk0, acc, db, cores)
         eff = _effective(p, t)
-        tiles = math.ceil(p.m / eff[0]) * math.ceil(p.n / eff[1])
+        tiles = sum(math.ceil(p.m / eff[0]) * math.ceil(lin.n / eff[1]) for lin in p.lins)
         per_core = math.ceil(tiles / min(cores, machine.cube_cores))
         key = (*eff, min(acc, per_core) if p.k_gather else min(acc, 2), db, cores)
         if key in seen or not fitting(machine, _specs(p, t)):

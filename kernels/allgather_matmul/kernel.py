@@ -23,8 +23,13 @@ max(T_allgather, T_matmul).
 
 Per output tile and `tile_k` panel: A's and W's panels are copied GM -> L1; per `tile_k0`
 step they are loaded into L0A/L0B and the Cube accumulates in L0C (as the MatMul kernel
-does); FixPipe adds B and rounds to T, as MatMul then Add round. The optional `gathered`
-output is the buffer the links fill anyway (returned in functional mode, no extra cost).
+does); FixPipe adds B and rounds to T, as MatMul then Add round (a Gemm Linear: alpha * acc +
+beta * B, rounded once, as one Gemm rounds). The optional `gathered` output is the buffer the
+links fill anyway (returned in functional mode, no extra cost).
+
+Several Linears on one gathered value (QKV, gate/up; `linears.py`): their output tiles are one
+work list, so each landed shard is multiplied by every W_i before the next one is waited for:
+the gather happens once and its steps hide under all the matmuls.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
+from fuser.patterns.allgather_linears import Linear, linears
 
 from .._budget import QueueSpec, check_flag, check_positive, require_fits
 from .._levels import overflow
@@ -70,12 +76,32 @@ class AllGatherMatMulTiling(Tiling):
 
 
 @dataclass(frozen=True)
+class _Lin:
+    """One Linear of the problem: its spec and its N."""
+
+    spec: Linear
+    n: int
+
+    @property
+    def has_bias(self) -> bool:
+        return self.spec.b is not None
+
+
+@dataclass(frozen=True)
 class _Problem:
     g: Gather
     m: int  # rows of one shard's matmul
     ks: int  # K of one shard (the whole K for a leading-axis gather)
-    n: int
-    has_bias: bool
+    lins: tuple[_Lin, ...]
+
+    @property
+    def n(self) -> int:
+        """N of all Linears together (the output columns the cores share out)."""
+        return sum(lin.n for lin in self.lins)
+
+    @property
+    def has_bias(self) -> bool:
+        return any(lin.has_bias for lin in self.lins)
 
     @property
     def k_gather(self) -> bool:
@@ -85,12 +111,16 @@ class _Problem:
     def dtype(self) -> np.dtype:
         return self.g.dtype
 
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return (*self.g.gathered[:-1], self.n)
+    def out_shape(self, i: int) -> tuple[int, ...]:
+        """Shape of Y_i."""
+        lead = self.g.gathered[:-1]
+        if self.lins[i].spec.flatten:
+            lead = (math.prod(lead),)
+        return (*lead, self.lins[i].n)
 
 
 class _Tile(NamedTuple):
+    lin: int
     m0: int
     m1: int
     n0: int
@@ -103,29 +133,45 @@ def _problem(
     attrs: Mapping[str, Any],
     machine: Machine | None = None,
 ) -> _Problem:
-    metas = [*inputs_meta, None, None]
-    g = gather_spec(op, metas[0], attrs, machine)
-    w, b = metas[1], metas[2]
+    g = gather_spec(op, inputs_meta[0] if inputs_meta else None, attrs, machine)
+    try:
+        specs = linears(attrs, inputs_meta)
+    except ValueError as e:
+        raise KernelError(f"{op}: {e}") from None
     k = g.gathered[-1]
-    if w is None or len(w.shape) != 2 or w.shape[0] != k:
-        raise KernelError(
-            f"{op}: W must be [{k}, N] (K of the gathered input), "
-            f"got {None if w is None else w.shape}"
-        )
-    if g.dtype not in (np.float16, np.float32) or w.dtype != g.dtype:
-        raise KernelError(
-            f"{op}: the Cube takes float16 or float32 X and W alike, got {g.dtype}, {w.dtype}"
-        )
-    n = w.shape[1]
-    if b is not None and b.size != n:
-        raise KernelError(f"{op}: B must hold {n} values, got shape {b.shape}")
+    lins = []
+    for i, spec in enumerate(specs):
+        metas = [*inputs_meta, None, None]
+        w = metas[spec.w]
+        b = None if spec.b is None else metas[spec.b]
+        want = f"[N_{i}, {k}]" if spec.trans_b else f"[{k}, N_{i}]"
+        shape = None if w is None else (w.shape[::-1] if spec.trans_b else w.shape)
+        if shape is None or len(shape) != 2 or shape[0] != k:
+            raise KernelError(
+                f"{op}: W must be {want} (K of the gathered input), "
+                f"got {None if w is None else w.shape}"
+            )
+        assert w is not None
+        if g.dtype not in (np.float16, np.float32) or w.dtype != g.dtype:
+            raise KernelError(
+                f"{op}: the Cube takes float16 or float32 X and W alike, got {g.dtype}, {w.dtype}"
+            )
+        n = shape[1]
+        if spec.b is not None and (b is None or b.size != n):
+            raise KernelError(
+                f"{op}: B_{i} must hold {n} values, got {None if b is None else b.shape}"
+            )
+        if spec.flatten and len(g.shard) < 2:
+            raise KernelError(f"{op}: flatten[{i}] on a 1-D shard")
+        lins.append(_Lin(spec, n))
     shard = g.shard if len(g.shard) > 1 else (1, *g.shard)
-    return _Problem(g, m=math.prod(shard[:-1]), ks=shard[-1], n=n, has_bias=b is not None)
+    return _Problem(g, m=math.prod(shard[:-1]), ks=shard[-1], lins=tuple(lins))
 
 
 def _effective(p: _Problem, t: AllGatherMatMulTiling) -> tuple[int, int, int, int]:
     tk = min(t.tile_k, p.ks)
-    return min(t.tile_m, p.m), min(t.tile_n, p.n), tk, min(t.tile_k0, tk)
+    widest = max(lin.n for lin in p.lins)
+    return min(t.tile_m, p.m), min(t.tile_n, widest), tk, min(t.tile_k0, tk)
 
 
 def _specs(p: _Problem, t: AllGatherMatMulTiling) -> list[QueueSpec]:
@@ -139,16 +185,21 @@ def _specs(p: _Problem, t: AllGatherMatMulTiling) -> list[QueueSpec]:
         QueueSpec(Level.L0B, "b", tk0 * tn * isz, depth),
         QueueSpec(Level.L0C, "acc", tm * tn * 4, t.acc_tiles),
     ]
-    if p.has_bias:
-        specs.append(QueueSpec(Level.L1, "bias", p.n * isz, 1))
+    specs += [
+        QueueSpec(Level.L1, f"bias{i}", lin.n * isz, 1)
+        for i, lin in enumerate(p.lins)
+        if lin.has_bias
+    ]
     return specs
 
 
-def _tiles(m: int, n: int, tm: int, tn: int) -> list[_Tile]:
+def _tiles(p: _Problem, tm: int, tn: int) -> list[_Tile]:
+    """Every Linear's output tiles of one shard's rows, Linear by Linear."""
     return [
-        _Tile(m0, min(m0 + tm, m), n0, min(n0 + tn, n))
-        for m0 in range(0, m, tm)
-        for n0 in range(0, n, tn)
+        _Tile(i, m0, min(m0 + tm, p.m), n0, min(n0 + tn, lin.n))
+        for i, lin in enumerate(p.lins)
+        for m0 in range(0, p.m, tm)
+        for n0 in range(0, lin.n, tn)
     ]
 
 
@@ -167,7 +218,8 @@ class AllGatherMatMulKernel(Searched, Kernel):
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
     ) -> tuple[TensorMeta, ...]:
         p = _problem(self.op_type, inputs_meta, attrs)
-        return TensorMeta(p.out_shape, p.dtype), TensorMeta(p.g.gathered, p.dtype)
+        ys = [TensorMeta(p.out_shape(i), p.dtype) for i in range(len(p.lins))]
+        return ys[0], TensorMeta(p.g.gathered, p.dtype), *ys[1:]
 
     def check_tiling(
         self,
@@ -202,7 +254,7 @@ class AllGatherMatMulKernel(Searched, Kernel):
         cm, cn = machine.cube_m, machine.cube_n
         t = AllGatherMatMulTiling(
             tile_m=min(_round_up(p.m, cm), 128),
-            tile_n=min(_round_up(p.n, cn), 256),
+            tile_n=min(_round_up(max(lin.n for lin in p.lins), cn), 256),
             tile_k=min(_round_up(p.ks, k0), 512),
             tile_k0=min(_round_up(p.ks, k0), 256 // p.dtype.itemsize),
             acc_tiles=2,
@@ -227,7 +279,7 @@ class AllGatherMatMulKernel(Searched, Kernel):
         # Enough output tiles over the whole output to keep every core busy, as MatMul does:
         # more per shard would cut tiles small and pay a DMA head per tiny copy.
         shards = 1 if p.k_gather else p.g.group_size
-        while shards * len(_tiles(p.m, p.n, t.tile_m, t.tile_n)) < machine.cube_cores:
+        while shards * len(_tiles(p, t.tile_m, t.tile_n)) < machine.cube_cores:
             if t.tile_m > 2 * cm and t.tile_m >= t.tile_n:
                 t = rep(t, tile_m=_round_up(t.tile_m // 2, cm))
             elif t.tile_n > 2 * cn:
@@ -239,7 +291,7 @@ class AllGatherMatMulKernel(Searched, Kernel):
         if p.k_gather:
             # As many output tiles resident in L0C as fit (fewer passes over the shards).
             tm, tn, _, _ = _effective(p, t)
-            per_core = math.ceil(len(_tiles(p.m, p.n, tm, tn)) / machine.cube_cores)
+            per_core = math.ceil(len(_tiles(p, tm, tn)) / machine.cube_cores)
             room = machine.l0c_bytes // (tm * tn * 4)
             t = rep(t, acc_tiles=max(1, min(per_core, room)))
         return t
@@ -266,11 +318,11 @@ class AllGatherMatMulKernel(Searched, Kernel):
         data = _data(p, inputs) if functional else None
         n_cores = min(tiling.cores, machine.cube_cores)
         program = partial(_program, p, tiling, data, steps, order, n_cores)
-        # Named GM tensors (re-read panels hit the L2): each shard as it lands, W and B.
-        w = inputs_meta[1]
+        # Named GM tensors (re-read panels hit the L2): each shard as it lands, W_i and B_i.
         sizes = {f"X{r}": g.shard_bytes for r in range(g.group_size)}
-        sizes["W"] = 0 if w is None else w.nbytes
-        sizes["B"] = p.n * p.dtype.itemsize
+        for i, lin in enumerate(p.lins):
+            sizes[f"W{i}"] = g.gathered[-1] * lin.n * p.dtype.itemsize
+            sizes[f"B{i}"] = lin.n * p.dtype.itemsize
         stats = launch(
             machine, self.op_type, list(range(n_cores)), program, max_cores=n_cores,
             functional=functional, timeline=timeline, gm_sizes=sizes,
@@ -279,37 +331,45 @@ class AllGatherMatMulKernel(Searched, Kernel):
         stats = with_link(stats, machine, steps, labels, link_core=n_cores)
         if data is None:
             return KernelRun((), stats)
-        return KernelRun((data.result(p), concat_shards(data.x, g.axis)), stats)
+        ys = [data.result(p, i) for i in range(len(p.lins))]
+        return KernelRun((ys[0], concat_shards(data.x, g.axis), *ys[1:]), stats)
 
 
 class _Data(NamedTuple):
     x: np.ndarray  # [p, *shard]
     shards: tuple[np.ndarray, ...]  # each [m, ks]
-    w: np.ndarray
-    b: np.ndarray | None
-    outs: tuple[np.ndarray, ...]  # per shard [m, n] (M gather) or one [m, n] (K gather)
+    w: tuple[np.ndarray, ...]  # per Linear, [K, N_i] (a transposed view for trans_b)
+    b: tuple[np.ndarray | None, ...]
+    # per Linear: per shard [m, N_i] (M gather) or one [m, N_i] (K gather)
+    outs: tuple[tuple[np.ndarray, ...], ...]
 
-    def result(self, p: _Problem) -> np.ndarray:
+    def result(self, p: _Problem, i: int) -> np.ndarray:
+        n = p.lins[i].n
         if p.k_gather:
-            return self.outs[0].reshape(p.out_shape)
+            return self.outs[i][0].reshape(p.out_shape(i))
         lead = p.g.shard[:-1]
-        parts = [o.reshape((*lead, p.n)) for o in self.outs]
-        return np.concatenate(parts, axis=p.g.axis)
+        parts = [o.reshape((*lead, n)) for o in self.outs[i]]
+        return np.concatenate(parts, axis=p.g.axis).reshape(p.out_shape(i))
 
 
 def _data(p: _Problem, inputs: Sequence[np.ndarray | None]) -> _Data:
-    x, w = inputs[0], inputs[1]
+    x = inputs[0]
     assert x is not None
-    assert w is not None
-    b = inputs[2] if len(inputs) > 2 else None
     shards = tuple(s.reshape(p.m, p.ks) for s in x)
     n_out = 1 if p.k_gather else p.g.group_size
+    ws, bs = [], []
+    for lin in p.lins:
+        w = inputs[lin.spec.w]
+        assert w is not None
+        ws.append(w.T if lin.spec.trans_b else w)
+        b = None if lin.spec.b is None else inputs[lin.spec.b]
+        bs.append(None if b is None else b.reshape(-1))
     return _Data(
         x=x,
         shards=shards,
-        w=w,
-        b=None if b is None else b.reshape(-1),
-        outs=tuple(np.empty((p.m, p.n), p.dtype) for _ in range(n_out)),
+        w=tuple(ws),
+        b=tuple(bs),
+        outs=tuple(tuple(np.empty((p.m, lin.n), p.dtype) for _ in range(n_out)) for lin in p.lins),
     )
 
 
@@ -328,10 +388,12 @@ def _program(
     q = {s.name: bufs[s.level].queue(s.name, s.slot_bytes, s.depth) for s in _specs(p, t)}
     tm, tn, tk, tk0 = _effective(p, t)
     isz = p.dtype.itemsize
-    bias = None
-    if p.has_bias:
-        bias = q["bias"].alloc()
-        core.copy_in(bias, p.n * isz, None if data is None else data.b, label="in B", gm="B")
+    biases: dict[int, Tile] = {}
+    for i, lin in enumerate(p.lins):
+        if lin.has_bias:
+            biases[i] = q[f"bias{i}"].alloc()
+            src = None if data is None else data.b[i]
+            core.copy_in(biases[i], lin.n * isz, src, label=f"in B{i}", gm=f"B{i}")
     arrived = []
     for j, (_, end) in enumerate(steps):
         flag = Tile(f"shard {order[j + 1]} landed", Level.GM, 0)
@@ -346,9 +408,9 @@ def _program(
             core.issue(Pipe.MTE2, 0.0, (arrived[j - 1],), (), f"wait shard {order[j]}")
             waited.add(j)
 
-    run = _Run(p, core, q, data, bias, tk, tk0, isz)
+    run = _Run(p, core, q, data, biases, tk, tk0, isz)
     if not p.k_gather:
-        tiles = _tiles(p.m, p.n, tm, tn)
+        tiles = _tiles(p, tm, tn)
         shares = split_balanced(len(tiles), n_cores)
         extra = len(tiles) % n_cores
         for j, r in enumerate(order):
@@ -358,9 +420,9 @@ def _program(
                 wait(j)
                 acc = q["acc"].alloc()
                 run.accumulate(acc, tile, r, 0, first=True)
-                run.write(acc, tile, None if data is None else data.outs[r])
+                run.write(acc, tile, None if data is None else data.outs[tile.lin][r])
         return
-    tiles = _tiles(p.m, p.n, tm, tn)
+    tiles = _tiles(p, tm, tn)
     mine = [tiles[i] for i in split_balanced(len(tiles), n_cores)[c]]
     for s in range(0, len(mine), t.acc_tiles):
         batch = mine[s : s + t.acc_tiles]
@@ -370,7 +432,7 @@ def _program(
             for tile, acc in zip(batch, accs, strict=True):
                 run.accumulate(acc, tile, r, r * p.ks, first=j == 0)
         for tile, acc in zip(batch, accs, strict=True):
-            run.write(acc, tile, None if data is None else data.outs[0])
+            run.write(acc, tile, None if data is None else data.outs[tile.lin][0])
 
 
 @dataclass
@@ -381,7 +443,7 @@ class _Run:
     core: Core
     q: dict[str, Queue]
     data: _Data | None
-    bias: Tile | None
+    biases: Mapping[int, Tile]
     tk: int
     tk0: int
     isz: int
@@ -391,7 +453,7 @@ class _Run:
         core, q, p, isz = self.core, self.q, self.p, self.isz
         rows, cols = tile.m1 - tile.m0, tile.n1 - tile.n0
         X = None if self.data is None else self.data.shards[r]
-        W = None if self.data is None else self.data.w
+        W = None if self.data is None else self.data.w[tile.lin]
 
         def a_panel(k0: int, k1: int) -> tuple[Tile, int]:
             ap = q["a_panel"].alloc()
@@ -402,7 +464,8 @@ class _Run:
         def w_panel(k0: int, k1: int) -> Tile:
             wp = q["w_panel"].alloc()
             wsrc = None if W is None else W[w_row0 + k0 : w_row0 + k1, tile.n0 : tile.n1]
-            core.copy_in(wp, (k1 - k0) * cols * isz, wsrc, gm="W")
+            # A transposed W (Gemm transB) is converted by the DMA on the way in (ND -> fractal).
+            core.copy_in(wp, (k1 - k0) * cols * isz, wsrc, gm=f"W{tile.lin}")
             return wp
 
         l0 = L0Queues(q["a"], q["b"], q["acc"])
@@ -413,14 +476,24 @@ class _Run:
         """FixPipe the tile to GM with B added, rounded to T."""
         rows, cols = tile.m1 - tile.m0, tile.n1 - tile.n0
         dst = None if out is None else out[tile.m0 : tile.m1, tile.n0 : tile.n1]
-        reads = (self.bias,) if self.bias is not None else ()
+        bias = self.biases.get(tile.lin)
+        reads = (bias,) if bias is not None else ()
+        spec = self.p.lins[tile.lin].spec
         self.core.fixpipe(
-            acc, rows * cols * self.isz, dst, partial(_epilogue, self.p.dtype, tile.n0, tile.n1),
-            reads=reads,
+            acc, rows * cols * self.isz, dst,
+            partial(_epilogue, self.p.dtype, spec, tile.n0, tile.n1), reads=reads,
         )  # fmt: skip
 
 
-def _epilogue(dtype: np.dtype, n0: int, n1: int, acc: np.ndarray, *bias: np.ndarray) -> np.ndarray:
+def _epilogue(
+    dtype: np.dtype, spec: Linear, n0: int, n1: int, acc: np.ndarray, *bias: np.ndarray
+) -> np.ndarray:
+    if spec.gemm:
+        # One Gemm: alpha * A @ B + beta * C in float32, rounded once.
+        y = acc if spec.alpha == 1.0 else acc * np.float32(spec.alpha)
+        if bias:
+            y = y + np.float32(spec.beta) * bias[0][n0:n1].astype(np.float32)
+        return y.astype(dtype)
     # MatMul rounds to T, then the bias Add rounds again.
     y = acc.astype(dtype)
     if bias:

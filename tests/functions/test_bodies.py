@@ -19,7 +19,7 @@ from fuser.testing import fuse_all
 
 # every fused op type and the main variants between them
 EXAMPLES = ["cnn-edge", "bert", "gpt2", "gpt-noaffine", "moe-fp16", "topk-softmax-router", "tp-mlp",
-            "llama-fp16"]  # fmt: skip
+            "llama-fp16", "tp-attention", "tp-gemm"]  # fmt: skip
 
 
 def bodies(model: onnx.ModelProto) -> list[onnx.FunctionProto]:

@@ -136,6 +136,40 @@ def test_allgather_matmul_body_runs_on_two_ranks(case: str, dtype: str) -> None:
     assert result.ok, result.outputs
 
 
+# The variants (issue 8 item 5): one body per Linear layout, run on 2 ranks after unfuse.
+ALLGATHER_VARIANTS: dict[str, tuple[Any, str]] = {
+    "qkv": (lambda dtype: parallel.tp_attention(dtype=dtype), "mmb_mmb_mmb"),
+    "qkv-nobias": (lambda dtype: parallel.tp_attention(bias=False, dtype=dtype), "mm_mm_mm"),
+    "gemm": (lambda dtype: parallel.tp_linear(dtype=dtype), "gemmbft_a1.0_b1.0"),
+    "reshape-gemm": (
+        lambda dtype: parallel.tp_linear(form="reshape-gemm", dtype=dtype),
+        "gemmbft_a1.0_b1.0",
+    ),
+    "reshape-matmul": (
+        lambda dtype: parallel.tp_linear(form="reshape-matmul", dtype=dtype),
+        "mmbf",
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", list(ALLGATHER_VARIANTS))
+def test_allgather_variant_bodies_run_on_two_ranks(case: str, dtype: str) -> None:
+    build, variant = ALLGATHER_VARIANTS[case]
+    original = build(dtype)
+    fused = fuse_all(original)
+    (node,) = [n for n in fused.model.graph.node if n.domain == DOMAIN]
+    assert node.op_type == "AllGatherMatMul"
+    # A single Linear drops the trailing unused `gathered`; QKV passes "" in its place.
+    assert node.overload == (variant if case.startswith("qkv") else variant + "_nogathered")
+    plain = fuser.unfuse(fused)
+    ops = [n.op_type for n in plain.model.graph.node]
+    assert ops.count("AllGather") == 1
+    result = fuser.validate(original, plain)
+    assert result.ranks == 2
+    assert result.ok, result.outputs
+
+
 def test_allgather_body_is_not_runnable_by_stock_onnxruntime_cpu() -> None:
     """Why the test above registers fuser's communicator: the CPU package lacks AllGather."""
     fused = fuse_all(parallel.tp_mlp()).model

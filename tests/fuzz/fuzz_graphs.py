@@ -13,6 +13,7 @@ gives the same model on any machine). It plants one or two fusion families:
     softmax_topk      Softmax -> TopK (-> renormalize), with an optional Cast between
     topk_softmax      TopK -> Softmax
     allgather_matmul  com.microsoft AllGather -> MatMul (-> Add bias), run on 2 ranks
+    allgather_linears AllGather -> several MatMuls (QKV) / Reshape -> MatMul|Gemm / Gemm, 2 ranks
 
 and surrounds them with traps: internal values read elsewhere (a Relu, a Shape, a ReduceSum) or
 made graph outputs; constants as initializer, Constant node, constant subgraph (a Cast of a
@@ -47,6 +48,7 @@ FAMILIES = (
     "topk_softmax",
     "allgather_matmul",
     "conv_act",
+    "allgather_linears",
 )
 # fused-op pattern name of each planted family
 PATTERN_OF = {
@@ -57,7 +59,9 @@ PATTERN_OF = {
     "topk_softmax": "softmax_topk",
     "allgather_matmul": "allgather_matmul",
     "conv_act": "conv_bn_relu",
+    "allgather_linears": "allgather_matmul",
 }
+GATHERING = ("allgather_matmul", "allgather_linears")  # run on GROUP ranks, alone
 DTYPES = (np.float32, np.float16, np.float64)
 GROUP = 2  # ranks of an allgather case
 
@@ -581,6 +585,76 @@ def conv_act(b: Builder) -> None:
     b.scope.outputs.append(_activation_form(b, y))
 
 
+# -- allgather_linears (lane tp): the forms tensor/sequence-parallel exports write -------------
+
+
+def allgather_linears(b: Builder) -> None:
+    """One gathered value read by several Linears, through a Reshape, or by a Gemm; traps: no
+    value_info on the gathered value, a Reshape that changes the last axis or goes to rank 3, a
+    Gemm with transA, a C per row, alpha/beta, weights as graph inputs, the gathered value or
+    the Reshape output read elsewhere."""
+    rank = 2 if b.chance(0.5) else 3
+    shard = [int(b.rng.integers(1, 4)) for _ in range(rank - 1)] + [2 * int(b.rng.integers(1, 4))]
+    x = b.activation(shard, [None] * rank)
+    axis = b.pick([0, rank - 1, *([1] if rank == 3 else [])])
+    gathered = list(shard)
+    gathered[axis] *= GROUP
+    g = b.one("AllGather", [x], name=b.name("allgather"), group_size=GROUP, axis=axis)
+    # Else no value_info, as exporters write it (onnx has no AllGather schema). Shape inference
+    # then stops at g: the values after it are typed here (the full check needs outputs typed).
+    typed = b.chance(0.5)
+
+    def out(value: str, shape: list[int], *, expose: float = 0.0) -> str:
+        b.value_info.append(helper.make_tensor_value_info(value, b.elem, shape))
+        if expose:
+            b.expose(value, expose)
+        else:
+            b.scope.outputs.append(value)
+        return value
+
+    if typed:
+        out(g, gathered, expose=0.15)
+    elif b.chance(0.15):
+        out(g, gathered)
+    k, rows = gathered[-1], int(np.prod(gathered[:-1]))
+    form = b.pick(["several", "reshape", "gemm"] if rank == 2 else ["several", "reshape"])
+    if form == "several":
+        for _ in range(int(b.rng.integers(2, 4))):
+            n = int(b.rng.integers(1, 6))
+            y = b.one("MatMul", [g, b.weight((k, n), "W")])
+            if b.chance(0.5):
+                y = b.one("Add", [y, b.weight(b.pick([(n,), (1,), (1, n)]), "b", scale=1.0)])
+            out(y, [*gathered[:-1], n])
+        return
+    a = g
+    if form == "reshape":
+        target = b.pick([[-1, k], [-1, k], [rows, k], [-1, k // 2], [1, -1, k]])
+        a = b.one("Reshape", [g, b.const(np.array(target, np.int64), "shape", allow_input=False)])
+        size = rows * k
+        k = target[-1]
+        shape = [1, size // k, k] if len(target) == 3 else [size // k, k]
+        b.value_info.append(helper.make_tensor_value_info(a, b.elem, shape))
+        b.expose(a, 0.1)
+        if len(target) == 3:
+            out(b.one("MatMul", [a, b.weight((k, 3), "W")]), [*shape[:-1], 3])
+            return
+        rows = size // k
+    n = int(b.rng.integers(1, 6))
+    if form == "reshape" and b.chance(0.5):
+        out(b.one("MatMul", [a, b.weight((k, n), "W")]), [rows, n])
+        return
+    trans_a, trans_b = int(b.chance(0.1)), int(b.chance(0.7))
+    m_, k_ = (k, rows) if trans_a else (rows, k)
+    ins = [a, b.weight((n, k_) if trans_b else (k_, n), "W")]
+    c = b.pick([(n,), (1, n), (1,), None, (m_, n)])
+    if c is not None:
+        ins.append(b.weight(c, "C", scale=1.0))
+    attrs: dict[str, Any] = {"transA": trans_a or None, "transB": trans_b}
+    if b.chance(0.4):
+        attrs.update(alpha=float(b.pick([0.5, 2.0])), beta=float(b.pick([0.0, 1.5])))
+    out(b.one("Gemm", ins, **attrs), [m_, n])
+
+
 BUILDERS: dict[str, Callable[[Builder], None]] = {
     "conv_bn_relu": conv_bn_relu,
     "ln_op": ln_op,
@@ -589,6 +663,7 @@ BUILDERS: dict[str, Callable[[Builder], None]] = {
     "topk_softmax": topk_softmax,
     "allgather_matmul": allgather_matmul,
     "conv_act": conv_act,
+    "allgather_linears": allgather_linears,
 }
 
 
@@ -789,9 +864,9 @@ def make_case(seed: int) -> Case:
     """The case of `seed`: one model, its inputs, the ranks it runs on."""
     b = Builder(seed)
     if b.chance(0.12):
-        families = ["allgather_matmul"]
+        families = [b.pick(GATHERING)]
     else:
-        pool = [f for f in FAMILIES if f != "allgather_matmul"]
+        pool = [f for f in FAMILIES if f not in GATHERING]
         if b.opset < 17:
             pool.remove("ln_op")
         if b.dtype == np.float64:  # onnxruntime's CPU provider has no double Conv
@@ -801,7 +876,7 @@ def make_case(seed: int) -> Case:
     for family in families:
         b.planted.append(family)
         where = "main"
-        if family != "allgather_matmul":
+        if family not in GATHERING:
             where = b.pick(["main"] * 6 + ["if", "loop"])
         before = len(b.main.outputs)
         b.unsorted_topk = False
@@ -817,7 +892,7 @@ def make_case(seed: int) -> Case:
         seed,
         model,
         b.inputs,
-        GROUP if "allgather_matmul" in families else 1,
+        GROUP if set(families) & set(GATHERING) else 1,
         b.planted,
         b.traps,
         frozenset(b.unordered),

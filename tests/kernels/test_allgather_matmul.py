@@ -204,3 +204,159 @@ def test_search_never_prices_the_fused_op_above_the_staged_chain() -> None:
     staged = [p for p in result.candidates if p.tiling.staged]  # type: ignore[attr-defined]
     assert len(staged) == 1
     assert result.best.cycles <= staged[0].cycles
+
+
+# -- several Linears, Gemm, flatten (issue 8 item 5) ----------------------------------------------
+
+
+def linears_reference(x: np.ndarray, lins: list[dict], axis: int) -> list[np.ndarray]:
+    """Each Linear as its original ops compute it: MatMul (+ Add), each rounded, or one Gemm
+    alpha * A @ W' + beta * C rounded once; A flattened to 2-D where asked."""
+    g = np.concatenate(list(x), axis=axis)
+    out = []
+    for lin in lins:
+        a = g.reshape(-1, g.shape[-1]) if lin.get("flatten") else g
+        w = lin["w"].T if lin.get("trans_b") else lin["w"]
+        y64 = a.astype(np.float64) @ w.astype(np.float64)
+        b = lin.get("b")
+        if lin.get("gemm"):
+            y64 = lin["alpha"] * y64 + (0 if b is None else lin["beta"] * b.astype(np.float64))
+            out.append(y64.astype(x.dtype))
+            continue
+        y = y64.astype(x.dtype)
+        out.append(y if b is None else (y + b).astype(x.dtype))
+    return out
+
+
+def linears_inputs(x: np.ndarray, lins: list[dict], p: int, axis: int, rank: int) -> tuple:
+    ins: list[np.ndarray | None] = [x]
+    for lin in lins:
+        ins += [lin["w"], *([lin["b"]] if lin.get("b") is not None else [])]
+    attrs = {
+        "group_size": p, "axis": axis, "rank": rank,
+        "has_bias": [int(lin.get("b") is not None) for lin in lins],
+        "flatten": [int(lin.get("flatten", 0)) for lin in lins],
+        "trans_b": [int(lin.get("trans_b", 0)) for lin in lins],
+        "gemm": [int(lin.get("gemm", 0)) for lin in lins],
+        "alpha": [float(lin.get("alpha", 1.0)) for lin in lins],
+        "beta": [float(lin.get("beta", 1.0)) for lin in lins],
+    }  # fmt: skip
+    return ins, attrs
+
+
+def _lins(rng: np.random.Generator, k: int, dtype: type) -> list[dict]:
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / np.sqrt(k)).astype(dtype)
+
+    return [
+        {"w": w(k, 40), "b": rng.standard_normal(40).astype(dtype)},  # q: tails (40 = 32 + 8)
+        {"w": w(k, 17)},  # k: odd N, no bias
+        {"w": w(23, k), "b": rng.standard_normal(23).astype(dtype), "trans_b": 1, "gemm": 1,
+         "alpha": 0.5, "beta": 2.0, "flatten": 1},  # a Gemm, transB, on the flattened rows
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(("p", "shard", "axis"), [(4, (2, 9, 24), 1), (2, (33, 40), 1),
+                                                  (3, (1, 5, 16), 2)])  # fmt: skip
+def test_several_linears_match_their_original_ops_on_every_rank(p, shard, axis, dtype) -> None:
+    rng = np.random.default_rng(p + axis)
+    x = rng.standard_normal((p, *shard)).astype(dtype)
+    k = shard[-1] * (p if axis == len(shard) - 1 else 1)
+    lins = _lins(rng, k, dtype)
+    want = linears_reference(x, lins, axis)
+    tol = 1e-2 if dtype == np.float16 else 1e-5
+    for rank in (0, p - 1):
+        ins, attrs = linears_inputs(x, lins, p, axis, rank)
+        metas = [TensorMeta.of(a) for a in ins]
+        assert [m.shape for m in KERNEL.infer(metas, attrs)] == [
+            want[0].shape,
+            np.concatenate(list(x), axis=axis).shape,
+            want[1].shape,
+            want[2].shape,
+        ]
+        for tiling in (None, T(16, 16, 16, 16, 3, 1, 5)):
+            y0, gathered, y1, y2 = KERNEL.run(M, ins, attrs, tiling=tiling).outputs
+            for got, exp in zip((y0, y1, y2), want, strict=True):
+                np.testing.assert_allclose(got.astype(np.float32), exp.astype(np.float32),
+                                           atol=tol, rtol=tol)  # fmt: skip
+            np.testing.assert_array_equal(gathered, np.concatenate(list(x), axis=axis))
+
+
+def test_several_linears_share_one_gather_and_beat_one_fused_op_each() -> None:
+    """QKV on 4 ranks: the link carries each shard once, and one node is faster than three."""
+    x = TensorMeta((4, 1, 256, 1024), F16)
+    ws = [TensorMeta((1024, n), F16) for n in (1024, 512, 512)]
+    attrs = {"group_size": 4, "axis": 1, "rank": 1, "has_bias": [0, 0, 0], "flatten": [0, 0, 0]}
+    run = KERNEL.run(M, [x, *ws], attrs, functional=False)
+    assert run.stats.timeline is not None
+    assert len([i for i in run.stats.timeline.intervals if i.pipe == "LINK"]) == 3
+    single = {"group_size": 4, "axis": 1, "rank": 1}
+    apart = sum(KERNEL.run(M, [x, w], single, functional=False).stats.cycles for w in ws)
+    assert run.stats.cycles < apart
+
+
+def test_gemm_linear_rounds_once_where_matmul_add_rounds_twice() -> None:
+    """fp16 values where round(round(a @ w) + b) != round(a @ w + b): the Gemm form must
+    give the single rounding, the MatMul form the double one, bit for bit."""
+    x = np.full((2, 1, 1), 1.0, np.float16)  # gathered [2, 1] on axis 1: a = [1, 1]
+    w = np.array([[1024.0], [0.25]], np.float16)  # a @ w = 1024.25 -> 1024 in fp16
+    # double: 1024 + 0.5 -> 1024 (a tie, to even); single: 1024.25 + 0.5 = 1024.75 -> 1025
+    b = np.array([0.5], np.float16)
+    base = {"group_size": 2, "axis": 1, "rank": 0, "has_bias": [1], "flatten": [1]}
+    gemm = {**base, "gemm": [1], "trans_b": [0], "alpha": [1.0], "beta": [1.0]}
+    y_mm = KERNEL.run(M, [x, w, b], base).outputs[0]
+    y_gemm = KERNEL.run(M, [x, w, b], gemm).outputs[0]
+    assert float(y_mm[0, 0]) == 1024.0
+    assert float(y_gemm[0, 0]) == 1025.0
+
+
+def test_staged_schedule_of_several_linears_gives_the_fused_numbers() -> None:
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 6, 16)).astype(np.float16)
+    lins = _lins(rng, 16, np.float16)
+    ins, attrs = linears_inputs(x, lins, 2, 0, 1)
+    metas = [TensorMeta.of(a) for a in ins]
+    base = KERNEL.default_tiling(metas, attrs, M)  # type: ignore[union-attr]
+    staged = KERNEL.run(M, ins, attrs, tiling=dataclasses.replace(base, staged=1))  # type: ignore[union-attr]
+    fused = KERNEL.run(M, ins, attrs, tiling=base)  # type: ignore[union-attr]
+    assert len(staged.outputs) == 4
+    for got, want in zip(staged.outputs, fused.outputs, strict=True):
+        np.testing.assert_array_equal(got, want)
+    from fuser.kernels.search import search
+
+    result = search("fuser", "AllGatherMatMul", metas, attrs, M)
+    (priced,) = [c for c in result.candidates if c.tiling.staged]  # type: ignore[attr-defined]
+    assert result.best.cycles <= priced.cycles
+
+
+def test_model_ranks_several_linear_tilings_as_the_simulator_does() -> None:
+    from fuser.kernels.search import search
+
+    from fuser.tune import spearman
+
+    x = TensorMeta((4, 256, 256), F16)
+    ws = [TensorMeta((1024, n), F16) for n in (1024, 512, 512)]
+    attrs = {"group_size": 4, "axis": 1, "rank": 1, "has_bias": [0, 0, 0], "flatten": [0, 0, 0]}
+    result = search("fuser", "AllGatherMatMul", [x, *ws], attrs, M)
+    sample = [c for c in result.candidates[:: max(1, len(result.candidates) // 16)]
+              if not c.tiling.staged]  # type: ignore[attr-defined]  # fmt: skip
+    sims = [KERNEL.run(M, [x, *ws], attrs, tiling=c.tiling, functional=False).stats.cycles
+            for c in sample]  # fmt: skip
+    rho = spearman([c.cycles for c in sample], sims)
+    assert rho is not None and rho >= 0.9, rho
+    ratios = [c.cycles / s for c, s in zip(sample, sims, strict=True)]
+    assert 0.9 < float(np.median(ratios)) < 1.25, ratios
+
+
+def test_bad_linear_layouts_say_why() -> None:
+    x = TensorMeta((2, 4, 8), F16)
+    with pytest.raises(KernelError, match="W must be"):
+        KERNEL.infer([x, TensorMeta((8, 5), F16)], {"group_size": 2, "axis": 0, "has_bias": [0],
+                                                    "trans_b": [1], "gemm": [1]})  # fmt: skip
+    with pytest.raises(KernelError, match="B_1 must hold 5 values"):
+        KERNEL.infer([x, TensorMeta((8, 3), F16), TensorMeta((8, 5), F16), TensorMeta((4,), F16)],
+                     {"group_size": 2, "axis": 0, "has_bias": [0, 1]})  # fmt: skip
+    with pytest.raises(KernelError, match="flatten has 1 values for 2 Linears"):
+        KERNEL.infer([x, TensorMeta((8, 3), F16), TensorMeta((8, 5), F16)],
+                     {"group_size": 2, "axis": 0, "has_bias": [0, 0], "flatten": [1]})  # fmt: skip

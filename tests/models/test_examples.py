@@ -10,7 +10,8 @@ from fuser.models.inventory import count_chains
 from model_checks import check, run
 
 # Models with com.microsoft AllGather: onnxruntime's CPU package has no kernel for it.
-NEEDS_COLLECTIVES = {"tp-mlp", "tp-mlp-negaxis", "sp-mlp", "sp-mlp-bsh"}
+NEEDS_COLLECTIVES = {"tp-mlp", "tp-mlp-negaxis", "sp-mlp", "sp-mlp-bsh", "tp-attention", "tp-gemm",
+                     "sp-reshape-gemm", "sp-reshape-matmul"}  # fmt: skip
 
 # The chain counts each builder's docstring claims, per example (absent keys are 0).
 EXPECTED: dict[str, dict[str, int]] = {
@@ -36,6 +37,10 @@ EXPECTED: dict[str, dict[str, int]] = {
     "tp-mlp-negaxis": {"allgather_matmul": 1},
     "sp-mlp": {"layernorm": 1, "allgather_matmul": 1},
     "sp-mlp-bsh": {"layernorm": 1, "allgather_matmul": 1},
+    "tp-attention": {"allgather_matmul": 3},
+    "tp-gemm": {"allgather_matmul": 1},
+    "sp-reshape-gemm": {"allgather_matmul": 1},
+    "sp-reshape-matmul": {"allgather_matmul": 1},
 }
 
 

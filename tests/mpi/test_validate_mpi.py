@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="the 'mpi' extra is not installed: pip install '.[mpi]'")
 
-from fuser.models import sp_mlp, tp_mlp
+from fuser.models import sp_mlp, tp_attention, tp_linear, tp_mlp
 from mpi_launch import launch, write_shards
 
 from fuser.collective import Communicator
@@ -33,8 +33,12 @@ RUNS = "2"
         (sp_mlp, 2, "float16", {}),
         (sp_mlp, 4, "float32", {"seq": 12, "layout": "bsh"}),
         (tp_mlp, 3, "float16", {"hidden": 24, "intermediate": 48, "all_reduce": True}),
+        # One gather for Q, K and V (no value_info on it); nn.Linear as Gemm(transB) on 2-D.
+        (tp_attention, 2, "float16", {}),
+        (tp_linear, 2, "float32", {}),
     ],
-    ids=["tp-fp32-2", "tp-fp16-4", "sp-fp16-2", "sp-bsh-fp32-4", "tp-allreduce-fp16-3"],
+    ids=["tp-fp32-2", "tp-fp16-4", "sp-fp16-2", "sp-bsh-fp32-4", "tp-allreduce-fp16-3",
+         "qkv-fp16-2", "gemm-fp32-2"],  # fmt: skip
 )
 def test_every_rank_validates_its_own_shard_and_rank_0_reports_all(
     tmp_path: Path, build: object, ranks: int, dtype: str, extra: dict[str, object]
