@@ -84,25 +84,27 @@ def layer_norm(
     stash_type: int,
 ) -> np.ndarray:
     """ONNX LayerNormalization with accurate statistics whatever `stash_type`: in float32 at
-    least, in two passes (the mean, corrected by the mean deviation from it; then the centred
-    variance); the normalized value rounded to the input dtype once, then gamma and beta, each
-    rounded.
+    least, in two passes over the row shifted by its first element x0 (y = x - x0; the mean
+    x0 + mean(y); then the centred d = y - mean(y) and var = mean(d^2)); the normalized value
+    d / sqrt(var + eps) rounded to the input dtype once, then gamma and beta, each rounded.
 
     At least as accurate as onnxruntime's LayerNormalization kernel, which is also what runs
     the decomposed chain (its optimizer replaces the chain by the kernel): a float16 row
-    [300, -300, 0, 0] does not overflow in the square, and a constant float32 row normalizes to
-    exactly 0 (the float32 mean of a constant row can miss by an ulp; the deviations from it are
-    exact differences, so their mean puts it back), even with epsilon 1e-12. `stash_type` says
-    what the original stated (1: the op's float32 statistics; 0: the decomposed form).
+    [300, -300, 0, 0] does not overflow in the square; a constant row normalizes to exactly 0
+    (its shifted values are exact zeros), even with epsilon 1e-12; a large common offset
+    cancels in the shift and the variance is centred whatever x0 is (an outlier first element
+    costs nothing, as it would a one-pass E[y^2] - E[y]^2). The shift replaces the first
+    pass's mean reduction, so the kernel runs one reduction fewer than mean-then-correct.
+    `stash_type` says what the original stated (1: the op's float32 statistics; 0: the
+    decomposed form).
     """
     del stash_type  # both forms get the accurate statistics (see above)
     dtype = x.dtype
     work = np.promote_types(dtype, np.float32)
     start = axis % x.ndim
     rows = x.reshape(int(np.prod(x.shape[:start], dtype=np.int64)), -1).astype(work)
-    mean = rows.mean(axis=-1, keepdims=True, dtype=work)
-    mean = mean + (rows - mean).mean(axis=-1, keepdims=True, dtype=work)
-    d = rows - mean
+    y = rows - rows[:, :1]
+    d = y - y.mean(axis=-1, keepdims=True, dtype=work)
     var = (d * d).mean(axis=-1, keepdims=True, dtype=work)
     with np.errstate(divide="ignore", invalid="ignore"):  # epsilon 0, constant row: NaN as ONNX
         n = (d / np.sqrt(var + np.asarray(epsilon, dtype=work))).astype(dtype).reshape(x.shape)
