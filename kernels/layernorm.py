@@ -4,8 +4,10 @@
 
 over the normalized axes (`axis` .. last), each normalized slice one row (`_rows`). The
 statistics are computed in float32 whatever `stash_type` (a float16 row is cast up, the result
-cast back), in two passes (the mean corrected by the mean deviation from it, then the centred
-variance): at least as accurate as onnxruntime's LayerNormalization kernel. The arithmetic is
+cast back), in two passes over the row shifted by its first element (y = x - x0, mean(y);
+then d = y - mean(y), mean(d^2)): at least as accurate as onnxruntime's LayerNormalization
+kernel (a constant row shifts to exact zeros; the variance is centred). The shift stands in
+for a first mean pass, so it costs one reduction fewer than mean-then-correct. The arithmetic is
 the fused ops' `layer_norm` (patterns/layernorm_matmul.py), op for op, so fused and unfused
 agree.
 Scale and bias are copied into UB once per core.
@@ -99,11 +101,11 @@ def layernorm_steps(s: LayerNormSpec) -> list[VecStep]:
     steps = []
     if up:
         steps.append(VecStep(("Cast",), d, s.dtype))
-    # Two passes: the mean, corrected by the mean of the deviations from it; then the variance.
-    passes = ("ReduceSum", "Sub", "ReduceSum", "Sub", "Mul", "ReduceSum", "Div")
+    # The row shifted by its first element, its mean; the centred row, its mean square; N.
+    passes = ("Sub", "ReduceSum", "Sub", "Mul", "ReduceSum", "Div")
     steps.append(VecStep(passes, d, s.work))
-    # Per row: mean, its correction and the variance scaled by 1/D, + eps, sqrt.
-    steps.append(VecStep(("Muls", "Muls", "Adds", "Muls", "Adds", "Sqrt"), 1, s.work))
+    # Per row: both sums scaled by 1/D, + eps, sqrt; the mean x0 + mean(y) (the Mean output).
+    steps.append(VecStep(("Muls", "Muls", "Adds", "Sqrt", "Add"), 1, s.work))
     if up:
         steps.append(VecStep(("Cast",), d, s.work))
     affine = ("Mul",) * s.has_scale + ("Add",) * s.has_bias
@@ -120,17 +122,18 @@ def layernorm_rows(
     work = s.work
     xs = x.astype(work, copy=False)
     eps = np.asarray(s.epsilon, dtype=work)
-    mean = xs.mean(axis=-1, keepdims=True, dtype=work)
-    # The float32 mean of a constant row can miss the value by an ulp; the mean of the
-    # deviations from it puts it back exactly (they are exact differences, Sterbenz), so a
-    # constant row normalizes to 0 as in exact arithmetic even with a tiny epsilon.
-    mean = mean + (xs - mean).mean(axis=-1, keepdims=True, dtype=work)
-    d = xs - mean
+    x0 = xs[:, :1]
+    # Shifted by the row's first element: a constant row gives exact zeros (so it normalizes
+    # to 0 even with a tiny epsilon, where a float32 mean can miss the value by an ulp).
+    y = xs - x0
+    shift = y.mean(axis=-1, keepdims=True, dtype=work)
+    d = y - shift  # centred: the variance below is a second pass, not E[y^2] - E[y]^2
     var = (d * d).mean(axis=-1, keepdims=True, dtype=work)
     std = np.sqrt(var + eps)
     with np.errstate(divide="ignore", invalid="ignore"):  # epsilon 0, constant row: NaN as ONNX
         n = (d / std).astype(s.dtype, copy=False)
         inv_std = (1 / std).astype(s.stats, copy=False)
+    mean = x0 + shift
     if scale is not None:
         n = (n * scale).astype(s.dtype, copy=False)
     if bias is not None:

@@ -5,7 +5,8 @@ of a constant bias broadcasting along the last axis only (either operand order);
 on a 2-D N; or Reshape(N, [-1, K]) (a constant target that only flattens the leading dims) ->
 Gemm or MatMul, whose output is then 2-D (`flatten`). Gemm's transB, alpha and beta are folded
 into new W'/b' initializers:  alpha * A @ op(B) + beta * C  =  A @ (alpha * op(B)) + beta * C.
-No-op Casts between N and its Linears are looked through. A reader that is almost a Linear
+No-op Casts, Reshapes that provably keep the shape, and (for LayerNorm) a Cast to a narrower
+float type between N and its Linears are looked through. A reader that is almost a Linear
 (non-constant weight, N as the right operand, a Reshape that does more than flatten) is a
 `NearMiss` with its reason; any other reader is left outside (the fused op then outputs N).
 """
@@ -20,7 +21,17 @@ from onnx import numpy_helper
 
 from fuser.graph import GraphIndex
 
-from ._walk import NearMiss, attr, const, constant_why, is_noop_cast, only_reader, operand_const
+from ._walk import (
+    NearMiss,
+    attr,
+    const,
+    constant_why,
+    is_cast_to,
+    is_noop_cast,
+    only_reader,
+    operand_const,
+    rank,
+)
 
 
 @dataclass(frozen=True)
@@ -37,13 +48,15 @@ class Linear:
 
 @dataclass(frozen=True)
 class Readers:
-    """What reads the normalized value: Linears taken, Casts taken, near misses, and the readers
-    left outside (described as "'name' (OpType)")."""
+    """What reads the normalized value: Linears taken, the pass-through nodes taken on the way
+    (Casts, identity Reshapes), near misses, the readers left outside (described as
+    "'name' (OpType)"), and the float type a narrowing Cast took the Linears to (0: none)."""
 
     linears: tuple[Linear, ...]
     casts: tuple[int, ...]
     misses: tuple[NearMiss, ...]
     outside: tuple[str, ...]
+    cast_to: int = 0
 
 
 def _tensor(graph: GraphIndex, array: np.ndarray, base: str) -> onnx.TensorProto:
@@ -159,6 +172,89 @@ def _gemm(graph: GraphIndex, node_id: int, pre: tuple[int, ...], flatten: int) -
     return Linear(nodes, weight, bias, node.output[0], flatten, tuple(inits))
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+ShapeItem = int | str  # an int, or "shape[i]": dim i (negative) of the tensor whose Shape is read
+
+
+def _shape_items(
+    graph: GraphIndex, name: str, of: str, nodes: list[int], depth: int = 0
+) -> list[ShapeItem] | None:
+    """A 1-D int64 value as items, when it is a constant or computed from `Shape(of)` (as
+    TorchScript writes `x.view(-1, x.size(-1))`: Concat, Slice/Gather of Shape, Squeeze,
+    Unsqueeze, Cast); None if it depends on anything else. The computing nodes go to `nodes`."""
+    found = const(graph, name)
+    if found is not None:
+        return [int(v) for v in found.reshape(-1)]
+    node_id = graph.producer.get(name)
+    if node_id is None or graph.node(node_id).domain != "" or depth > 16:
+        return None
+    node = graph.node(node_id)
+    nodes.append(node_id)
+    of_rank = rank(graph, of)
+
+    def dims_of(shape_node: onnx.NodeProto) -> list[ShapeItem] | None:
+        """The items of `Shape(of)` (start/end attributes applied); None if that is not what
+        `shape_node` is, or if the rank is unknown (then see `suffix`)."""
+        if shape_node.op_type != "Shape" or shape_node.input[0] != of or of_rank is None:
+            return None
+        items: list[ShapeItem] = [f"shape[{i}]" for i in range(-of_rank, 0)]
+        return items[attr(shape_node, "start", 0) : attr(shape_node, "end", None)]
+
+    def suffix(shape_node: onnx.NodeProto, first: int) -> list[ShapeItem] | None:
+        """Without the rank, only trailing dims are known: Shape(of)[first:] for first < 0."""
+        if shape_node.op_type != "Shape" or shape_node.input[0] != of or first >= 0:
+            return None
+        start, end = attr(shape_node, "start", 0), attr(shape_node, "end", None)
+        if end is not None or start > 0 or (start < 0 and first < start):
+            return None
+        return [f"shape[{i}]" for i in range(first, 0)]
+
+    op = node.op_type
+    if op in ("Cast", "Squeeze", "Unsqueeze", "Identity"):
+        items = _shape_items(graph, node.input[0], of, nodes, depth + 1)
+        one = op in ("Cast", "Identity") or (items is not None and len(items) == 1)
+        return items if one else None
+    if op == "Concat" and attr(node, "axis", 0) in (0, -1):
+        parts = [_shape_items(graph, i, of, nodes, depth + 1) for i in node.input]
+        return None if any(p is None for p in parts) else [x for p in parts for x in p or []]
+    if op == "Shape":
+        return dims_of(node) or suffix(node, attr(node, "start", 0))
+    source = graph.producer.get(node.input[0])
+    if source is None:
+        return None
+    shape_node = graph.node(source)
+    nodes.append(source)
+    if op == "Gather" and attr(node, "axis", 0) == 0:
+        index = const(graph, node.input[1])
+        if index is None or index.size != 1:
+            return None
+        i = int(index.reshape(-1)[0])
+        dims = dims_of(shape_node)
+        if dims is None:
+            tail = suffix(shape_node, i)
+            return tail[:1] if tail else None
+        return [dims[i]] if -len(dims) <= i < len(dims) else None
+    if op == "Slice" and len(node.input) >= 3:
+        bounds = [const(graph, i) if i else None for i in node.input[1:5]]
+        if bounds[0] is None or bounds[1] is None:
+            return None
+        if any(b is not None and b.size != 1 for b in bounds):
+            return None
+        if bounds[2] is not None and int(bounds[2].reshape(-1)[0]) not in (0, -1):
+            return None
+        step = 1 if len(bounds) < 4 or bounds[3] is None else int(bounds[3].reshape(-1)[0])
+        lo, hi = int(bounds[0].reshape(-1)[0]), int(bounds[1].reshape(-1)[0])
+        dims = dims_of(shape_node)
+        if dims is not None:
+            return dims[lo : min(hi, _INT64_MAX) : step]
+        if step == 1 and hi >= _TO_THE_END:
+            return suffix(shape_node, lo)
+    return None
+
+
+_TO_THE_END = 2**31 - 1  # a Slice end at least this large runs to the end of a shape
+
+
 def _is_linear_reader(graph: GraphIndex, reader: int, value: str) -> bool:
     r = graph.node(reader)
     return r.domain == "" and r.op_type in ("Gemm", "MatMul") and r.input[0] == value
@@ -193,37 +289,96 @@ def _flatten_reshape(
             flat,
             (node_id, first),
         )
-    target = const(graph, node.input[1])
-    if target is None:
+    shape_nodes: list[int] = []
+    items = _shape_items(graph, node.input[1], value, shape_nodes)
+    if items is None:
         raise NearMiss(
-            f"{where}: its target shape '{node.input[1]}' is computed at run time, so it "
-            "cannot be checked to only flatten the leading dims",
+            f"{where}: its target shape '{node.input[1]}' is computed at run time from more "
+            f"than the shape of '{value}', so it cannot be checked to only flatten the "
+            "leading dims",
             node.input[1],
             (node_id, first),
         )
-    items = [int(v) for v in target.reshape(-1)]
     shape = graph.shape(value)
     lead = shape[:-1] if shape else (None,)
     rows = int(np.prod(lead, dtype=np.int64)) if all(isinstance(d, int) for d in lead) else None  # type: ignore[arg-type]
-    if len(items) != 2 or width is None or items[1] != width or items[0] not in (-1, rows):
+    last_ok = len(items) == 2 and (items[1] == "shape[-1]" or (width and items[1] == width))
+    if not last_ok or items[0] not in (-1, rows):
+        shown = "[" + ", ".join(str(i) for i in items) + "]"
         raise NearMiss(
-            f"Reshape '{name}' to {items} does not only flatten the leading dims of '{value}' "
+            f"Reshape '{name}' to {shown} does not only flatten the leading dims of '{value}' "
             f"(expected [-1, {width if width is not None else 'last dim'}])",
             node.input[1],
             (node_id, first),
         )
+    own = {*shape_nodes, node_id}
+    for i in shape_nodes:
+        for out in graph.node(i).output:
+            if graph.is_graph_output(out) or not set(graph.readers(out)) <= own:
+                raise NearMiss(
+                    f"the target shape of Reshape '{name}' is computed by "
+                    f"'{graph.describe(i)}', which is also read elsewhere, so the Reshape "
+                    "cannot be fused away",
+                    out,
+                    (node_id, first),
+                )
+    pre = (*dict.fromkeys(shape_nodes), node_id)
     return [
-        _gemm(graph, r, (node_id,), 1)
+        _gemm(graph, r, pre, 1)
         if graph.node(r).op_type == "Gemm"
-        else _matmul(graph, r, flat, (node_id,), 1)
+        else _matmul(graph, r, flat, pre, 1)
         for r in linear_readers
     ]
 
 
-def classify(graph: GraphIndex, value: str, width: int | None) -> Readers:
-    """Sort the readers of `value` (whose last axis has `width` elements, if known)."""
-    linears: list[Linear] = []
-    casts: list[int] = []
+_NARROWER: dict[int, tuple[int, ...]] = {
+    onnx.TensorProto.DOUBLE: (
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.BFLOAT16,
+    ),
+    onnx.TensorProto.FLOAT: (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16),
+}
+
+
+def _narrowing_to(graph: GraphIndex, node: onnx.NodeProto) -> int | None:
+    """The float type a Cast narrows its input to (autocast's float32 -> float16), or None."""
+    source = graph.elem_type(node.input[0]) if node.input else None
+    targets = _NARROWER.get(source or 0, ())
+    return next((t for t in targets if is_cast_to(node, t)), None)
+
+
+def _is_identity_reshape(graph: GraphIndex, node: onnx.NodeProto) -> bool:
+    """A Reshape whose output provably has its input's shape: every dim known and equal (an
+    int, or the same symbolic name), as the dynamo exporter writes GPT-2's `view` before its
+    lm_head. Its target is then irrelevant to the value."""
+    before, after = graph.shape(node.input[0]), graph.shape(node.output[0])
+    return (
+        before is not None
+        and after is not None
+        and tuple(before) == tuple(after)
+        and all(isinstance(d, int | str) and d != "" for d in before)
+    )
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Linears reached through the same pass-through nodes' dtype (0: the value's own)."""
+
+    cast_to: int
+    linears: tuple[Linear, ...]
+    through: tuple[int, ...]
+    first: int  # the reader it starts at (for a near miss naming it)
+
+
+def classify(graph: GraphIndex, value: str, width: int | None, narrow: bool = False) -> Readers:
+    """Sort the readers of `value` (whose last axis has `width` elements, if known).
+
+    Looked through on the way to a Linear (they join the match): no-op Casts, Reshapes that
+    provably keep the shape, and with `narrow` Casts to a narrower float type (autocast's
+    float32 LayerNorm -> Cast(float16) -> MatMul): `Readers.cast_to` then names that type.
+    All Linears of one match run in one dtype: the others are near misses."""
+    groups: list[_Group] = []
     misses: list[NearMiss] = []
     outside: list[str] = ["the graph output"] if graph.is_graph_output(value) else []
     for r in graph.readers(value):
@@ -231,26 +386,63 @@ def classify(graph: GraphIndex, value: str, width: int | None) -> Readers:
         left_out = f"'{graph.describe(r)}' ({node.op_type})"
         try:
             found: list[Linear] | None = None
+            to = _narrowing_to(graph, node) if narrow and node.op_type == "Cast" else None
+            through = node.domain == "" and (
+                is_noop_cast(graph, node)
+                or to is not None
+                or (node.op_type == "Reshape" and _is_identity_reshape(graph, node))
+            )
             if node.domain != "":
                 pass
+            elif through:
+                inner = classify(graph, node.output[0], width, narrow and to is None)
+                misses.extend(inner.misses)
+                if inner.linears and inner.outside and to is not None:
+                    raise NearMiss(
+                        f"Cast '{graph.describe(r)}' of the normalized value '{value}' is also "
+                        f"read by {inner.outside[0]}: the fused op does not output the cast "
+                        "value",
+                        node.output[0],
+                        (r,),
+                    )
+                if not inner.outside and inner.linears:
+                    cast_to = to if to is not None else inner.cast_to
+                    groups.append(_Group(cast_to, inner.linears, (r, *inner.casts), r))
+                    continue
             elif node.op_type == "MatMul":
                 found = [_matmul(graph, r, value, (), 0)]
             elif node.op_type == "Gemm" and node.input[0] == value:
                 found = [_gemm(graph, r, (), 0)]
             elif node.op_type == "Reshape":
                 found = _flatten_reshape(graph, r, value, width)
-            elif is_noop_cast(graph, node):
-                inner = classify(graph, node.output[0], width)
-                misses.extend(inner.misses)
-                if not inner.outside and inner.linears:
-                    linears.extend(inner.linears)
-                    casts.extend((r, *inner.casts))
-                    continue
             if found is None:
                 outside.append(left_out)
             else:
-                linears.extend(found)
+                groups.append(_Group(0, tuple(found), (), r))
         except NearMiss as miss:
             misses.append(miss)
             outside.append(left_out)
-    return Readers(tuple(linears), tuple(casts), tuple(misses), tuple(outside))
+    kept = groups[0].cast_to if groups else 0
+    if any(g.cast_to == 0 for g in groups):
+        kept = 0
+    for g in groups:
+        if g.cast_to != kept:
+            first = graph.node(g.first)
+            misses.append(
+                NearMiss(
+                    f"'{graph.describe(g.first)}' ({first.op_type}) reads the normalized value "
+                    f"'{value}' for Linears in another dtype than the others: one fused op "
+                    "runs its Linears in one dtype",
+                    value,
+                    (g.first,),
+                )
+            )
+            outside.append(f"'{graph.describe(g.first)}' ({first.op_type})")
+    taken = [g for g in groups if g.cast_to == kept]
+    return Readers(
+        tuple(lin for g in taken for lin in g.linears),
+        tuple(i for g in taken for i in g.through),
+        tuple(misses),
+        tuple(outside),
+        kept,
+    )

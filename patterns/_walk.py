@@ -45,8 +45,10 @@ def const(graph: GraphIndex, name: str) -> np.ndarray | None:
         a = node.attribute[0]
         if a.name == "value":
             return numpy_helper.to_array(a.t)
-        if a.name in ("value_float", "value_floats", "value_int", "value_ints"):
-            return np.asarray(onnx.helper.get_attribute_value(a))
+        if a.name in ("value_float", "value_floats"):  # float32, as ONNX types them
+            return np.asarray(onnx.helper.get_attribute_value(a), np.float32)
+        if a.name in ("value_int", "value_ints"):
+            return np.asarray(onnx.helper.get_attribute_value(a), np.int64)
     return graph.constant(name)
 
 

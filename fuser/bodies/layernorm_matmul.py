@@ -6,11 +6,11 @@ them one axis of a 2-D tensor, the statistics are taken over it, and the result 
 back to X's shape. Statistics are computed as accurately as onnxruntime's LayerNormalization
 kernel computes them (which is also what runs an original decomposed chain: its optimizer
 replaces the chain by the kernel), whatever stash_type says: in float32 at least (double stays
-double), and in two passes (the mean corrected by the mean deviation from it, then the centred
-variance), so a float16 row [300, -300, 0, 0] does not overflow in the square and a constant
-row normalizes to exactly 0. The normalized value is rounded to the input dtype before scale
-and bias, each rounded, as `reference` does. A flattened output (Reshape -> Gemm,
-folded at fuse time into W_i/b_i) is Flatten(N, -1) before its MatMul.
+double), in two passes over the row shifted by its first element x0 (y = X - x0; the centred
+d = y - mean(y); var = mean(d^2)), so a float16 row [300, -300, 0, 0] does not overflow in the
+square and a constant row normalizes to exactly 0. The normalized value is rounded to the
+input dtype before scale and bias, each rounded, as `reference` does. A flattened output
+(Reshape -> Gemm, folded at fuse time into W_i/b_i) is Flatten(N, -1) before its MatMul.
 
 Variants: `<dtype>_stats<dtype>` (the input's, the statistics'), then `scale`/`bias` when the
 affine inputs are present, then one part per MatMul: `mm`, `b` if it has a bias, `f` if
@@ -43,9 +43,8 @@ def build(request: BodyRequest) -> Body:
 
     xs = g.op("Cast", "X", to=stats) if stats != x_type else "X"
     flat = g.op("Flatten", xs, refs={"axis": "axis"})
-    rough = g.reduce("ReduceMean", flat, [1], since=18)
-    mean = g.op("Add", rough, g.reduce("ReduceMean", g.op("Sub", flat, rough), [1], since=18))
-    d = g.op("Sub", flat, mean)
+    y = g.op("Sub", flat, g.op("Gather", flat, g.constant([0]), axis=1))
+    d = g.op("Sub", y, g.reduce("ReduceMean", y, [1], since=18))
     var = g.reduce("ReduceMean", g.op("Mul", d, d), [1], since=18)
     eps = g.scalar("epsilon")
     if stats != TensorProto.FLOAT:  # the Constant holds a float32

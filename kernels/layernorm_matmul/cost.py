@@ -232,6 +232,11 @@ def lnmm_space(machine: Machine, p: Problem) -> list[LayerNormMatMulTiling]:
     return out
 
 
+def _volume(t: LayerNormMatMulTiling) -> int:
+    """Product of the tile sizes (as the search's near-tie rule measures a tiling)."""
+    return t.rows * t.n_split * t.vec_rows * t.tile_n * t.tile_k * t.tile_k0
+
+
 def _ub_fits(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> bool:
     used = sum(s.reserved for s in specs(p, t) if s.level is Level.UB)
     return used <= machine.ub_bytes
@@ -252,10 +257,14 @@ class _LnmmModel:
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
     ) -> list[Tiling]:
         p = problem(metas, attrs)
-        space: list[Tiling] = list(lnmm_space(machine, p))
+        fused = lnmm_space(machine, p)
+        space: list[Tiling] = list(fused)
         # The unfused chain's schedule is always a candidate: fused is never priced slower.
-        base = space[0] if space else default_tiling(p, machine)
-        assert isinstance(base, LayerNormMatMulTiling)
+        # Its fields are unused; it takes the biggest tiles of the space because the search
+        # breaks near ties (within its TIE, below the model's error) towards the biggest tiles:
+        # the staged price is the chain's own, exact, so a fused tiling that only ties it must
+        # not win on tile size (a BERT layer: fused priced 0.9% above staged ran 5% slower).
+        base = max(fused, key=_volume) if fused else default_tiling(p, machine)
         space.append(dataclasses.replace(base, staged=1))
         return space
 

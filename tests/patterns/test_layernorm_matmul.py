@@ -621,14 +621,14 @@ def test_refuses_keepdims_0() -> None:
     g = Graph()
     n = decomposed_ln(g, g.input("x", [HIDDEN, HIDDEN]), keepdims=0)
     (reason,) = refused(one_linear(g, n))
-    assert "ReduceMean 'mean' has keepdims=0; LayerNorm needs keepdims=1" in reason
+    assert "ReduceMean 'mean' has keepdims=0; the statistic must keep its axis" in reason
 
 
 def test_refuses_axes_not_trailing() -> None:
     g = Graph(opset=18)
     n = decomposed_ln(g, g.input("x", ["batch", 5, HIDDEN]), axes=(1,), gamma_shape=(HIDDEN,))
     (reason,) = refused(one_linear(g, n))
-    assert "ReduceMean 'mean' averages over axes [1] of a rank-3 input" in reason
+    assert "ReduceMean 'mean' averages over axes [-2] of a rank-3 input" in reason
     assert "needs the trailing axes" in reason
 
 
@@ -818,20 +818,24 @@ EXPORTED = Path(__file__).resolve().parent.parent / "data" / "exported"
 
 
 @pytest.mark.parametrize(
-    ("file", "fused", "linears", "flatten"),
+    ("file", "fused", "linears", "flatten", "missed"),
     [
-        ("bert-ts13.onnx", 4, 8, 0),  # HF BERT, TorchScript: decomposed LN, MatMul + Add(b, y)
-        ("bert-dynamo18.onnx", 4, 8, 0),  # dynamo: LayerNormalization op
-        ("gpt2-ts14.onnx", 4, 4, 4),  # HF GPT-2 Conv1D: view shape computed from Shape(n)
-        ("gpt2-dynamo18.onnx", 4, 4, 4),
-        ("mixtral-dynamo18.onnx", 0, 0, 0),  # RMSNorm: not a LayerNorm, and no near miss
+        ("bert-ts13.onnx", 4, 8, 0, ""),  # HF BERT, TorchScript: decomposed LN, MatMul + Add
+        ("bert-dynamo18.onnx", 4, 8, 0, ""),  # dynamo: LayerNormalization op
+        # HF GPT-2 Conv1D: view shape computed from Shape(n). ln_f -> view(-1, seq, hidden) ->
+        # lm_head: the view's dims come from input_ids' shape, so TorchScript's (whose shape
+        # inference names every dim apart) cannot be proven to keep ln_f's shape; the dynamo
+        # export's can (the same symbolic dims before and after): fused.
+        ("gpt2-ts14.onnx", 4, 4, 4, "Reshape '/model/transformer/Reshape_5' before MatMul"),
+        ("gpt2-dynamo18.onnx", 5, 5, 4, ""),
+        ("mixtral-dynamo18.onnx", 0, 0, 0, ""),  # RMSNorm: not a LayerNorm, and no near miss
     ],
 )
-def test_pytorch_exports(file: str, fused: int, linears: int, flatten: int) -> None:
+def test_pytorch_exports(file: str, fused: int, linears: int, flatten: int, missed: str) -> None:
     model = onnx.load(str(EXPORTED / file))
     result = fuse(model)
     assert result.report.summary.get(PATTERN, 0) == fused
-    assert reasons(result) == []
+    assert [r[: len(missed)] for r in reasons(result)] == ([missed] if missed else [])
     nodes = fused_nodes(result.model)
     assert sum(len(attrs(n)["has_bias"]) for n in nodes) == linears
     assert sum(sum(attrs(n)["flatten"]) for n in nodes) == flatten
