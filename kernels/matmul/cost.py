@@ -9,7 +9,10 @@ block's FixPipe. The slowest core holds `ceil(blocks / cores)` blocks. The space
 tile_n on 16-multiples in {16 .. 256} plus the even splits of M and N between 128 and 256 (fewer
 idle cores in the last wave), tile_k in {64 .. 1024} and tile_k0 in {32 .. 256} on k0
 (32-byte) multiples, each level single or double buffered, all / half / a quarter of the cube
-cores; filtered by the kernel's own buffer specs.
+cores; filtered by the kernel's own buffer specs. From K >= `SPLIT_K_MIN`, tilings whose last
+wave is partly filled also come with `split_k` in `SPLIT_K` (`splitk.py`): the full waves as
+above, the cut blocks' slices (fp32 partials: FixPipe writes 4 bytes an element), the workspace
+both ways over HBM, and the reduce pass on the vector cores after a barrier (a launch head).
 """
 
 from __future__ import annotations
