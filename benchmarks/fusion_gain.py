@@ -475,6 +475,71 @@ def print_allgather_matmul(machine: Machine) -> None:
     )
 
 
+# -- 5b. AllGather variants (lane tp): Reshape -> MatMul, Gemm, QKV ---------------------------
+
+
+def _gm_mb(stats: Sequence[RunStats]) -> str:
+    return _mb(sum(s.hbm_bytes for s in stats))
+
+
+def print_allgather_variants(machine: Machine) -> None:
+    """The forms tensor/sequence-parallel exports write, on 8 ranks at a Llama-7B-ish shape
+    (hidden 4096, MLP 11008, 2048 tokens): unfused = the chain's kernels one after the other."""
+    p, tokens, hidden, mlp, dtype = 8, 2048, 4096, 11008, F16
+    gather = {"group_size": p, "axis": 1}
+    seq = TensorMeta((p, 1, tokens // p, hidden), dtype)  # sequence-parallel shards
+    rows2d = TensorMeta((tokens, hidden), dtype)
+    cases = []
+    # AllGather -> Reshape(-1, hidden) -> MatMul (+ bias): the Reshape moves no data.
+    w = TensorMeta((hidden, mlp // p), dtype)
+    b = TensorMeta((mlp // p,), dtype)
+    parts = [_time("com.microsoft", "AllGather", machine, [seq], gather),
+             _time("", "MatMul", machine, [rows2d, w], {}),
+             _time("", "Add", machine, [TensorMeta((tokens, mlp // p), dtype), b], {})]  # fmt: skip
+    fused = _time("fuser", "AllGatherMatMul", machine, [seq, w, b],
+                  {**gather, "rank": 0, "has_bias": [1], "flatten": [1]})  # fmt: skip
+    cases.append(("AllGather->Reshape->MatMul+bias", f"[1,{tokens}/{p},{hidden}] W [{hidden},"
+                  f"{mlp}/{p}]", parts, fused))  # fmt: skip
+    # AllGather(hidden) -> Gemm(transB=1, bias): nn.Linear on 2-D activations.
+    shard = TensorMeta((p, tokens, hidden // p), dtype)
+    wt = TensorMeta((mlp // p, hidden), dtype)
+    gemm = {"transB": 1}
+    parts = [_time("com.microsoft", "AllGather", machine, [shard], gather),
+             _time("", "Gemm", machine, [rows2d, wt, b], gemm)]  # fmt: skip
+    fused = _time("fuser", "AllGatherMatMul", machine, [shard, wt, b],
+                  {**gather, "rank": 0, "has_bias": [1], "flatten": [1], "trans_b": [1],
+                   "gemm": [1], "alpha": [1.0], "beta": [1.0]})  # fmt: skip
+    cases.append(("AllGather->Gemm(transB)+bias", f"[{tokens},{hidden}/{p}] W' [{mlp}/{p},"
+                  f"{hidden}]", parts, fused))  # fmt: skip
+    # QKV: one gather, three column-parallel projections (Llama: no bias).
+    wq = TensorMeta((hidden, hidden // p), dtype)
+    x = TensorMeta((1, tokens, hidden), dtype)
+    parts = [_time("com.microsoft", "AllGather", machine, [seq], gather)]
+    parts += [_time("", "MatMul", machine, [x, wq], {}) for _ in range(3)]
+    fused = _time("fuser", "AllGatherMatMul", machine, [seq, wq, wq, wq],
+                  {**gather, "rank": 0, "has_bias": [0, 0, 0], "flatten": [0, 0, 0]})  # fmt: skip
+    one_each = 3 * _time("fuser", "AllGatherMatMul", machine, [seq, wq], {**gather, "rank": 0}).us
+    cases.append(("AllGather->QKV (3 MatMuls)", f"[1,{tokens}/{p},{hidden}] 3x W [{hidden},"
+                  f"{hidden}/{p}]", parts, fused))  # fmt: skip
+    rows = []
+    for form, shape, unfused_parts, f in cases:
+        unfused = sum(s.us for s in unfused_parts)
+        rows.append((form, shape, f"{unfused:.1f}", f"{f.us:.1f}", f"{unfused / f.us:.2f}x",
+                     _gm_mb(unfused_parts), _gm_mb([f])))  # fmt: skip
+    _table(
+        f"5b. AllGather variants on {p} ranks, {dtype.name}, on {machine.name}",
+        ("form", "shape per rank", "unfused us", "fused us", "speedup", "GM MB unfused",
+         "GM MB fused"),
+        rows,
+    )  # fmt: skip
+    OUT.print(
+        f"QKV as three separate AllGatherMatMul nodes (three gathers): {one_each:.1f} us; "
+        "one node gathers once and hides the ring steps under all three matmuls. GM MB = HBM "
+        "bytes as the simulator counts them (the gathered buffer is written by the links either "
+        "way; the unfused chain writes it and reads it back, and writes Y before the bias Add)."
+    )
+
+
 # -- 6. simulation speed -----------------------------------------------------------------------
 
 
@@ -743,6 +808,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_conv_bn_relu(args.batch, np.dtype(args.dtype), machine)
     print_softmax_topk_sweep(machine)
     print_allgather_matmul(machine)
+    print_allgather_variants(machine)
     print_rmsnorm_matmul(machine)
     print_conv_activations(args.batch, np.dtype(args.dtype), machine)
     print_gating(machine, args.target)

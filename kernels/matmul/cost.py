@@ -9,7 +9,10 @@ block's FixPipe. The slowest core holds `ceil(blocks / cores)` blocks. The space
 tile_n on 16-multiples in {16 .. 256} plus the even splits of M and N between 128 and 256 (fewer
 idle cores in the last wave), tile_k in {64 .. 1024} and tile_k0 in {32 .. 256} on k0
 (32-byte) multiples, each level single or double buffered, all / half / a quarter of the cube
-cores; filtered by the kernel's own buffer specs.
+cores; filtered by the kernel's own buffer specs. From K >= `SPLIT_K_MIN`, tilings whose last
+wave is partly filled also come with `split_k` in `SPLIT_K` (`splitk.py`): the full waves as
+above, the cut blocks' slices (fp32 partials: FixPipe writes 4 bytes an element), the workspace
+both ways over HBM, and the reduce pass on the vector cores after a barrier (a launch head).
 """
 
 from __future__ import annotations
@@ -39,21 +42,68 @@ from ..api import TensorMeta, Tiling
 from ..npu.machine import Machine
 from ..registry import get_kernel
 from .kernel import GemmProblem, MatMulTiling, _CubeGemm
+from .splitk import Block, reduce_cycles, reduce_elems, reduce_items, split_of
 
 
-def gemm_cycles(machine: Machine, p: GemmProblem, t: MatMulTiling, gm_extra: float = 0.0) -> float:
+def gemm_cycles(
+    machine: Machine,
+    p: GemmProblem,
+    t: MatMulTiling,
+    gm_extra: float = 0.0,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+) -> float:
     """Predicted cycles of `t` on problem `p` (see the module docstring)."""
     isz = p.dtype.itemsize
     tm, tn = min(t.tile_m, p.m), min(t.tile_n, p.n)
     tk = min(t.tile_k, p.k)
-    tk0 = min(t.tile_k0, tk)
     items = p.batch_size * math.ceil(p.m / tm) * math.ceil(p.n / tn)
     cores = max(1, min(t.cores, items))
-    per_core = math.ceil(items / cores)
+    split = split_of(items, p.k, t.split_k, min(t.cores, machine.cube_cores),
+                     machine.cube_k_block(p.dtype))  # fmt: skip
+    fix = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
+    block, fill = _block_walk(machine, p, t, p.k, cores)
+    if p.has_c:
+        block += 0.0 if t.db_l1 else dma(machine, tm * tn * isz, cores, True)
+    # L0C single: the next block's first multiply waits for this block's FixPipe.
+    steady = block + (0.0 if t.db_l0c else fix)
+    if split.slices == 1:
+        per_core = math.ceil(items / cores)
+        core = max(per_core * steady, per_core * fix) + fill + (fix if t.db_l0c else 0.0)
+        gm = isz * p.batch_size * (p.m * p.k + p.k * p.n + p.m * p.n) + gm_extra
+        return kernel_cycles(machine, core, gm, tm * tk * isz, cores)
+    # Split-K (`splitk.py`): full waves of whole blocks, then the cut blocks' slices (fp32
+    # partials to the workspace), then the reduce pass after a barrier.
+    cores = min(t.cores, machine.cube_cores)
+    waves = split.full // cores
+    cut = items - split.full
+    slices_per_core = math.ceil(cut * split.slices / cores)
+    fix_s = dma_out(machine, tm * tn * 4, cores, machine.l0c_to_gm_bytes_per_cycle)
+    block_s, fill_s = _block_walk(machine, p, t, split.slice_k, cores)
+    steady_s = block_s + (0.0 if t.db_l0c else fix_s)
+    core = max(waves * steady + slices_per_core * steady_s, waves * fix + slices_per_core * fix_s)
+    core += (fill if waves else fill_s) + ((fix_s if slices_per_core else fix) if t.db_l0c else 0.0)
+    out_full = p.batch_size * p.m * p.n * split.full / items
+    gm = (isz * (p.batch_size * (p.m * p.k + p.k * p.n) + out_full) + gm_extra
+          + 4 * split.slices * cut * tm * tn)  # fmt: skip
+    cube = kernel_cycles(machine, core, gm, tm * tk * isz, cores)
+    blocks = [_block_at(p, tm, tn, i) for i in range(split.full, items)]
+    reduce = reduce_items(blocks, reduce_elems(machine, isz))
+    return cube + reduce_cycles(machine, reduce, split.slices, p.dtype, alpha, beta, p.has_c)
+
+
+def _block_walk(
+    machine: Machine, p: GemmProblem, t: MatMulTiling, k: int, cores: int
+) -> tuple[float, float]:
+    """(steady cycles, pipeline fill) of one block's walk over `k` of K."""
+    isz = p.dtype.itemsize
+    tm, tn = min(t.tile_m, p.m), min(t.tile_n, p.n)
+    tk = min(t.tile_k, k)
+    tk0 = min(t.tile_k0, tk)
     k0 = machine.cube_k_block(p.dtype)
     block = 0.0  # one block's K walk, steady state
     fill = 0.0
-    for kk, count in _chunks(p.k, tk):
+    for kk, count in _chunks(k, tk):
         steps = _chunks(kk, tk0)
         mv = [
             2 * machine.l1_to_l0_startup_cycles
@@ -71,14 +121,15 @@ def gemm_cycles(machine: Machine, p: GemmProblem, t: MatMulTiling, gm_extra: flo
         # L1 double-buffered: the next chunk's copy runs under this chunk's work.
         block += count * (max(mte2, inner) if t.db_l1 else mte2 + inner)
         fill = fill or (mte2 if t.db_l1 else 0.0)
-    fix = dma_out(machine, tm * tn * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
-    if p.has_c:
-        block += 0.0 if t.db_l1 else dma(machine, tm * tn * isz, cores, True)
-    # L0C single: the next block's first multiply waits for this block's FixPipe.
-    steady = block + (0.0 if t.db_l0c else fix)
-    core = max(per_core * steady, per_core * fix) + fill + (fix if t.db_l0c else 0.0)
-    gm = isz * p.batch_size * (p.m * p.k + p.k * p.n + p.m * p.n) + gm_extra
-    return kernel_cycles(machine, core, gm, tm * tk * isz, cores)
+    return block, fill
+
+
+def _block_at(p: GemmProblem, tm: int, tn: int, i: int) -> Block:
+    """Output block i in the kernel's work order (batch, then rows, then columns)."""
+    mb, nb = math.ceil(p.m / tm), math.ceil(p.n / tn)
+    b, rest = divmod(i, mb * nb)
+    mi, ni = divmod(rest, nb)
+    return Block(b, mi * tm, min(p.m, (mi + 1) * tm), ni * tn, min(p.n, (ni + 1) * tn))
 
 
 def _chunks(total: int, step: int) -> list[tuple[int, int]]:
@@ -98,6 +149,12 @@ def even_splits(dim: int, unit: int) -> set[int]:
     return {b for b in sizes if 128 < b < 256}
 
 
+#: K slices tried for split-K, and the K from which it is tried (below, the workspace and the
+#: reduce pass cost more than a fuller last wave saves).
+SPLIT_K = (2, 3, 4, 8)
+SPLIT_K_MIN = 1024
+
+
 def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> list[MatMulTiling]:
     """Fitting tilings on aligned steps, deduplicated by what the kernel would run."""
     k0 = machine.cube_k_block(p.dtype)
@@ -109,15 +166,20 @@ def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> list[MatM
     k0s = aligned_sizes(p.k, k0, (32, 64, 128, 256))
     seen: set[tuple[int, ...]] = set()
     out: list[MatMulTiling] = []
-    for tm, tn, tk, tk0, l1, l0, l0c, cores in itertools.product(
-        ms, ns, ks, k0s, (1, 0), (1, 0), (0, 1), core_counts(machine.cube_cores)
+    splits = (1, *SPLIT_K) if p.k >= SPLIT_K_MIN else (1,)
+    for tm, tn, tk, tk0, l1, l0, l0c, cores, sk in itertools.product(
+        ms, ns, ks, k0s, (1, 0), (1, 0), (0, 1), core_counts(machine.cube_cores), splits
     ):
         if tk0 > tk:
             continue
-        t = MatMulTiling(tm, tn, tk, tk0, l1, l0, l0c, cores)
+        t = MatMulTiling(tm, tn, tk, tk0, l1, l0, l0c, cores, sk)
         items = p.batch_size * math.ceil(p.m / min(tm, p.m)) * math.ceil(p.n / min(tn, p.n))
+        # split-K only where a wave is partly filled (else it is the same tiling)
+        split = split_of(items, p.k, sk, min(cores, machine.cube_cores), k0).slices
+        if sk > 1 and split == 1:
+            continue
         key = (min(tm, p.m), min(tn, p.n), min(tk, p.k), min(tk0, tk, p.k), l1, l0, l0c,
-               min(cores, items))  # fmt: skip
+               min(cores, items), split)  # fmt: skip
         if key in seen or not fitting(machine, kernel._specs(p, t)):
             continue
         seen.add(key)
@@ -159,7 +221,8 @@ class _GemmModel:
     ) -> float:
         assert isinstance(tiling, MatMulTiling)
         p = self._last.get(metas, attrs, lambda: self._kernel().problem(metas, attrs))
-        return gemm_cycles(machine, p, tiling)
+        alpha, beta = float(attrs.get("alpha", 1.0)), float(attrs.get("beta", 1.0))
+        return gemm_cycles(machine, p, tiling, alpha=alpha, beta=beta)
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine

@@ -31,13 +31,25 @@ from ..npu.launch import launch
 from ..npu.machine import Machine
 from ..npu.memory import Queue, Tile
 from ..npu.pipes import Level
+from ..npu.stats import RunStats, sequence
 from .pipeline import L0Queues, k_walk
+from .splitk import (
+    Block,
+    ReduceData,
+    Split,
+    core_work,
+    reduce_elems,
+    reduce_items,
+    run_reduce,
+    split_of,
+)
 
 
 @dataclass(frozen=True)
 class MatMulTiling(Tiling):
     """Output block `tile_m` x `tile_n`; K in L1 chunks of `tile_k`, L0 steps of `tile_k0`;
-    double buffering (0/1) of L1, of L0A/L0B and of L0C; cube cores used."""
+    double buffering (0/1) of L1, of L0A/L0B and of L0C; cube cores used; `split_k`: the
+    blocks past the last full wave cut into that many K slices (`splitk.py`; 1: none)."""
 
     tile_m: int
     tile_n: int
@@ -47,6 +59,7 @@ class MatMulTiling(Tiling):
     db_l0: int
     db_l0c: int
     cores: int
+    split_k: int = 1
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,9 @@ class _Item(NamedTuple):
     m1: int
     n0: int
     n1: int
+    k0: int = 0  # K range of a split-K slice (k1 -1: all of K)
+    k1: int = -1
+    s: int = -1  # the slice's workspace plane; -1: a whole block written to Y
 
 
 class _CubeGemm(Kernel):
@@ -125,7 +141,7 @@ class _CubeGemm(Kernel):
         t = tiling
         check_positive(
             self.op_type, tile_m=t.tile_m, tile_n=t.tile_n, tile_k=t.tile_k, tile_k0=t.tile_k0,
-            cores=t.cores,
+            cores=t.cores, split_k=t.split_k,
         )  # fmt: skip
         check_flag(self.op_type, db_l1=t.db_l1, db_l0=t.db_l0, db_l0c=t.db_l0c)
         if t.tile_k0 > t.tile_k:
@@ -179,7 +195,8 @@ class _CubeGemm(Kernel):
                 t = dataclasses.replace(t, tile_m=_round_up(t.tile_m // 2, cm))
             else:
                 break
-        return _balanced(p, t, machine, self._specs)
+        balanced = _balanced(p, t, machine, self._specs)
+        return _split_or_balanced(p, t, balanced, attrs, machine, self._specs)
 
     def simulate(
         self,
@@ -214,6 +231,13 @@ class _CubeGemm(Kernel):
             for name, m in zip(("A", "B", "C"), inputs_meta, strict=False)
             if m is not None
         }
+        cores = min(tiling.cores, machine.cube_cores)
+        split = split_of(len(work), p.k, tiling.split_k, cores, machine.cube_k_block(p.dtype))
+        if split.slices > 1:
+            stats = self._simulate_split(
+                machine, p, tiling, split, work, sizes, data, alpha, beta, functional, timeline
+            )
+            return KernelRun((y,) if y is not None else (), stats)
         stats = launch(
             machine,
             self.op_type,
@@ -227,6 +251,59 @@ class _CubeGemm(Kernel):
         )
         return KernelRun((y,) if y is not None else (), stats)
 
+    def _simulate_split(
+        self,
+        machine: Machine,
+        p: GemmProblem,
+        t: MatMulTiling,
+        split: Split,
+        blocks: list[_Item],
+        sizes: dict[str, int],
+        data: _RunData | None,
+        alpha: float,
+        beta: float,
+        functional: bool,
+        timeline: bool,
+    ) -> RunStats:
+        """Split-K (`splitk.py`): the cube phase (whole blocks, and the cut blocks' slices
+        into the fp32 workspace), a barrier, the reduce phase on the vector cores."""
+        cores = min(t.cores, machine.cube_cores)
+        per_core = [
+            [blocks[i] if s < 0 else blocks[i]._replace(k0=k0, k1=k1, s=s)
+             for i, s in items for k0, k1 in [split.k_range(max(s, 0), p.k)]]
+            for items in core_work(split, len(blocks), cores)
+        ]  # fmt: skip
+        ws = None
+        if data is not None:
+            ws = np.zeros((split.slices, p.batch_size, p.m, p.n), np.float32)
+            data = data._replace(ws=ws)
+        program = partial(_program, p, self._specs(p, t), t, alpha, beta, data)
+        cube = launch(
+            machine, self.op_type, per_core, partial(_flat, program), max_cores=len(per_core),
+            functional=functional, signature=_core_signature, timeline=timeline, gm_sizes=sizes,
+        )  # fmt: skip
+        cut = [Block(*b[:5]) for b in blocks[split.full :]]
+        items = reduce_items(cut, reduce_elems(machine, p.dtype.itemsize))
+        rdata = None
+        if data is not None and ws is not None:
+            rdata = ReduceData(ws, data.c, data.y)
+        red = run_reduce(
+            machine, f"{self.op_type} split-K reduce", items, split.slices, p.dtype, alpha, beta,
+            p.has_c, rdata, functional, timeline,
+        )  # fmt: skip
+        # One kernel: the reduce waits at a barrier across the cores (charged as a launch head).
+        return dataclasses.replace(sequence([cube, red]), launches=1)
+
+
+def _flat(
+    program: Callable[[Core, Sequence[_Item]], None], core: Core, lists: Sequence[list[_Item]]
+) -> None:
+    program(core, [it for items in lists for it in items])
+
+
+def _core_signature(items: list[_Item]) -> tuple[tuple[int, ...], ...]:
+    return tuple((it.m1 - it.m0, it.n1 - it.n0, it.k1 - it.k0, it.s >= 0) for it in items)
+
 
 class _RunData(NamedTuple):
     a: np.ndarray
@@ -234,6 +311,7 @@ class _RunData(NamedTuple):
     c: np.ndarray | None
     y: np.ndarray
     batch: tuple[int, ...]
+    ws: np.ndarray | None = None  # split-K workspace [slices, batch, M, N], float32
 
     def _index(self, b: int) -> tuple[int, ...]:
         # Plain ints: basic indexing returns a view (index arrays would copy the matrix).
@@ -266,11 +344,18 @@ def _program(
         mm, nn = it.m1 - it.m0, it.n1 - it.n0
         A = None if data is None else data.panel_a(it.b)
         B = None if data is None else data.panel_b(it.b)
+        k = p.k if it.k1 < 0 else it.k1 - it.k0
         acc = k_walk(
-            core, l0, mm, nn, p.k, tk, tk0, p.dtype,
+            core, l0, mm, nn, k, min(tk, k), min(tk0, k), p.dtype,
             partial(_a_panel, core, q["a_panel"], A, it, isz),
             partial(_b_panel, core, q["b_panel"], B, it, isz),
         )  # fmt: skip
+        if it.s >= 0:
+            # A split-K slice: its fp32 partial sum to the workspace plane, unrounded.
+            ws = None if data is None or data.ws is None else data.ws[it.s, it.b]
+            dst = None if ws is None else ws[it.m0 : it.m1, it.n0 : it.n1]
+            core.fixpipe(acc, mm * nn * 4, dst, _partial_sum)
+            continue
         reads: tuple[Tile, ...] = ()
         if p.has_c:
             ct = q["c"].alloc()
@@ -293,7 +378,7 @@ def _a_panel(
     core: Core, q: Queue, A: np.ndarray | None, it: _Item, isz: int, k0: int, k1: int
 ) -> tuple[Tile, int]:
     ap = q.alloc()
-    src = None if A is None else A[it.m0 : it.m1, k0:k1]
+    src = None if A is None else A[it.m0 : it.m1, it.k0 + k0 : it.k0 + k1]
     core.copy_in(ap, (it.m1 - it.m0) * (k1 - k0) * isz, src, gm="A")
     return ap, k0
 
@@ -302,7 +387,7 @@ def _b_panel(
     core: Core, q: Queue, B: np.ndarray | None, it: _Item, isz: int, k0: int, k1: int
 ) -> Tile:
     bp = q.alloc()
-    src = None if B is None else B[k0:k1, it.n0 : it.n1]
+    src = None if B is None else B[it.k0 + k0 : it.k0 + k1, it.n0 : it.n1]
     core.copy_in(bp, (k1 - k0) * (it.n1 - it.n0) * isz, src, gm="B")
     return bp
 
@@ -314,6 +399,10 @@ def _epilogue(
     if c:
         y = y + np.float32(beta) * c[0].astype(np.float32)
     return y.astype(dtype)
+
+
+def _partial_sum(acc: np.ndarray) -> np.ndarray:
+    return acc.astype(np.float32, copy=False)
 
 
 def _signature(it: _Item) -> tuple[int, int]:
@@ -350,6 +439,27 @@ def _balanced(
             cands.append(dataclasses.replace(t, tile_m=bm))
     fitting = [c for c in cands if fits(machine, specs(p, c))]
     return min(fitting, key=lambda c: (per_core(c), -c.tile_m * c.tile_n))
+
+
+def _split_or_balanced(
+    p: GemmProblem,
+    t: MatMulTiling,
+    balanced: MatMulTiling,
+    attrs: Mapping[str, Any],
+    machine: Machine,
+    specs: Callable[[GemmProblem, MatMulTiling], list[QueueSpec]],
+) -> MatMulTiling:
+    """The other fix for a partly filled last wave: keep CATLASS's block and cut the last
+    wave's blocks along K (`splitk.py`), where the cost model prices that below the evened-out
+    block (large K: 1024 x 4096 x 1024, 512 x 8192 x 512); else `balanced`."""
+    from .cost import SPLIT_K, SPLIT_K_MIN, gemm_cycles  # cost.py imports this module
+
+    if p.k < SPLIT_K_MIN:
+        return balanced
+    alpha, beta = float(attrs.get("alpha", 1.0)), float(attrs.get("beta", 1.0))
+    cands = [balanced, *(dataclasses.replace(t, split_k=s) for s in SPLIT_K)]
+    fitting = [c for c in cands if fits(machine, specs(p, c))]
+    return min(fitting, key=lambda c: gemm_cycles(machine, p, c, alpha=alpha, beta=beta))
 
 
 def _round_up(x: int, m: int) -> int:

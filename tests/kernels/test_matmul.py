@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -164,3 +165,86 @@ def test_default_tiling_evens_out_the_last_wave_of_blocks() -> None:
     b = rng.standard_normal((96, 1024)).astype(np.float32)
     got = mm.run(MACHINE, [a, b], {}, tiling=MatMulTiling(128, 176, 64, 32, 1, 1, 0, 24))
     np.testing.assert_allclose(got.outputs[0], a @ b, rtol=1e-4, atol=1e-3)
+
+
+# -- split-K (issue 9 item 2) ---------------------------------------------------------------------
+
+SPLIT_CASES = [
+    # (op, A, B, C, attrs, tiling): each leaves a partly filled last wave, so blocks are cut
+    ("MatMul", (70, 300), (300, 90), None, {}, MatMulTiling(32, 32, 64, 32, 1, 1, 0, 5, 3)),
+    ("MatMul", (2, 37, 257), (257, 50), None, {}, MatMulTiling(16, 32, 64, 16, 1, 0, 1, 5, 4)),
+    ("Gemm", (33, 200), (90, 200), (90,), {"transB": 1, "alpha": 0.5, "beta": 2.0},
+     MatMulTiling(16, 32, 32, 16, 0, 1, 1, 7, 2)),
+    ("Gemm", (40, 129), (129, 48), (40, 48), {}, MatMulTiling(16, 16, 64, 32, 1, 1, 0, 11, 8)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(("op", "sa", "sb", "sc", "attrs", "tiling"), SPLIT_CASES)
+def test_split_k_matches_onnxruntime_and_does_what_it_prices(
+    op: str, sa: tuple, sb: tuple, sc: tuple | None, attrs: dict, tiling: MatMulTiling, dtype: type
+) -> None:
+    rng = np.random.default_rng(9)
+    ins = [rng.standard_normal(s).astype(dtype) for s in (sa, sb, *([sc] if sc else []))]
+    run = _k(op).run(MACHINE, ins, attrs, tiling=tiling)
+    k = sa[-1]
+    assert_close(run.outputs[0], run_node(op, ins, attrs), np.dtype(dtype), 3 * math.sqrt(k))
+    # fp32 accumulation either way: split-K agrees with the unsplit kernel to fp32 rounding.
+    whole = _k(op).run(MACHINE, ins, attrs, tiling=dataclasses.replace(tiling, split_k=1))
+    np.testing.assert_allclose(
+        run.outputs[0].astype(np.float64), whole.outputs[0].astype(np.float64),
+        rtol=2e-3 if dtype == np.float16 else 1e-5, atol=2e-3 if dtype == np.float16 else 1e-5,
+    )  # fmt: skip
+    # The program is the one priced: cube slices, then the reduce on the vector cores.
+    tl = run.stats.timeline
+    assert tl is not None and run.stats.launches == 1
+    vector = [i for i in tl.intervals if i.pipe == "VECTOR"]
+    cube_end = max(i.end for i in tl.intervals if i.pipe == "CUBE")
+    assert vector and min(i.start for i in vector) >= cube_end
+    metas = [TensorMeta.of(x) for x in ins]
+    timing = _k(op).run(MACHINE, metas, attrs, tiling=tiling, functional=False).stats
+    assert timing.cycles == run.stats.cycles
+    from fuser.kernels.search import model_for
+
+    model = model_for("", op)
+    assert model is not None
+    predicted = model.cost(metas, attrs, tiling, MACHINE)
+    assert 0.85 < predicted / run.stats.cycles < 1.25
+
+
+def test_split_k_writes_and_reads_its_fp32_workspace_through_hbm() -> None:
+    """Nothing is free: the cut blocks' partials cost 4 bytes an element each way."""
+    metas = [
+        TensorMeta((70, 300), np.dtype(np.float16)),
+        TensorMeta((300, 90), np.dtype(np.float16)),
+    ]
+    t = MatMulTiling(32, 32, 64, 32, 1, 1, 0, 5, 3)
+    split = _k("MatMul").run(MACHINE, metas, {}, tiling=t, functional=False).stats
+    whole = _k("MatMul").run(MACHINE, metas, {}, tiling=dataclasses.replace(t, split_k=1),
+                             functional=False).stats  # fmt: skip
+    # 9 blocks (rows 32, 32, 6 x columns 32, 32, 26) on 5 cores: the last 4 are cut, 3 slices
+    cut = 32 * 26 + 6 * 32 + 6 * 32 + 6 * 26
+    assert split.hbm_bytes - whole.hbm_bytes == 2 * 3 * 4 * cut  # written, then read back
+
+
+@pytest.mark.parametrize(
+    ("shape", "splits"),
+    [((1024, 4096, 1024), True), ((512, 8192, 512), True), ((16, 4096, 4096), False)],
+    ids=["1024x4096x1024", "512x8192x512", "decode-16x4096x4096"],
+)
+def test_search_picks_split_k_only_where_it_wins(shape: tuple[int, int, int], splits: bool) -> None:
+    from fuser.kernels.search import search
+
+    m, k, n = shape
+    f16 = np.dtype(np.float16)
+    metas = [TensorMeta((m, k), f16), TensorMeta((k, n), f16)]
+    result = search("", "MatMul", metas, {}, MACHINE)
+    best = result.best.tiling
+    assert isinstance(best, MatMulTiling)
+    assert (best.split_k > 1) == splits, best
+    plain = min((c for c in result.candidates if c.tiling.split_k == 1),  # type: ignore[attr-defined]
+                key=lambda c: c.cycles)  # fmt: skip
+    sim = _k("MatMul").run(MACHINE, metas, {}, tiling=best, functional=False).stats.cycles
+    sim_plain = _k("MatMul").run(MACHINE, metas, {}, tiling=plain.tiling, functional=False)
+    if splits:  # the simulator agrees that it wins
+        assert sim < sim_plain.stats.cycles

@@ -37,8 +37,15 @@ RUNS = "2"
         (tp_attention, 2, "float16", {}),
         (tp_linear, 2, "float32", {}),
     ],
-    ids=["tp-fp32-2", "tp-fp16-4", "sp-fp16-2", "sp-bsh-fp32-4", "tp-allreduce-fp16-3",
-         "qkv-fp16-2", "gemm-fp32-2"],  # fmt: skip
+    ids=[
+        "tp-fp32-2",
+        "tp-fp16-4",
+        "sp-fp16-2",
+        "sp-bsh-fp32-4",
+        "tp-allreduce-fp16-3",
+        "qkv-fp16-2",
+        "gemm-fp32-2",
+    ],
 )
 def test_every_rank_validates_its_own_shard_and_rank_0_reports_all(
     tmp_path: Path, build: object, ranks: int, dtype: str, extra: dict[str, object]
