@@ -841,3 +841,91 @@ def test_pytorch_exports(file: str, fused: int, linears: int, flatten: int, miss
     assert sum(sum(attrs(n)["flatten"]) for n in nodes) == flatten
     validation = fuser.validate(model, result.model, kernel=KERNEL)
     assert validation.ok, validation.to_dict()
+
+
+# -- pass-through forms: autocast's Cast(float16), identity Reshape (issue 8 item 3) ---------
+
+
+def autocast_block(g: Graph, n: str, *, casts: int = 3, shared_cast: bool = False) -> list[str]:
+    """Linears in float16 on the float32 LayerNorm output `n`, each behind its own
+    Cast(float16) as autocast writes them (or one Cast shared by all); returns the outputs."""
+    outs = []
+    shared = g.op("Cast", n, to=TensorProto.FLOAT16) if shared_cast else ""
+    for i in range(casts):
+        a = shared or g.op("Cast", n, to=TensorProto.FLOAT16)
+        w = g.const(g.rng.standard_normal([HIDDEN, 4 + i]) * 0.3, "W16", np.float16)
+        y = g.op("MatMul", a, w)
+        if i % 2 == 0:
+            y = g.op("Add", y, g.const(g.rng.standard_normal(4 + i) * 0.1, "b16", np.float16))
+        outs.append(y)
+    return outs
+
+
+@pytest.mark.parametrize(("form", "opset"), [("decomposed", 13), ("op", 17)])
+@pytest.mark.parametrize("shared_cast", [False, True])
+def test_autocast_layernorm_cast_float16_matmuls_fuse(
+    form: str, opset: int, shared_cast: bool
+) -> None:
+    g = Graph(opset=opset)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = decomposed_ln(g, x) if form == "decomposed" else op_ln(g, x)
+    g.outputs += [*autocast_block(g, n, shared_cast=shared_cast), g.op("Add", n, x)]
+    model = g.model()
+    result = fuse(model)
+    assert reasons(result) == []
+    (node,) = fused_nodes(result.model)
+    assert attrs(node)["matmul_type"] == TensorProto.FLOAT16
+    assert len(attrs(node)["has_bias"]) == 3
+    assert not [n for n in result.model.graph.node if n.op_type == "Cast"]  # all inside
+    assert_same(model, result.model, tolerance=1e-2)
+    for kernel in ("reference", "npu"):
+        assert fuser.validate(model, result.model, kernel=kernel).ok
+
+
+def test_cast_value_read_elsewhere_is_a_near_miss() -> None:
+    g = Graph(opset=17)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = op_ln(g, x)
+    c = g.op("Cast", n, to=TensorProto.FLOAT16, name="to_half")
+    w = g.const(g.rng.standard_normal([HIDDEN, 4]), "W16", np.float16)
+    g.outputs += [g.op("MatMul", c, w), g.op("Relu", c, name="other")]
+    result = fuse(g.model())
+    assert not fused_nodes(result.model)
+    (reason,) = reasons(result)
+    assert "Cast 'to_half' of the normalized value" in reason
+    assert "also read by 'other' (Relu)" in reason
+
+
+def test_linears_in_two_dtypes_fuse_the_direct_ones_and_report_the_others() -> None:
+    g = Graph(opset=17)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    n = op_ln(g, x)
+    g.outputs += [linear(g, n, 4), *autocast_block(g, n, casts=1)]
+    model = g.model()
+    result = fuse(model)
+    (node,) = fused_nodes(result.model)
+    assert attrs(node).get("matmul_type", 0) == 0 and len(attrs(node)["has_bias"]) == 1
+    (record,) = result.report.fusions
+    assert any("for Linears in another dtype than the others" in m for m in record.notes)
+    assert_same(model, result.model, tolerance=1e-2)
+
+
+def test_reshape_keeping_the_shape_is_looked_through_and_one_moving_the_axis_is_refused() -> None:
+    g = Graph(opset=17)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    same = g.op("Reshape", op_ln(g, x), g.const([0, 0, HIDDEN], "keep", np.int64))
+    g.outputs += [linear(g, same, 4)]
+    model = g.model()
+    result = fuse(model)
+    assert len(fused_nodes(result.model)) == 1, reasons(result)
+    assert not [n for n in result.model.graph.node if n.op_type == "Reshape"]
+    assert_same(model, result.model)
+
+    g = Graph(opset=17)
+    x = g.input("x", [2, 4, HIDDEN])
+    moved = g.op("Reshape", op_ln(g, x), g.const([2, HIDDEN, 4], "moved", np.int64), name="mv")
+    g.outputs += [g.op("MatMul", moved, g.random([4, 3], "W"))]
+    result = fuse(g.model())
+    assert not fused_nodes(result.model)
+    (reason,) = reasons(result)
+    assert "Reshape 'mv' to [2, 8, 4] does not only flatten the leading dims" in reason
