@@ -346,7 +346,10 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         return None
     add_eps = adds[0]
     members.append(add_eps)
-    sqrts = readers_of(graph, follow(graph, graph.node(add_eps).output[0], members), "Sqrt")
+    var_eps = follow(graph, graph.node(add_eps).output[0], members)
+    sqrts = readers_of(graph, var_eps, "Sqrt") or [
+        r for r in readers_of(graph, var_eps, "Pow") if graph.node(r).input[0] == var_eps
+    ]  # Sqrt written as Pow(v, 0.5): the exponent is checked below
     if not sqrts:
         return None
     members.append(sqrts[0])
@@ -373,6 +376,16 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         k, epsilon = _statistics(
             graph, anchor, r2[0], var, square, add_eps, rank, widen is not None
         )
+        root = graph.node(sqrts[0])
+        if root.op_type == "Pow":
+            half = scalar(graph, root.input[1], "exponent", sqrts[0], rank)
+            if half != 0.5:
+                raise NearMiss(
+                    f"Pow '{graph.describe(sqrts[0])}' raises the variance to {half:g}; the "
+                    "standard deviation needs exactly 0.5 (Sqrt)",
+                    root.input[1],
+                    (sqrts[0],),
+                )
     except NearMiss as miss:
         problem = miss
     out = follow(graph, div_node.output[0], members)
@@ -557,7 +570,7 @@ class LayerNormMatMulPattern:
         )
         if norm is None:
             return None
-        readers = classify(graph, norm.out, _last_dim(graph, norm), narrow=True)
+        readers = classify(graph, norm.out, _last_dim(graph, norm), narrow=True, selects=True)
         if norm.problem is not None:
             if not readers.linears and not readers.misses:
                 return None  # no Linear after it: not this pattern, whatever its constants

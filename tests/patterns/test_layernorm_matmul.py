@@ -929,3 +929,52 @@ def test_reshape_keeping_the_shape_is_looked_through_and_one_moving_the_axis_is_
     assert not fused_nodes(result.model)
     (reason,) = reasons(result)
     assert "Reshape 'mv' to [2, 8, 4] does not only flatten the leading dims" in reason
+
+
+@pytest.mark.parametrize("select", ["gather", "slice", "transpose_conv"])
+def test_part_of_the_normalized_value_before_a_linear_is_a_near_miss(select: str) -> None:
+    """ViT/BERT's [CLS] pooler head (Gather), a Slice, a Transpose -> Conv (issue 8 item 6)."""
+    g = Graph(opset=17)
+    x = g.input("x", [2, 5, HIDDEN])
+    n = op_ln(g, x)
+    if select == "gather":
+        part = g.op("Gather", n, g.const(0, "cls", np.int64), axis=1, name="pick")
+        g.outputs += [g.op("Gemm", part, g.random([HIDDEN, 3], "W"), name="head")]
+    elif select == "slice":
+        starts, ends = g.const([0], "s", np.int64), g.const([1], "e", np.int64)
+        part = g.op("Slice", n, starts, ends, g.const([1], "a", np.int64), name="pick")
+        g.outputs += [g.op("MatMul", part, g.random([HIDDEN, 3], "W"), name="head")]
+    else:
+        part = g.op("Transpose", n, perm=[0, 2, 1], name="pick")
+        w = g.random([4, HIDDEN, 1], "Wc")
+        g.outputs += [g.op("Conv", part, w, name="head")]
+    result = fuse(g.model())
+    assert not fused_nodes(result.model)
+    (reason,) = reasons(result)
+    assert reason.startswith(f"{graph_op(select)} 'pick' takes part of the normalized value")
+    assert "before" in reason and "'head'" in reason
+
+
+def graph_op(select: str) -> str:
+    return {"gather": "Gather", "slice": "Slice", "transpose_conv": "Transpose"}[select]
+
+
+@pytest.mark.parametrize("exponent", [0.5, 0.25])
+def test_sqrt_written_as_pow_one_half(exponent: float) -> None:
+    g = Graph(opset=13)
+    x = g.input("x", ["batch", "seq", HIDDEN])
+    g.outputs += [linear(g, decomposed_ln(g, x), 4)]
+    model = g.model()
+    (sqrt,) = [n for n in model.graph.node if n.op_type == "Sqrt"]
+    half = numpy_helper.from_array(np.array(exponent, np.float32), "half")
+    model.graph.initializer.append(half)
+    sqrt.op_type, sqrt.name = "Pow", "root"
+    sqrt.input.append("half")
+    result = fuse(model)
+    if exponent == 0.5:
+        assert len(fused_nodes(result.model)) == 1, reasons(result)
+        assert_same(model, result.model)
+    else:
+        assert not fused_nodes(result.model)
+        (reason,) = reasons(result)
+        assert "Pow 'root' raises the variance to 0.25" in reason
