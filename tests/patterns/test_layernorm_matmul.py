@@ -806,7 +806,9 @@ def test_models(example: str, fused: int, linears: int) -> None:
     model = get_example(example)
     result = fuse(model)
     assert result.report.summary == {PATTERN: fused}
-    assert reasons(result) == []
+    # A pooler head ([CLS] Gather -> dense) is a near miss with its reason, nothing else.
+    pooler = "takes part of the normalized value"
+    assert [r for r in reasons(result) if not (r.startswith("Gather ") and pooler in r)] == []
     assert sum(len(attrs(n)["has_bias"]) for n in fused_nodes(result.model)) == linears
     validation = fuser.validate(model, result.model, kernel=KERNEL)
     assert validation.ok, validation.to_dict()
