@@ -371,13 +371,37 @@ class _Group:
     first: int  # the reader it starts at (for a near miss naming it)
 
 
-def classify(graph: GraphIndex, value: str, width: int | None, narrow: bool = False) -> Readers:
+_SELECTS = ("Gather", "Slice", "Transpose")
+
+
+def _selected_for_linear(graph: GraphIndex, node_id: int, value: str) -> NearMiss | None:
+    """A near miss when a Gather/Slice/Transpose of the normalized value feeds a MatMul, Gemm
+    or Conv (ViT/BERT's [CLS] pooler head, a Transpose -> Conv): the fused op multiplies every
+    row of N as it is."""
+    node = graph.node(node_id)
+    for r in graph.readers(node.output[0]):
+        reader = graph.node(r)
+        if reader.domain == "" and reader.op_type in ("MatMul", "Gemm", "Conv"):
+            return NearMiss(
+                f"{node.op_type} '{graph.describe(node_id)}' takes part of the normalized value "
+                f"'{value}' (or moves its axes) before {reader.op_type} "
+                f"'{graph.describe(r)}': the fused op multiplies N as it is, every row",
+                node.output[0],
+                (node_id, r),
+            )
+    return None
+
+
+def classify(
+    graph: GraphIndex, value: str, width: int | None, narrow: bool = False, selects: bool = False
+) -> Readers:
     """Sort the readers of `value` (whose last axis has `width` elements, if known).
 
     Looked through on the way to a Linear (they join the match): no-op Casts, Reshapes that
     provably keep the shape, and with `narrow` Casts to a narrower float type (autocast's
     float32 LayerNorm -> Cast(float16) -> MatMul): `Readers.cast_to` then names that type.
-    All Linears of one match run in one dtype: the others are near misses."""
+    All Linears of one match run in one dtype: the others are near misses. With `selects`, a
+    Gather/Slice/Transpose feeding a Linear or Conv is a near miss too (LayerNorm's heads)."""
     groups: list[_Group] = []
     misses: list[NearMiss] = []
     outside: list[str] = ["the graph output"] if graph.is_graph_output(value) else []
@@ -395,7 +419,7 @@ def classify(graph: GraphIndex, value: str, width: int | None, narrow: bool = Fa
             if node.domain != "":
                 pass
             elif through:
-                inner = classify(graph, node.output[0], width, narrow and to is None)
+                inner = classify(graph, node.output[0], width, narrow and to is None, selects)
                 misses.extend(inner.misses)
                 if inner.linears and inner.outside and to is not None:
                     raise NearMiss(
@@ -415,6 +439,10 @@ def classify(graph: GraphIndex, value: str, width: int | None, narrow: bool = Fa
                 found = [_gemm(graph, r, (), 0)]
             elif node.op_type == "Reshape":
                 found = _flatten_reshape(graph, r, value, width)
+            elif selects and node.op_type in _SELECTS:
+                why = _selected_for_linear(graph, r, value)
+                if why is not None:
+                    raise why
             if found is None:
                 outside.append(left_out)
             else:

@@ -34,19 +34,19 @@ def linear_weights(
 def linear_outputs(
     inputs: Sequence[TensorInfo | None], attrs: Mapping[str, Any], first: int
 ) -> list[TensorInfo | None]:
-    """The fused op's output types: N like X, then [*X.shape[:-1], N_i] per Linear (the
-    leading dims multiplied into one where `flatten`)."""
+    """The fused op's output types: N like X, then [*X.shape[:-1], N_i] per Linear in W_i's
+    type (the leading dims multiplied into one where `flatten`)."""
     x = inputs[0] if inputs else None
     if x is None:
         return [None] * (1 + len(attrs.get("has_bias") or []))
     results: list[TensorInfo | None] = [x]
     for w, _, flat in linear_weights(inputs, attrs, first):
         if x.shape is None or w is None or w.shape is None or len(w.shape) != 2:
-            results.append(TensorInfo(x.elem_type, None))
+            results.append(TensorInfo(x.elem_type if w is None else w.elem_type, None))
             continue
         lead: tuple[Dim, ...] = x.shape[:-1]
         if flat:
             known = all(isinstance(d, int) for d in lead)
             lead = (int(np.prod(lead, dtype=np.int64)) if known else None,)  # type: ignore[arg-type]
-        results.append(TensorInfo(x.elem_type, (*lead, w.shape[1])))
+        results.append(TensorInfo(w.elem_type or x.elem_type, (*lead, w.shape[1])))
     return results

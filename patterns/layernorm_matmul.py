@@ -132,8 +132,9 @@ def layer_norm(
 def reference(
     inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]
 ) -> tuple[np.ndarray, ...]:
-    """normalized, then each N @ W_i (+ b_i): products in float64, rounded to the input dtype
-    once before the bias Add, as MatMul then Add round."""
+    """normalized, then each N @ W_i (+ b_i): products in float64, rounded to the MatMuls'
+    dtype once before the bias Add, as MatMul then Add round. With `matmul_type` N is cast to
+    that type first (as the original's Cast), and the Linears run in it."""
     x = inputs[0]
     assert x is not None
     scale = inputs[1] if len(inputs) > 1 else None
@@ -142,11 +143,14 @@ def reference(
         x, scale, bias, int(attrs["axis"]), float(attrs["epsilon"]), int(attrs["stash_type"])
     )
     outputs = [n]
+    to = int(attrs.get("matmul_type") or 0)
+    mm = onnx.helper.tensor_dtype_to_np_dtype(to) if to else x.dtype
+    a_all = n.astype(mm)  # autocast's Cast of the normalized value before its MatMuls
     for w, b, flat in _weights(inputs, attrs):
         assert w is not None
-        a = n.reshape(-1, n.shape[-1]) if flat else n
-        y = (a.astype(np.float64) @ w.astype(np.float64)).astype(x.dtype)
-        outputs.append(y if b is None else (y + b).astype(x.dtype))
+        a = a_all.reshape(-1, n.shape[-1]) if flat else a_all
+        y = (a.astype(np.float64) @ w.astype(np.float64)).astype(mm)
+        outputs.append(y if b is None else (y + b).astype(mm))
     return tuple(outputs)
 
 
@@ -157,12 +161,12 @@ LAYERNORM_MATMUL = FusedOp(
         Param("X", "T", "input"),
         Param("scale", "T", "gamma, broadcasting along the normalized axes", "optional"),
         Param("bias", "T", "beta, broadcasting along the normalized axes", "optional"),
-        Param("weights", "T", "W_0 [K, N_0], b_0 [N_0] (iff has_bias[0]), W_1, ...", "variadic"),
+        Param("weights", "U", "W_0 [K, N_0], b_0 [N_0] (iff has_bias[0]), W_1, ...", "variadic"),
     ),
     outputs=(
         Param("normalized", "T", "the LayerNorm output, when read outside the match", "optional"),
         Param(
-            "Y", "T", "Y_i = N @ W_i (+ b_i); [prod(leading dims), N_i] if flatten[i]", "variadic"
+            "Y", "U", "Y_i = N @ W_i (+ b_i); [prod(leading dims), N_i] if flatten[i]", "variadic"
         ),
     ),
     attributes=(
@@ -177,8 +181,18 @@ LAYERNORM_MATMUL = FusedOp(
         ),
         Attr("has_bias", "ints", "per Linear: 1 if b_i follows W_i"),
         Attr("flatten", "ints", "per Linear: 1 if N is flattened to 2-D first (Reshape -> Gemm)"),
+        Attr(
+            "matmul_type",
+            "int",
+            "0: the Linears run in T; else the TensorProto type U that N is cast to before them "
+            "(autocast: LayerNorm in float32, Cast to float16, MatMul)",
+            0,
+        ),
     ),
-    type_constraints=(("T", FLOAT_TYPES, "float tensors"),),
+    type_constraints=(
+        ("T", FLOAT_TYPES, "X, gamma, beta and the normalized value"),
+        ("U", FLOAT_TYPES, "the Linears' weights, biases and outputs: T, or matmul_type"),
+    ),
     infer=_infer,
     reference=reference,
     body=layernorm_matmul_body.build,
@@ -332,7 +346,10 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         return None
     add_eps = adds[0]
     members.append(add_eps)
-    sqrts = readers_of(graph, follow(graph, graph.node(add_eps).output[0], members), "Sqrt")
+    var_eps = follow(graph, graph.node(add_eps).output[0], members)
+    sqrts = readers_of(graph, var_eps, "Sqrt") or [
+        r for r in readers_of(graph, var_eps, "Pow") if graph.node(r).input[0] == var_eps
+    ]  # Sqrt written as Pow(v, 0.5): the exponent is checked below
     if not sqrts:
         return None
     members.append(sqrts[0])
@@ -359,6 +376,16 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         k, epsilon = _statistics(
             graph, anchor, r2[0], var, square, add_eps, rank, widen is not None
         )
+        root = graph.node(sqrts[0])
+        if root.op_type == "Pow":
+            half = scalar(graph, root.input[1], "exponent", sqrts[0], rank)
+            if half != 0.5:
+                raise NearMiss(
+                    f"Pow '{graph.describe(sqrts[0])}' raises the variance to {half:g}; the "
+                    "standard deviation needs exactly 0.5 (Sqrt)",
+                    root.input[1],
+                    (sqrts[0],),
+                )
     except NearMiss as miss:
         problem = miss
     out = follow(graph, div_node.output[0], members)
@@ -543,7 +570,7 @@ class LayerNormMatMulPattern:
         )
         if norm is None:
             return None
-        readers = classify(graph, norm.out, _last_dim(graph, norm))
+        readers = classify(graph, norm.out, _last_dim(graph, norm), narrow=True, selects=True)
         if norm.problem is not None:
             if not readers.linears and not readers.misses:
                 return None  # no Linear after it: not this pattern, whatever its constants
@@ -574,6 +601,8 @@ class LayerNormMatMulPattern:
             "has_bias": [1 if lin.bias else 0 for lin in readers.linears],
             "flatten": [lin.flatten for lin in readers.linears],
         }
+        if readers.cast_to:
+            attributes["matmul_type"] = readers.cast_to
         notes = (*norm.notes, *(f"left unfused: {m.reason}" for m in readers.misses))
         # Shape readers are re-pointed to X by the matcher (shape_sources), not served by output.
         others = [r for r in readers.outside if not r.endswith("(Shape)")]

@@ -648,6 +648,97 @@ FIXTURES += [
         library="transformers",
     ),
 ]
+# -- lnpass: an autocast ViT (LayerNorm in float32, its Linears in float16) --------------------
+
+
+class _VitBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, h: torch.Tensor, mixed: bool) -> torch.Tensor:
+        b, t, d = h.shape
+        n = _ln(self.ln1, h, mixed)
+        q, k, v = (
+            f(n).reshape(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
+        a = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1) @ v
+        h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.fc2(torch.nn.functional.gelu(self.fc1(_ln(self.ln2, h, mixed))))
+
+
+def _ln(ln: nn.LayerNorm, h: torch.Tensor, mixed: bool) -> torch.Tensor:
+    """LayerNorm in float32 and back to the Linears' float16 (what mixed-precision exporters
+    and autocast write: Cast up, LayerNorm, Cast down), or plain."""
+    return ln(h.float()).to(h.dtype) if mixed else ln(h)
+
+
+class TinyVit(nn.Module):
+    """Patch-embed Conv, CLS token, pre-LN encoder, LayerNorm + Linear head on the CLS token.
+    `mixed`: weights in float16 (after `half()`) except the LayerNorms, kept in float32."""
+
+    def __init__(self, mixed: bool, dim: int = 32, depth: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.mixed = mixed
+        self.patch = nn.Conv2d(3, dim, 4, stride=4)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, 17, dim) * 0.02)
+        self.blocks = nn.ModuleList(_VitBlock(dim, 2) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def half(self) -> TinyVit:
+        super().half()
+        for m in self.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.float()
+        return self
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        h = self.patch(images).flatten(2).transpose(1, 2)
+        h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], dim=1) + self.pos
+        for block in self.blocks:
+            h = block(h, self.mixed)
+        return self.head(_ln(self.norm, h, self.mixed)[:, 0])
+
+
+def _build_vit(mixed: bool) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = TinyVit(mixed).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):  # non-trivial affine parameters
+                m.weight.uniform_(0.8, 1.2)
+                m.bias.uniform_(-0.1, 0.1)
+    gen = torch.Generator().manual_seed(3)
+    return model, {"images": torch.randn(2, 3, 16, 16, generator=gen)}
+
+
+def build_vit_autocast() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    return _build_vit(True)
+
+
+def build_vit() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    return _build_vit(False)
+
+
+_VIT_NOTES = (
+    "float16 ViT with its LayerNorms in float32 (Cast up, LayerNorm, Cast(float16), q/k/v and"
+    " fc1 MatMuls); CLS head: LayerNorm -> Cast -> Gather -> Gemm (a near miss)"
+)
+FIXTURES += [
+    Fixture("vit-autocast-ts14", build_vit_autocast, "torchscript", 14, _VIT_NOTES,
+            dynamic={"images": {0: "N"}}, half=True),
+    Fixture("vit-autocast-dynamo18", build_vit_autocast, "dynamo", 18, _VIT_NOTES,
+            dynamic={"images": {0: "N"}}, half=True),
+    Fixture("vit-dynamo18", build_vit, "dynamo", 18,
+            "float32 ViT: LayerNormalization -> q/k/v and fc1 MatMuls; CLS head near miss",
+            dynamic={"images": {0: "N"}}),
+]  # fmt: skip
 
 
 # -- export ------------------------------------------------------------------------------------

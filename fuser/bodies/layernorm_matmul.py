@@ -13,9 +13,9 @@ input dtype before scale and bias, each rounded, as `reference` does. A flattene
 (Reshape -> Gemm, folded at fuse time into W_i/b_i) is Flatten(N, -1) before its MatMul.
 
 Variants: `<dtype>_stats<dtype>` (the input's, the statistics'), then `scale`/`bias` when the
-affine inputs are present, then one part per MatMul: `mm`, `b` if it has a bias, `f` if
-flattened (e.g. `mmb_mm_mmbf`). axis and epsilon are passed by reference (epsilon through a
-Constant from opset 12).
+affine inputs are present, `to<dtype>` when matmul_type casts N first, then one part per
+MatMul: `mm`, `b` if it has a bias, `f` if flattened (e.g. `mmb_mm_mmbf`). axis and epsilon
+are passed by reference (epsilon through a Constant from opset 12).
 """
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ def build(request: BodyRequest) -> Body:
     inputs = ["X", "scale", "bias"]
     outputs = ["normalized"]
     parts = []
+    to = int(attrs.get("matmul_type") or 0)
+    if to and to != x_type:  # autocast: N cast to the MatMuls' dtype, as the original's Cast
+        n = g.op("Cast", n, to=to)
+        parts.append(f"to{dtype_name(to)}")
     for i, (bias, flat_i) in enumerate(zip(has_bias, flatten, strict=True)):
         inputs.append(f"W_{i}")
         a = g.op("Flatten", n, axis=-1) if flat_i else n

@@ -45,7 +45,6 @@ from .._cost_base import (
 from .._groups import vector_cores_per_group
 from .._rows import VecStep
 from ..api import TensorMeta, Tiling
-from ..layernorm import layernorm_steps
 from ..matmul.cost import even_splits
 from ..npu.machine import Machine
 from ..npu.pipes import Level
@@ -87,9 +86,10 @@ def lnmm_cycles(
     slices = tm // p.q
     subs = math.ceil(slices / vr)
     sub_bytes = vr * d * isz
+    x_sub = vr * d * p.x_size  # X's rows in (the handoff is in the Cube's dtype)
     active_vec = groups * vecs if separate else groups
     vec_ops = 0.0
-    for step in vector_steps or layernorm_steps(p.ln):
+    for step in vector_steps or p.steps:
         for op in step.ops:
             k, b = machine.vector_cost(op, step.dtype)
             vec_ops += k * vr * step.per_row + b
@@ -99,8 +99,8 @@ def lnmm_cycles(
         else machine.l1_to_l0_startup_cycles + sub_bytes / machine.ub_to_l1_bytes_per_cycle
     )
     if p.emit_normalized:
-        hand += dma_out(machine, sub_bytes, active_vec)
-    vec_sub = {"MTE2": dma(machine, sub_bytes, active_vec), "VECTOR": vec_ops, "MTE3": hand}
+        hand += dma_out(machine, x_sub, active_vec)
+    vec_sub = {"MTE2": dma(machine, x_sub, active_vec), "VECTOR": vec_ops, "MTE3": hand}
     subs_per_vec = math.ceil(subs / vecs)
     v_block = Stream()
     v_block.add(vec_sub, subs_per_vec)
@@ -146,7 +146,9 @@ def lnmm_cycles(
     # Parameters first: LayerNorm's scale and bias into each vector core's UB, the Linears'
     # biases into the cube core's L1 (one copy each, on the copy-in pipes).
     v_params = sum(
-        dma(machine, d * isz, active_vec) for present in (p.ln.has_scale, p.ln.has_bias) if present
+        dma(machine, d * p.x_size, active_vec)
+        for present in (p.ln.has_scale, p.ln.has_bias)
+        if present
     )
     c_params = sum(dma(machine, lin.n * isz, groups, True) for lin in p.linears if lin.has_bias)
     first_block += v_params
@@ -167,7 +169,7 @@ def lnmm_cycles(
     n_total = sum(lin.n for lin in p.linears)
     # HBM: X and W on first touch, Y written; X's re-reads by other parts' groups and W's by
     # other row blocks hit the L2 (`l2_spill` when they outgrow it).
-    x_bytes, w_bytes = isz * p.ln.rows * d, isz * p.k * n_total
+    x_bytes, w_bytes = p.x_size * p.ln.rows * d, isz * p.k * n_total
     again = x_bytes * (min(parts, groups) - 1) + w_bytes * (blocks - 1)
     gm = x_bytes + w_bytes + isz * p.m * n_total + l2_spill(machine, x_bytes + w_bytes, again)
     return kernel_cycles(machine, group_time, gm, sub_bytes, active_vec)

@@ -44,7 +44,7 @@ import numpy as np
 from .._budget import QueueSpec, check_flag, check_positive, require_fits
 from .._groups import Group, from_workspace, launch_groups, to_workspace, ub_to_l1, workspace_tile
 from ..api import Kernel, KernelRun, TensorMeta, Tiling, TilingError
-from ..layernorm import LayerNormSpec, flat_param, layernorm_rows, layernorm_steps
+from ..layernorm import LayerNormSpec, flat_param, layernorm_rows
 from ..matmul.pipeline import L0Queues, k_walk
 from ..npu.core import Core
 from ..npu.machine import Machine
@@ -77,7 +77,7 @@ class LayerNormMatMulKernel(Searched, Kernel):
     ) -> tuple[TensorMeta, ...]:
         p = problem(inputs_meta, attrs)
         lead = p.ln.shape[:-1]
-        outs = [TensorMeta(p.ln.shape, p.dtype)]
+        outs = [TensorMeta(p.ln.shape, p.ln.dtype)]
         for lin in p.linears:
             shape = (math.prod(lead), lin.n) if lin.flatten else (*lead, lin.n)
             outs.append(TensorMeta(shape, p.dtype))
@@ -143,8 +143,9 @@ class LayerNormMatMulKernel(Searched, Kernel):
         data = _data(p, inputs) if functional else None
         program = partial(_program, p, tiling, data)
         isz = p.dtype.itemsize
-        sizes = {"X": p.ln.rows * p.ln.width * isz, "ln_scale": p.ln.width * isz}
-        sizes["ln_bias"] = p.ln.width * isz
+        xsz = p.x_size
+        sizes = {"X": p.ln.rows * p.ln.width * xsz, "ln_scale": p.ln.width * xsz}
+        sizes["ln_bias"] = p.ln.width * xsz
         for i, lin in enumerate(p.linears):
             sizes[f"W{i}"], sizes[f"b{i}"] = p.k * lin.n * isz, lin.n * isz
         stats = launch_groups(
@@ -188,7 +189,7 @@ def _data(p: Problem, inputs: Sequence[np.ndarray | None]) -> _Data:
         bias=flat_param(ins[2], p.ln),
         weights=tuple(weights),
         biases=tuple(biases),
-        normalized=np.empty((p.ln.rows, p.ln.width), p.dtype),
+        normalized=np.empty((p.ln.rows, p.ln.width), p.ln.dtype),
         ys=tuple(np.empty((p.m, lin.n), p.dtype) for lin in p.linears),
     )
 
@@ -225,7 +226,7 @@ def _program(
                           ("bias", None if data is None else data.bias)):  # fmt: skip
             if name in q:
                 tile = q[name].alloc()
-                v.copy_in(tile, d * isz, arr, label=f"in {name}", gm=f"ln_{name}")
+                v.copy_in(tile, d * p.x_size, arr, label=f"in {name}", gm=f"ln_{name}")
                 mine.append(tile)
         params.append(mine)
     bias_tiles: dict[int, Tile] = {}
@@ -240,7 +241,7 @@ def _program(
                 gm=f"b{i}",
             )
             bias_tiles[i] = tile
-    steps = layernorm_steps(p.ln)
+    steps = p.steps
     parts = min(t.n_split, n_blocks(p))
     a_src: _ASource | None = None
     last: tuple[int, int] | None = None
@@ -295,9 +296,10 @@ def _normalize(
     q = vq[j % len(group.vecs)]
     n_rows = r1 - r0
     d, isz = p.ln.width, p.dtype.itemsize
-    nbytes = n_rows * d * isz
+    nbytes = n_rows * d * isz  # handed to the Cube, in its dtype
+    x_bytes = n_rows * d * p.x_size  # X's rows and the normalized output, in X's dtype
     xin = q["x"].alloc()
-    v.copy_in(xin, nbytes, None if data is None else data.x_rows[r0:r1], gm="X")
+    v.copy_in(xin, x_bytes, None if data is None else data.x_rows[r0:r1], gm="X")
     out = q["n"].alloc()
     mine = params[j % len(group.vecs)]
     for s_i, step in enumerate(steps):
@@ -311,10 +313,11 @@ def _normalize(
                      out_bytes=nbytes)  # fmt: skip
     if data is not None and out.data is not None:
         data.normalized[r0:r1] = out.data
+        out.data = out.data.astype(p.dtype, copy=False)  # the Cast step: the Cube's rows
     lo = (r0 - m0 // p.q) * p.q
     fill = partial(_place, lo, p.k)
     if p.emit_normalized:
-        v.copy_out(out, nbytes, None, label="out normalized")
+        v.copy_out(out, x_bytes, None, label="out normalized")
     if block is not None and not group.separate:
         ub_to_l1(v, out, block, nbytes, fill)
         return block
@@ -323,6 +326,8 @@ def _normalize(
         ws = workspace_tile(f"normalized[{r0}:{r1}]")
         ws.ready = v.pipe_free[Pipe.MTE3]
         ws.data = out.data
+        if p.dtype != p.ln.dtype:  # the Cube reads the cast rows: written besides N
+            to_workspace(v, out, ws, nbytes)
     else:
         ws = workspace_tile(f"ws[{r0}:{r1}]")
         to_workspace(v, out, ws, nbytes)

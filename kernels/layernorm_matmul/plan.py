@@ -22,6 +22,7 @@ import numpy as np
 from .._budget import QueueSpec
 from .._groups import vector_cores_per_group
 from .._levels import overflow
+from .._rows import VecStep
 from ..api import KernelError, TensorMeta, Tiling, TilingError
 from ..layernorm import LayerNormSpec, layernorm_spec, layernorm_steps
 from ..npu.launch import split_balanced
@@ -83,11 +84,28 @@ class Problem:
     q: int  # matmul rows per normalized slice
     linears: tuple[Linear, ...]
     emit_normalized: bool
+    # The Linears' dtype when N is cast to it first (`matmul_type`, autocast), else None.
+    mm_dtype: np.dtype | None = None
 
     @property
     def dtype(self) -> np.dtype:
-        """The input (and output) dtype."""
-        return self.ln.dtype
+        """The Cube's dtype: the normalized rows handed to it, W_i, b_i and Y_i (X's dtype
+        unless `matmul_type` casts N)."""
+        return self.ln.dtype if self.mm_dtype is None else self.mm_dtype
+
+    @property
+    def x_size(self) -> int:
+        """Bytes per element of X, gamma, beta and the normalized output (X's dtype)."""
+        return int(self.ln.dtype.itemsize)
+
+    @property
+    def steps(self) -> list[VecStep]:
+        """The vector instructions per row: the LayerNorm's, then the Cast to the Cube's dtype
+        when `matmul_type` asks for one."""
+        steps = layernorm_steps(self.ln)
+        if self.dtype != self.ln.dtype:
+            steps.append(VecStep(("Cast",), self.ln.width, self.ln.dtype))
+        return steps
 
     @property
     def max_n(self) -> int:
@@ -109,6 +127,12 @@ def problem(inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) 
             f"{op}: has_bias and flatten need one entry per MatMul, got {has_bias}, {flatten}"
         )
     k = ln.shape[-1]
+    to = int(attrs.get("matmul_type") or 0)
+    mm = _MATMUL_TYPES.get(to) if to else None
+    if to and mm is None:
+        raise KernelError(f"{op}: matmul_type {to} is not float16 or float32")
+    if mm == ln.dtype:
+        mm = None
     linears = []
     pos = 3
     for i, (hb, fl) in enumerate(zip(has_bias, flatten, strict=True)):
@@ -116,8 +140,9 @@ def problem(inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) 
         if w is None or len(w.shape) != 2 or w.shape[0] != k:
             got = None if w is None else w.shape
             raise KernelError(f"{op}: W_{i} must be [{k}, N], got {got}")
-        if w.dtype != ln.dtype:
-            raise KernelError(f"{op}: W_{i} is {w.dtype}, X is {ln.dtype}")
+        if w.dtype != (mm or ln.dtype):
+            want = f"matmul_type {mm}" if mm else f"X {ln.dtype}"
+            raise KernelError(f"{op}: W_{i} is {w.dtype}, {want}")
         if hb:
             b = metas[pos + 1] if pos + 1 < len(inputs_meta) else None
             if b is None or b.size != w.shape[1] or (b.shape and b.shape[-1] != w.shape[1]):
@@ -135,7 +160,12 @@ def problem(inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) 
         q=d // k if k else 1,
         linears=tuple(linears),
         emit_normalized=bool(int(attrs.get("emit_normalized", 0))),
+        mm_dtype=mm,
     )
+
+
+# TensorProto FLOAT and FLOAT16: the Cube's dtypes a normalized value can be cast to.
+_MATMUL_TYPES: dict[int, np.dtype] = {1: np.dtype(np.float32), 10: np.dtype(np.float16)}
 
 
 def effective(p: Problem, t: LayerNormMatMulTiling) -> tuple[int, int, int, int, int]:
@@ -154,9 +184,11 @@ def specs(p: Problem, t: LayerNormMatMulTiling) -> list[QueueSpec]:
     isz = p.dtype.itemsize
     depth = 2 if t.double_buffer else 1
     d = p.ln.width
+    xsz = p.x_size
     specs = [
-        QueueSpec(Level.UB, "x", vr * d * isz, depth),
-        QueueSpec(Level.UB, "n", vr * d * isz, depth),
+        QueueSpec(Level.UB, "x", vr * d * xsz, depth),
+        # N in X's dtype, cast in place to the Cube's when it is narrower.
+        QueueSpec(Level.UB, "n", vr * d * max(xsz, isz), depth),
         QueueSpec(Level.UB, "tmp", vr * d * p.ln.work.itemsize, 1),
         QueueSpec(Level.L1, "a_block", tm * p.k * isz, depth)
         if t.a_resident
@@ -168,7 +200,7 @@ def specs(p: Problem, t: LayerNormMatMulTiling) -> list[QueueSpec]:
     ]
     for name, present in (("scale", p.ln.has_scale), ("bias", p.ln.has_bias)):
         if present:
-            specs.append(QueueSpec(Level.UB, name, d * isz, 1))
+            specs.append(QueueSpec(Level.UB, name, d * xsz, 1))
     for i, lin in enumerate(p.linears):
         if lin.has_bias:
             specs.append(QueueSpec(Level.L1, f"b{i}", lin.n * isz, 1))
@@ -259,14 +291,14 @@ def estimate(p: Problem, t: LayerNormMatMulTiling, machine: Machine) -> float:
         mte2 += subs * (machine.copy_in_transfer(True) + sub_bytes / bw)
     vecs = max(1, vector_cores_per_group(machine))
     vec = subs / vecs * (machine.copy_in_transfer(False) + sub_bytes / bw)
-    for step in layernorm_steps(p.ln):
+    for step in p.steps:
         for op in step.ops:
             k, b = machine.vector_cost(op, step.dtype)
             vec += k * (tm // p.q) * step.per_row + b * math.ceil(tm // p.q / vr)
     vec /= max(1, vector_cores_per_group(machine))
     waves = math.ceil(items / groups)
     gm = (
-        p.ln.rows * p.ln.width * isz * min(parts, groups)
+        p.ln.rows * p.ln.width * p.x_size * min(parts, groups)
         + blocks * p.k * sum(lin.n for lin in p.linears) * isz
         + p.m * sum(lin.n for lin in p.linears) * isz
     )

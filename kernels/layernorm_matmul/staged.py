@@ -19,6 +19,7 @@ from ..npu.machine import Machine
 from .plan import Problem
 
 LN_ATTRS = ("axis", "epsilon", "stash_type")
+_TO = {np.dtype(np.float16): 10, np.dtype(np.float32): 1}  # TensorProto types for Cast
 
 
 def run_staged(
@@ -36,7 +37,13 @@ def run_staged(
     ln_attrs = {k: attrs[k] for k in LN_ATTRS if k in attrs}
     ln = stage(machine, "LayerNormalization", src[:3], ln_attrs, functional, timeline)
     runs = [ln.stats]
-    n2: Operand = ln.outputs[0].reshape(p.m, p.k) if functional else TensorMeta((p.m, p.k), p.dtype)
+    n2: Operand = (
+        ln.outputs[0].reshape(p.m, p.k) if functional else TensorMeta((p.m, p.k), p.ln.dtype)
+    )
+    if p.dtype != p.ln.dtype:  # autocast's Cast of N to the MatMuls' dtype, its own kernel
+        cast = stage(machine, "Cast", [n2], {"to": _TO[p.dtype]}, functional, timeline)
+        runs.append(cast.stats)
+        n2 = cast.outputs[0] if functional else TensorMeta((p.m, p.k), p.dtype)
     ys: list[np.ndarray] = []
     pos = 3
     for lin, meta in zip(p.linears, out_metas[1:], strict=True):
@@ -66,6 +73,9 @@ def staged_cycles(
     ln_attrs = {k: attrs[k] for k in LN_ATTRS if k in attrs}
     total = stage_cycles(machine, "LayerNormalization", src[:3], ln_attrs)
     n2 = TensorMeta((p.m, p.k), p.dtype)
+    if p.dtype != p.ln.dtype:
+        wide = TensorMeta((p.m, p.k), p.ln.dtype)
+        total += stage_cycles(machine, "Cast", [wide], {"to": _TO[p.dtype]})
     pos = 3
     for lin in p.linears:
         total += stage_cycles(machine, "MatMul", [n2, src[pos]], {})

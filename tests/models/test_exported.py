@@ -40,6 +40,8 @@ EXPECTED: dict[str, dict[str, int]] = {
         "softmax_topk": 1,
     },
 }
+VIT = {"layernorm": 5, "layernorm_matmul": 4, "layernorm_matmuls": 8}
+EXPECTED |= {"vit-autocast-ts14": VIT, "vit-autocast-dynamo18": VIT, "vit-dynamo18": VIT}
 
 # MobileNetV2 and EfficientNet-style (issue 8): every Conv+BN is followed by ReLU6 / SiLU or
 # nothing (count_chains counts Relu only, so they show as conv_bn).
@@ -78,7 +80,7 @@ def test_fixture_checks_runs_and_matches_pytorch(name: str) -> None:
     reference = np.load(DATA / f"{name}.npz")
     feeds = {k.removeprefix("in_"): reference[k] for k in reference.files if k.startswith("in_")}
     outputs = session(model).run(None, feeds)
-    tol = 2e-2 if "fp16" in name else 1e-4
+    tol = 2e-2 if "fp16" in name or "autocast" in name else 1e-4
     for i, got in enumerate(outputs):
         np.testing.assert_allclose(got, reference[f"out_{i}"], rtol=tol, atol=tol)
 
@@ -231,3 +233,22 @@ def test_deepseekv3_router_fuses_every_topk(name: str, epsilon: bool) -> None:
     assert ("epsilon" in attrs) == epsilon  # the dynamo exporter drops the + 1e-20
     assert node.input[1].endswith("e_score_correction_bias")
     assert validate(model, result).ok
+
+
+@pytest.mark.parametrize("name", ["vit-autocast-ts14", "vit-autocast-dynamo18"])
+def test_autocast_vit_casts_its_float32_layernorms_to_float16_linears(name: str) -> None:
+    """LayerNorm in float32 -> Cast(float16) -> q/k/v MatMuls: the form fuser fuses with
+    matmul_type (every LayerNorm that a Linear reads, through the Cast)."""
+    from fuser.api import fuse
+
+    model = _load(name)
+    lns = layernorm_outputs(model)
+    for out in lns[:-1]:
+        (cast,) = readers(model, out)
+        assert cast.op_type == "Cast" and cast.attribute[0].i == onnx.TensorProto.FLOAT16
+        assert {n.op_type for n in readers(model, cast.output[0])} == {"MatMul"}
+    fused = [n for n in fuse(model, cache=False).model.graph.node if n.domain == "fuser"]
+    assert len(fused) == 4
+    for node in fused:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["matmul_type"] == onnx.TensorProto.FLOAT16
