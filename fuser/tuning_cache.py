@@ -102,6 +102,9 @@ class CacheEntry:
 
 
 def _plain(v: Any) -> Any:
+    if hasattr(v, "SerializeToString"):
+        # A tensor or graph attribute (ConstantOfShape's value, an If branch): its bytes name it.
+        return hashlib.sha256(v.SerializeToString(deterministic=True)).hexdigest()
     if isinstance(v, bytes):
         return v.decode(errors="replace")
     if isinstance(v, list | tuple):
