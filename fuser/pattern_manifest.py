@@ -9,7 +9,10 @@ PATTERNS: list[dict[str, str | list[str]]] = [
     {
         "name": "conv_bn_relu",
         "ops": ["ConvBnRelu"],
-        "description": "Conv -> BatchNormalization (inference) -> Relu (optional) => ConvBnRelu",
+        "description": (
+            "Conv -> BatchNormalization (inference) -> activation (Relu, Clip, LeakyRelu, "
+            "HardSigmoid, HardSwish, SiLU, GELU, Sigmoid, Tanh), each optional => ConvBnRelu"
+        ),
     },
     {
         "name": "layernorm_matmul",
@@ -31,13 +34,17 @@ PATTERNS: list[dict[str, str | list[str]]] = [
     {
         "name": "allgather_matmul",
         "ops": ["AllGatherMatMul"],
-        "description": "com.microsoft AllGather -> MatMul (-> Add bias) => AllGatherMatMul",
+        "description": (
+            "com.microsoft AllGather -> [Reshape ->] MatMul (-> Add bias) / Gemm, one or "
+            "several (QKV) => AllGatherMatMul"
+        ),
     },
     {
         "name": "softmax_topk",
         "ops": ["SoftmaxTopK"],
         "description": (
-            "Softmax -> TopK (-> ReduceSum/Div renormalize), or TopK -> Softmax => SoftmaxTopK"
+            "Softmax/Sigmoid/LogSoftmax -> [bias, expert groups] -> TopK (-> renormalize "
+            "[+eps], scale), or TopK -> Softmax/Sigmoid => SoftmaxTopK"
         ),
     },
 ]
@@ -65,4 +72,8 @@ EXAMPLES: list[str] = [
     "tp-mlp-negaxis",
     "sp-mlp",
     "sp-mlp-bsh",
+    "tp-attention",
+    "tp-gemm",
+    "sp-reshape-gemm",
+    "sp-reshape-matmul",
 ]
