@@ -50,7 +50,7 @@ from .registry import all_models, get_kernel
 
 #: Bumped when a cost model or the simulated machine changes what a tiling costs, so that
 #: tuning-cache entries priced by an older model are not reused (`cache_target`).
-MODEL_REVISION = 7
+MODEL_REVISION = 8  # 8: activation epilogues, split-K, gating variants, shifted LN statistics
 
 EXHAUSTIVE_LIMIT = 4096
 #: Tiling fields that are switches or core counts rather than tile sizes.
