@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from fuser.patterns.conv_activation import VECTOR_OPS
 
 from . import _rows
 from ._rows import RowOut, RowPlan, RowTiling, VecStep
@@ -22,8 +23,9 @@ from .npu.machine import Machine
 F32 = np.dtype(np.float32)
 #: The softmax of one row, as npu-model.md lists it (max, sub, exp, sum, div).
 SOFTMAX_OPS: tuple[str, ...] = ("ReduceMax", "Sub", "Exp", "ReduceSum", "Div")
-#: Sigmoid as 1 / (1 + exp(-x)): the target prices each of these (no Sigmoid row of its own).
-SIGMOID_OPS: tuple[str, ...] = ("Muls", "Exp", "Adds", "Reciprocal")
+#: Sigmoid as 1 / (1 + exp(-x)): the target prices each of these (no Sigmoid row of its own);
+#: the same sequence the Conv epilogue and the Sigmoid kernel run (one list, in conv_activation).
+SIGMOID_OPS: tuple[str, ...] = VECTOR_OPS["Sigmoid"]
 #: LogSoftmax as x - max - ln(sum(exp(x - max))).
 LOG_SOFTMAX_OPS: tuple[str, ...] = ("ReduceMax", "Sub", "Exp", "ReduceSum", "Ln", "Sub")
 
