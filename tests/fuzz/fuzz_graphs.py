@@ -319,6 +319,10 @@ def _linears(b: Builder, n: str, lead: list[int], k: int, flat_ok: bool) -> None
             b.scope.outputs.append(y)
             continue
         w = b.weight((k, n_out), "W")
+        if b.chance(0.15):  # LN -> Reshape keeping the shape -> MatMul (GPT-2's lm_head form)
+            b.traps.append("reshape before matmul")
+            keep = np.array([0] * len(lead) + [k], np.int64)
+            n = b.one("Reshape", [n, b.const(keep, "same_shape", allow_input=False)])
         mname = b.name("matmul")
         b.decoy(f"{mname}.bias")
         y = b.one("MatMul", [n, w], name=mname)
@@ -393,7 +397,12 @@ def ln_decomposed(b: Builder) -> None:
     b.expose(var, 0.08)
     eps_value = b.pick([1e-5, 1e-12, 1e-6, 0.5, 0.0])
     eps = b.const(np.array(eps_value, b.dtype).reshape(b.pick([(), (1,)])), "eps")
-    std = b.one("Sqrt", [b.one("Add", [var, eps] if b.chance(0.5) else [eps, var])])
+    var_eps = b.one("Add", [var, eps] if b.chance(0.5) else [eps, var])
+    if b.chance(0.25):  # Sqrt written as Pow(v, 0.5); sometimes another exponent (a near-miss)
+        half = b.pick([0.5, 0.5, 0.5, 0.25])
+        std = b.one("Pow", [var_eps, b.const(np.array(half, b.dtype), "half", allow_input=False)])
+    else:
+        std = b.one("Sqrt", [var_eps])
     reciprocal = b.chance(0.3)  # d * Reciprocal(std), else d / std
     n = b.one("Mul", [d, b.one("Reciprocal", [std])]) if reciprocal else b.one("Div", [d, std])
     widths = [k]
