@@ -137,7 +137,7 @@ def conv_cycles(
     fix = dma_out(machine, m * co * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
     s.busy["FIXP"] = fix * per_core
     s.drain = fix
-    gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
+    gm = isz * (g.n * g.cin * g.src_pixels + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
     first_in = nimg * (width if t.fold_taps else min(ci, width)) * x_rows * x_cols * isz
     if not act.on_vector:
         return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
