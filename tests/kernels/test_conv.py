@@ -380,10 +380,16 @@ TRANSPOSED: list[tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]] = [
     ((1, 7, 6, 5), (7, 5, 4, 4), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
     ((2, 6, 5, 4), (6, 3, 3, 3), {"strides": [3, 2], "group": 2, "output_padding": [2, 1]}),
     ((1, 9, 7, 7), (9, 1, 4, 4), {"strides": [2, 2], "group": 9, "pads": [1, 2, 1, 0]}),
-    ((1, 5, 4, 6), (5, 3, 3, 2), {"strides": [2, 3], "dilations": [2, 1], "pads": [0, 1, 1, 0],
-                                  "output_padding": [1, 2]}),  # fmt: skip
-    ((1, 7, 9), (7, 5, 5), {"strides": [3], "dilations": [2], "pads": [3, 1],
-                            "output_padding": [1]}),  # fmt: skip
+    (
+        (1, 5, 4, 6),
+        (5, 3, 3, 2),
+        {"strides": [2, 3], "dilations": [2, 1], "pads": [0, 1, 1, 0], "output_padding": [1, 2]},
+    ),
+    (
+        (1, 7, 9),
+        (7, 5, 5),
+        {"strides": [3], "dilations": [2], "pads": [3, 1], "output_padding": [1]},
+    ),
     ((1, 3, 5, 5), (3, 2, 3, 3), {"pads": [3, 3, 2, 2]}),  # stride 1, pads past the span
 ]
 
@@ -460,8 +466,11 @@ def test_transposed_prices_the_zeros_as_the_equivalent_convolution() -> None:
     ("xs", "ws", "attrs"),
     [
         ((1, 64, 56, 56), (64, 32, 4, 4), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
-        ((2, 24, 15, 15), (24, 1, 3, 3), {"strides": [2, 2], "group": 24,
-                                          "output_padding": [1, 1]}),  # fmt: skip
+        (
+            (2, 24, 15, 15),
+            (24, 1, 3, 3),
+            {"strides": [2, 2], "group": 24, "output_padding": [1, 1]},
+        ),
     ],
     ids=["decoder-64to32", "depthwise-batch2"],
 )
