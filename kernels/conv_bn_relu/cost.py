@@ -293,4 +293,8 @@ class _ConvModel:
         return t
 
 
-MODELS = (_ConvModel("", "Conv"), _ConvModel("fuser", "ConvBnRelu"))
+MODELS = (
+    _ConvModel("", "Conv"),
+    _ConvModel("", "ConvTranspose"),
+    _ConvModel("fuser", "ConvBnRelu"),
+)

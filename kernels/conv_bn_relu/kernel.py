@@ -508,6 +508,20 @@ class Conv(_ConvKernel):
     fused = False
 
 
+class ConvTranspose(_ConvKernel):
+    """ONNX ConvTranspose (explicit pads; auto_pad and output_shape refused): the transposed
+    program ConvBnRelu runs with transposed=1, bias added in the FixPipe epilogue."""
+
+    op_type = "ConvTranspose"
+    domain = ""
+    fused = False
+
+    def _geometry(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> tuple[ConvGeometry, TensorMeta, bool, bool]:
+        return super()._geometry(inputs_meta, {**attrs, "transposed": 1})
+
+
 class ConvBnRelu(Searched, _ConvKernel):
     """Fused Conv -> BatchNormalization -> Relu (docs/fused-ops.md): inputs X, W, B, then
     scale, bias, mean, var (all four or none); attributes as Conv plus epsilon and relu."""
@@ -517,4 +531,4 @@ class ConvBnRelu(Searched, _ConvKernel):
     fused = True
 
 
-KERNELS = (Conv(), ConvBnRelu())
+KERNELS = (Conv(), ConvTranspose(), ConvBnRelu())

@@ -500,3 +500,18 @@ def test_transposed_refuses_what_it_does_not_resolve() -> None:
     ):
         with pytest.raises(KernelError, match=why):
             _kernel(FUSED).run(MACHINE, [x, w, b], {"transposed": 1, "relu": 1, **extra})
+
+
+@pytest.mark.parametrize(("xs", "ws", "attrs"), TRANSPOSED)
+def test_onnx_conv_transpose_kernel_matches_onnxruntime(
+    xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict[str, Any]
+) -> None:
+    """The unfused ConvTranspose gets the same program (so the fused row compares against a
+    priced kernel, not a guess)."""
+    kernel = _kernel(registry.get_kernel("", "ConvTranspose"))
+    x, w, b, _ = _transposed_data(xs, ws, attrs, np.float32)
+    got = kernel.run(MACHINE, [x, w, b], attrs).outputs[0]
+    want = run_node("ConvTranspose", [x, w, b], attrs)
+    assert_close(got, want, np.dtype(np.float32), _scale(ws) * 2)
+    no_bias = kernel.run(MACHINE, [x, w], attrs).outputs[0]
+    assert_close(no_bias, run_node("ConvTranspose", [x, w], attrs), np.dtype(np.float32), 4)
