@@ -88,6 +88,17 @@ def _ints(attrs: Mapping[str, Any], name: str, default: Sequence[int]) -> list[i
     return [int(x) for x in v]
 
 
+def _taps(
+    attrs: Mapping[str, Any], w: TensorMeta, op: str
+) -> tuple[list[int], list[int], list[int]]:
+    """(kernel_shape, strides, dilations) with ONNX defaults; the kernel must be W's."""
+    rank = len(w.shape) - 2
+    kernel = _ints(attrs, "kernel_shape", w.shape[2:])
+    if list(kernel) != list(w.shape[2:]):
+        raise KernelError(f"{op}: kernel_shape {kernel} differs from W {w.shape}")
+    return kernel, _ints(attrs, "strides", [1] * rank), _ints(attrs, "dilations", [1] * rank)
+
+
 def conv_geometry(x: TensorMeta, w: TensorMeta, attrs: Mapping[str, Any], op: str) -> ConvGeometry:
     """Resolve ONNX Conv attributes for input `x` and weight `w`; `KernelError` if invalid."""
     if attrs.get("transposed", 0):
@@ -102,11 +113,7 @@ def conv_geometry(x: TensorMeta, w: TensorMeta, attrs: Mapping[str, Any], op: st
     cout, cin_g = w.shape[:2]
     if group <= 0 or cin % group or cout % group or cin_g != cin // group:
         raise KernelError(f"{op}: group={group} does not fit X channels {cin} and W {w.shape}")
-    kernel = _ints(attrs, "kernel_shape", w.shape[2:])
-    if list(kernel) != list(w.shape[2:]):
-        raise KernelError(f"{op}: kernel_shape {kernel} differs from W {w.shape}")
-    strides = _ints(attrs, "strides", [1] * rank)
-    dil = _ints(attrs, "dilations", [1] * rank)
+    kernel, strides, dil = _taps(attrs, w, op)
     spatial = list(x.shape[2:])
     auto_pad = attrs.get("auto_pad", "NOTSET")
     if isinstance(auto_pad, bytes):
@@ -169,11 +176,7 @@ def _transposed_geometry(
     cin_w, cout_g = w.shape[:2]
     if group <= 0 or cin % group or cin_w != cin:
         raise KernelError(f"{op}: group={group} does not fit X channels {cin} and W {w.shape}")
-    kernel = _ints(attrs, "kernel_shape", w.shape[2:])
-    if list(kernel) != list(w.shape[2:]):
-        raise KernelError(f"{op}: kernel_shape {kernel} differs from W {w.shape}")
-    strides = _ints(attrs, "strides", [1] * rank)
-    dil = _ints(attrs, "dilations", [1] * rank)
+    kernel, strides, dil = _taps(attrs, w, op)
     pads = _ints(attrs, "pads", [0] * (2 * rank))
     extra = _ints(attrs, "output_padding", [0] * rank)
     if len(pads) != 2 * rank or len(extra) != rank:

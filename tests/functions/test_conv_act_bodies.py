@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import onnx
@@ -17,13 +18,21 @@ import fuser
 from fuser.fusedop import DOMAIN
 from fuser.testing import fuse_all
 
-_SPEC = importlib.util.spec_from_file_location(
-    "conv_act_cases", Path(__file__).parents[1] / "patterns" / "test_conv_activations.py"
-)
-assert _SPEC is not None and _SPEC.loader is not None
-cases = importlib.util.module_from_spec(_SPEC)
-sys.modules.setdefault("conv_act_cases", cases)
-_SPEC.loader.exec_module(cases)
+
+def _cases(name: str, file: str) -> ModuleType:
+    """The model builders of a pattern test module (tests/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).parents[1] / "patterns" / file
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+cases = _cases("conv_act_cases", "test_conv_activations.py")
+tcases = _cases("conv_transpose_cases", "test_conv_transpose.py")
 
 
 @pytest.mark.parametrize(("form", "opset", "act", "alpha", "beta"), cases.CASES, ids=cases.IDS)
@@ -71,15 +80,6 @@ def test_two_activations_in_one_model_get_one_body_each() -> None:
     assert len({n.overload for n in nodes}) == 2
     assert {f.overload for f in fused.model.functions} == {n.overload for n in nodes}
     assert fuser.validate(original, fuse_all(original).model).ok
-
-
-_TSPEC = importlib.util.spec_from_file_location(
-    "conv_transpose_cases", Path(__file__).parents[1] / "patterns" / "test_conv_transpose.py"
-)
-assert _TSPEC is not None and _TSPEC.loader is not None
-tcases = importlib.util.module_from_spec(_TSPEC)
-sys.modules.setdefault("conv_transpose_cases", tcases)
-_TSPEC.loader.exec_module(tcases)
 
 
 @pytest.mark.parametrize(
