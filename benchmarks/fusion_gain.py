@@ -718,7 +718,7 @@ def print_conv_activations(batch: int, dtype: np.dtype, machine: Machine) -> Non
                      f"{unfused.us / fused.us:.2f}x", f"{relu.us:.1f}",
                      _mb(unfused.gm_bytes), _mb(fused.gm_bytes),
                      f"{unfused.launches} -> {fused.launches}"))  # fmt: skip
-    rows.append(("ConvTranspose+BN (+act)", "-", "not fused", "-", "-", "-", "-", "-"))
+    rows += conv_transpose_rows(batch, dtype, machine)
     _table(
         f"8. Conv+BN+activation forms, batch {batch}, {dtype.name}, on {machine.name}",
         ("form", "unfused us", "fused us", "speedup", "same conv with ReLU us",
@@ -731,7 +731,10 @@ def print_conv_activations(batch: int, dtype: np.dtype, machine: Machine) -> Non
         "activation costs more than ReLU on the same conv: the 'same conv with ReLU' column). "
         "Unfused: Conv (bias in FixPipe), BatchNormalization, then the activation's own vector "
         "kernels (SiLU as Sigmoid and Mul), each a launch with its own GM round trip. "
-        "ConvTranspose is not fused (no transposed-convolution kernel; a near-miss in inspect)."
+        "ConvTranspose (both sides) runs as the convolution over its zero-inserted input: the "
+        "Cube multiplies the inserted zeros (stride^2 times the useful work) and the input DMA "
+        "writes them (counted in its GM MB); ConvTranspose with output_shape or auto_pad is "
+        "not fused (a near-miss)."
     )
 
 
@@ -840,6 +843,37 @@ def _passthrough_row(
     gm = (total.gm_read + total.gm_write, fused.gm_read + fused.gm_write)
     return (name, f"{total.us:.1f}", f"{fused.us:.1f}", _mb(gm[0]), _mb(gm[1]),
             f"{total.us / fused.us:.2f}x")  # fmt: skip
+
+
+def conv_transpose_rows(batch: int, dtype: np.dtype, machine: Machine) -> list[tuple[str, ...]]:
+    """Decoder upsampling 64 -> 32 channels, 4x4 stride 2 pads 1 at 56x56 (-> 112x112), with
+    BN and ReLU or SiLU: ConvTranspose, BatchNormalization, activation kernels vs ConvBnRelu
+    with transposed=1 (BN folded)."""
+    x = TensorMeta((batch, 64, 56, 56), dtype)
+    w = TensorMeta((64, 32, 4, 4), dtype)
+    vec = TensorMeta((32,), dtype)
+    attrs: dict[str, Any] = {"strides": [2, 2], "pads": [1, 1, 1, 1]}
+    (y,) = _kernel("", "ConvTranspose").infer([x, w, vec], attrs)
+    rows: list[tuple[str, ...]] = []
+    for label, act, tail in (
+        ("ConvTranspose+BN+ReLU (decoder 4x4/2 64->32 @56)", {"relu": 1}, ("Relu",)),
+        ("ConvTranspose+BN+SiLU (decoder 4x4/2 64->32 @56)", {"activation": "Silu"},
+         ("Sigmoid", "Mul")),
+    ):  # fmt: skip
+        runs = [
+            _time("", "ConvTranspose", machine, [x, w, vec], attrs),
+            _time("", "BatchNormalization", machine, [y, vec, vec, vec, vec], {}),
+        ]
+        runs += [_time("", op, machine, [y] * (2 if op == "Mul" else 1), {}) for op in tail]
+        unfused = sequence(runs)
+        full = {**attrs, "transposed": 1}
+        fused = _time("fuser", "ConvBnRelu", machine, [x, w, vec], {**full, **act})
+        relu = _time("fuser", "ConvBnRelu", machine, [x, w, vec], {**full, "relu": 1})
+        rows.append((label, f"{unfused.us:.1f}", f"{fused.us:.1f}",
+                     f"{unfused.us / fused.us:.2f}x", f"{relu.us:.1f}",
+                     _mb(unfused.gm_bytes), _mb(fused.gm_bytes),
+                     f"{unfused.launches} -> {fused.launches}"))  # fmt: skip
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:

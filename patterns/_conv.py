@@ -111,3 +111,69 @@ def conv(
     if b is not None:
         y = y + b.astype(np.float64).reshape(1, cout, *([1] * rank))
     return y
+
+
+def conv_transpose_attrs(attrs: Mapping[str, Any], w_shape: Sequence[int]) -> dict[str, Any]:
+    """ConvTranspose attributes with ONNX defaults filled in for a weight [Cin, Cout/group,
+    *kernel] (auto_pad and output_shape are not resolved: callers refuse them)."""
+    a = conv_attrs(attrs, w_shape)
+    rank = len(w_shape) - 2
+    a["output_padding"] = list(attrs.get("output_padding") or [0] * rank)
+    return a
+
+
+def conv_transpose_output_spatial(
+    spatial: Sequence[Dim], attrs: Mapping[str, Any], w_shape: Sequence[int]
+) -> tuple[Dim, ...]:
+    """ONNX ConvTranspose output dims with explicit pads:
+    stride * (size - 1) + output_padding + (k - 1) * dilation + 1 - pad_begin - pad_end."""
+    a = conv_transpose_attrs(attrs, w_shape)
+    rank = len(spatial)
+    out: list[Dim] = []
+    for i, size in enumerate(spatial):
+        if not isinstance(size, int):
+            out.append(None)
+            continue
+        s, d, k = a["strides"][i], a["dilations"][i], a["kernel_shape"][i]
+        full = s * (size - 1) + a["output_padding"][i] + (k - 1) * d + 1
+        out.append(full - a["pads"][i] - a["pads"][i + rank])
+    return tuple(out)
+
+
+def conv_transpose(
+    x: np.ndarray, w: np.ndarray, b: np.ndarray | None, attrs: Mapping[str, Any]
+) -> np.ndarray:
+    """ONNX ConvTranspose (1-D or 2-D, explicit pads; groups, strides, dilations,
+    output_padding), in float64, computed as the scatter ONNX defines it: input pixel p of
+    channel c adds W[c, o, k] * x[c, p] to output position p * stride + k * dilation - pad."""
+    a = conv_transpose_attrs(attrs, w.shape)
+    rank = w.ndim - 2
+    n, cin = x.shape[:2]
+    group = a["group"]
+    cin_g, cout_g = cin // group, w.shape[1]
+    spatial = list(x.shape[2:])
+    kernel, strides, dil = a["kernel_shape"], a["strides"], a["dilations"]
+    full = [
+        s * (size - 1) + op + (k - 1) * d + 1
+        for size, s, d, k, op in zip(
+            spatial, strides, dil, kernel, a["output_padding"], strict=True
+        )
+    ]
+    y = np.zeros((n, group, cout_g, *full))
+    xg = x.astype(np.float64).reshape(n, group, cin_g, *spatial)
+    wg = w.astype(np.float64).reshape(group, cin_g, cout_g, *kernel)
+    for tap in np.ndindex(*kernel):
+        # [N, G, Cin_g, *spatial] x [G, Cin_g, Cout_g] -> [N, G, Cout_g, *spatial]
+        contrib = np.einsum("NGC...,GCO->NGO...", xg, wg[(slice(None),) * 3 + tap])
+        index = [slice(None)] * 3 + [
+            slice(t * d, t * d + s * (size - 1) + 1, s)
+            for t, d, s, size in zip(tap, dil, strides, spatial, strict=True)
+        ]
+        y[tuple(index)] += contrib
+    crop = [slice(None)] * 3 + [
+        slice(a["pads"][i], full[i] - a["pads"][i + rank]) for i in range(rank)
+    ]
+    y = y[tuple(crop)].reshape(n, group * cout_g, *y[tuple(crop)].shape[3:])
+    if b is not None:
+        y = y + b.astype(np.float64).reshape(1, -1, *([1] * rank))
+    return y

@@ -17,8 +17,12 @@ Refused, with the reason: BN in training mode (training_mode=1 or extra outputs)
 spatial=0, 3-D and higher convolutions, a weight whose rank is unknown, parameters of the wrong
 size. If the BN output is read elsewhere, the activation is left out of the fusion rather than
 refused, and the activation's node is a near-miss saying why; so is every activation-shaped
-reader of a Conv that is not fused (PRelu, Mish, a non-constant Clip bound, ...), and a
-ConvTranspose followed by BN or an activation (no transposed-convolution kernel).
+reader of a Conv that is not fused (PRelu, Mish, a non-constant Clip bound, ...).
+
+ConvTranspose in place of Conv fuses the same way (`transposed=1`, its output_padding kept).
+Its weight is [Cin, Cout/group, *k]: output channel (g, o) is column o of group g's rows, so
+BN folds along axis 1 within each group. Refused with the reason: output_shape, and auto_pad
+other than NOTSET (their pads depend on the run-time input size).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from fuser.graph import GraphIndex
 from fuser.pattern import Match, Rejection, rejection
 
 from . import _conv_act_walk as walk
-from ._conv import conv, conv_output_spatial
+from ._conv import conv, conv_output_spatial, conv_transpose, conv_transpose_output_spatial
 from .conv_activation import Activation, apply, from_attributes
 
 NAME = "conv_bn_relu"
@@ -59,6 +63,10 @@ def _infer(
     ):
         return [TensorInfo(x.elem_type, None)]
     w_shape = [int(d) for d in w.shape]  # type: ignore[arg-type]
+    if attrs.get("transposed", 0):
+        spatial = conv_transpose_output_spatial(x.shape[2:], attrs, w_shape)
+        cout = w_shape[1] * int(attrs.get("group") or 1)
+        return [TensorInfo(x.elem_type, (x.shape[0], cout, *spatial))]
     spatial = conv_output_spatial(x.shape[2:], attrs, w_shape)
     return [TensorInfo(x.elem_type, (x.shape[0], w_shape[0], *spatial))]
 
@@ -74,7 +82,7 @@ def reference(
     assert x is not None
     assert w is not None
     activation = from_attributes(attrs)
-    y = conv(x, w, b, attrs)
+    y = conv_transpose(x, w, b, attrs) if attrs.get("transposed", 0) else conv(x, w, b, attrs)
     bn = list(inputs[3:7]) if len(inputs) > 3 else []
     if any(p is not None for p in bn):
         scale, bias, mean, var = (np.asarray(p, dtype=np.float64) for p in bn)
@@ -95,7 +103,12 @@ CONV_BN_RELU = FusedOp(
     ),
     inputs=(
         Param("X", "T", "input, [N, C, *spatial]"),
-        Param("W", "T", "weight, [Cout, C/group, *kernel]; BN-folded when no BN inputs"),
+        Param(
+            "W",
+            "T",
+            "weight, [Cout, C/group, *kernel] (transposed: [C, Cout/group, *kernel]); "
+            "BN-folded when no BN inputs",
+        ),
         Param("B", "T", "bias, [Cout]", "optional"),
         Param("scale", "T", "BN scale, [Cout] (absent when folded)", "optional"),
         Param("bias", "T", "BN bias, [Cout]", "optional"),
@@ -110,6 +123,8 @@ CONV_BN_RELU = FusedOp(
         Attr("kernel_shape", "ints", "as Conv", []),
         Attr("pads", "ints", "as Conv", []),
         Attr("strides", "ints", "as Conv", []),
+        Attr("transposed", "int", "1 = the convolution is ONNX ConvTranspose", 0),
+        Attr("output_padding", "ints", "as ConvTranspose (with transposed=1)", []),
         Attr("epsilon", "float", "BN epsilon (used with BN inputs)", 1e-5),
         Attr("relu", "int", "1 = apply Relu on the way out (the activation Relu)", 0),
         Attr(
@@ -151,7 +166,7 @@ class ConvBnReluPattern:
         if node.op_type == "Conv":
             return self._match_conv(graph, node_id)
         if node.op_type == "ConvTranspose":
-            return self._transposed(graph, node_id)
+            return self._match_conv(graph, node_id)
         return self._unfused_activation(graph, node_id)
 
     def _match_conv(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
@@ -180,12 +195,13 @@ class ConvBnReluPattern:
             return None
         w_name = conv_node.input[1]
         w_shape = graph.shape(w_name)
+        op = conv_node.op_type
         if w_shape is None or not all(isinstance(d, int) for d in w_shape):
             return rejection(
                 self.name,
                 graph,
                 ids,
-                f"shape of Conv weight '{w_name}' is not known at fuse time",
+                f"shape of {op} weight '{w_name}' is not known at fuse time",
                 w_name,
             )
         if len(w_shape) not in (3, 4):
@@ -197,7 +213,16 @@ class ConvBnReluPattern:
                 "supports 1-D and 2-D",
                 w_name,
             )
-        cout = int(w_shape[0])  # type: ignore[arg-type]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in conv_node.attribute}
+        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        transposed = op == "ConvTranspose"
+        if transposed:
+            refused = _transpose_problem(graph.describe(node_id), attrs)
+            if refused is not None:
+                return rejection(self.name, graph, ids, refused, conv_node.output[0])
+            attrs["transposed"] = 1
+        group = int(attrs.get("group") or 1)
+        cout = int(w_shape[1]) * group if transposed else int(w_shape[0])  # type: ignore[arg-type]
         for param in bn.input[1:5] if bn is not None else ():
             shape = graph.shape(param)
             if shape is not None and tuple(shape) != (cout,):
@@ -218,8 +243,6 @@ class ConvBnReluPattern:
             out_value = act.out
         elif isinstance(act, walk.Refused):
             notes.append(act.reason)
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in conv_node.attribute}
-        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
         attrs.update(activation.attributes())
         if activation.name:
             notes.append(f"activation: {activation.describe()}")
@@ -231,7 +254,7 @@ class ConvBnReluPattern:
                 notes=tuple(notes),
             )  # fmt: skip
         epsilon = _bn_epsilon(bn)
-        folded = _fold(graph, conv_node, bn, epsilon)
+        folded = _fold(graph, conv_node, bn, epsilon, group if transposed else 0)
         if isinstance(folded, tuple):
             w_new, b_new = folded
             return Match(
@@ -262,30 +285,6 @@ class ConvBnReluPattern:
             self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs, notes=tuple(notes)
         )
 
-    def _transposed(self, graph: GraphIndex, node_id: int) -> Rejection | None:
-        """ConvTranspose followed by BN or an activation: not fused (no transposed-conv
-        kernel), said at the ConvTranspose."""
-        node = graph.node(node_id)
-        members: list[int] = []
-        out = walk.through_identity(graph, node.output[0], members)
-        followers = [
-            graph.node(r).op_type
-            for r in graph.readers(out)
-            if graph.node(r).op_type == "BatchNormalization"
-        ]
-        if not followers and not isinstance(walk.find(graph, out), walk.Found):
-            return None
-        what = "BatchNormalization" if followers else "an activation"
-        return rejection(
-            self.name,
-            graph,
-            [node_id, *members],
-            f"ConvTranspose '{graph.describe(node_id)}' followed by {what} is not fused: "
-            "ConvBnRelu has no transposed-convolution kernel (output_padding, output_shape "
-            "and the scatter of its taps are not implemented)",
-            out,
-        )
-
     def _unfused_activation(self, graph: GraphIndex, node_id: int) -> Rejection | None:
         """An activation-shaped node reading a Conv / BN / ConvBnRelu output that the Conv's
         match left out: the near-miss, with the reason (reported once, at its first node)."""
@@ -309,12 +308,31 @@ def _conv_like(graph: GraphIndex, node: onnx.NodeProto) -> bool:
         return node.op_type == CONV_BN_RELU.name
     if node.domain not in ("", "ai.onnx"):
         return False
-    if node.op_type == "Conv":
+    if node.op_type in _CONVS:
         return True
     if node.op_type != "BatchNormalization":
         return False
     source = graph.producer_of(walk.back_through_identity(graph, node.input[0]))
-    return source is not None and source.op_type == "Conv" and source.domain in ("", "ai.onnx")
+    return source is not None and source.op_type in _CONVS and source.domain in ("", "ai.onnx")
+
+
+_CONVS = ("Conv", "ConvTranspose")
+
+
+def _transpose_problem(name: str, attrs: Mapping[str, Any]) -> str | None:
+    """Why ConvTranspose `name` is not fused (output_shape and auto_pad are not resolved:
+    their pads depend on the run-time input size), or None."""
+    if attrs.get("output_shape"):
+        return (
+            f"ConvTranspose '{name}' gives output_shape {list(attrs['output_shape'])}: "
+            "ConvBnRelu takes explicit pads only"
+        )
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    if auto_pad != "NOTSET":
+        return (
+            f"ConvTranspose '{name}' has auto_pad={auto_pad}: ConvBnRelu takes explicit pads only"
+        )
+    return None
 
 
 def _bn_problem(graph: GraphIndex, bn: onnx.NodeProto) -> tuple[str, str | None] | None:
@@ -346,9 +364,15 @@ def _bn_epsilon(bn: onnx.NodeProto) -> float:
 
 
 def _fold(
-    graph: GraphIndex, conv_node: onnx.NodeProto, bn: onnx.NodeProto, epsilon: float
+    graph: GraphIndex,
+    conv_node: onnx.NodeProto,
+    bn: onnx.NodeProto,
+    epsilon: float,
+    transposed_group: int = 0,
 ) -> tuple[onnx.TensorProto, onnx.TensorProto] | str:
-    """Folded (W', B') as new initializers, or the reason folding is not possible."""
+    """Folded (W', B') as new initializers, or the reason folding is not possible.
+    `transposed_group` > 0: a ConvTranspose weight [Cin, Cout/group, *k] with that group, whose
+    output channel (g, o) is W[g * Cin/group : (g + 1) * Cin/group, o]."""
     names = [conv_node.input[1], *bn.input[1:5]]
     conv_b = conv_node.input[2] if len(conv_node.input) > 2 and conv_node.input[2] else ""
     if conv_b:
@@ -367,8 +391,14 @@ def _fold(
     w = values[conv_node.input[1]]
     scale, bias, mean, var = (values[n].astype(np.float64) for n in bn.input[1:5])
     a = scale / np.sqrt(var + epsilon)
-    b0 = values[conv_b].astype(np.float64) if conv_b else np.zeros(w.shape[0])
-    w_new = w.astype(np.float64) * a.reshape(-1, *([1] * (w.ndim - 1)))
+    b0 = values[conv_b].astype(np.float64) if conv_b else np.zeros(a.shape[0])
+    if transposed_group:
+        g = transposed_group
+        # [G, Cin/G, Cout/G, *k] scaled by a[G, 1, Cout/G]
+        wg = w.astype(np.float64).reshape(g, w.shape[0] // g, *w.shape[1:])
+        w_new = (wg * a.reshape(g, 1, -1, *([1] * (w.ndim - 2)))).reshape(w.shape)
+    else:
+        w_new = w.astype(np.float64) * a.reshape(-1, *([1] * (w.ndim - 1)))
     b_new = (b0 - mean) * a + bias
     dtype = w.dtype
     if not (np.all(np.isfinite(w_new)) and np.all(np.isfinite(b_new))):

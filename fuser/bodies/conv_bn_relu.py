@@ -1,5 +1,5 @@
-"""ConvBnRelu's body: Conv, then BatchNormalization when its inputs are present, then the
-activation.
+"""ConvBnRelu's body: Conv (ConvTranspose with transposed=1, its own overload), then
+BatchNormalization when its inputs are present, then the activation.
 
 Variants (the function's overload): `folded` (BN already folded into W/B at fuse time, or no
 BN at all) or `bn` (the four BN inputs applied at run time), each with the activation's name
@@ -22,6 +22,8 @@ from fuser.patterns.conv_activation import from_attributes
 from .builder import Body, BodyError, BodyGraph, BodyRequest
 
 CONV_ATTRIBUTES = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+#: ConvTranspose's (auto_pad is always NOTSET in a fused op, output_shape never set).
+TRANSPOSE_ATTRIBUTES = (*CONV_ATTRIBUTES, "output_padding")
 INPUTS = ("X", "W", "B", "scale", "bias", "mean", "var")
 
 
@@ -33,13 +35,14 @@ def build(request: BodyRequest) -> Body:
     except ValueError as e:
         raise BodyError(f"ConvBnRelu: {e}") from None
     last = "conv" if not (with_bn or act.name) else "bn" if not act.name else "act"
+    transposed = bool(request.attributes.get("transposed", 0))
     y = g.op(
-        "Conv",
+        "ConvTranspose" if transposed else "Conv",
         "X",
         "W",
         "B",
         out="Y" if last == "conv" else None,
-        refs={a: a for a in CONV_ATTRIBUTES},
+        refs={a: a for a in (TRANSPOSE_ATTRIBUTES if transposed else CONV_ATTRIBUTES)},
     )
     if with_bn:
         bn_inputs = (y, "scale", "bias", "mean", "var")
@@ -48,7 +51,8 @@ def build(request: BodyRequest) -> Body:
     if act.name:
         _activation(g, act.name, y, request.input_types[0] if request.input_types else 0)
     inputs = INPUTS if with_bn else INPUTS[:3]
-    return g.build(inputs, ("Y",), "bn" if with_bn else "folded", act.name.lower())
+    variant = ("transposed",) if transposed else ()
+    return g.build(inputs, ("Y",), *variant, "bn" if with_bn else "folded", act.name.lower())
 
 
 def _activation(g: BodyGraph, name: str, y: str, elem_type: int) -> None:

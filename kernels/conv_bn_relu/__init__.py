@@ -2,7 +2,7 @@
 type, buffers, default tiling), `kernel` (program), `cost` (tiling space and analytical cost)."""
 
 from .cost import MODELS
-from .kernel import KERNELS, Conv, ConvBnRelu
+from .kernel import KERNELS, Conv, ConvBnRelu, ConvTranspose
 from .tiling import ConvTiling
 
-__all__ = ["KERNELS", "MODELS", "Conv", "ConvBnRelu", "ConvTiling"]
+__all__ = ["KERNELS", "MODELS", "Conv", "ConvBnRelu", "ConvTiling", "ConvTranspose"]

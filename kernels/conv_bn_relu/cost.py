@@ -139,7 +139,7 @@ def conv_cycles(
     fix = dma_out(machine, m * co * isz, cores, machine.l0c_to_gm_bytes_per_cycle)
     s.busy["FIXP"] = fix * per_core
     s.drain = fix
-    gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
+    gm = isz * (g.n * g.cin * g.src_pixels + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
     first_in = nimg * (width if t.fold_taps else min(ci, width)) * x_rows * x_cols * isz
     if not act.on_vector:
         return kernel_cycles(machine, s.time(bool(t.double_buffer)), gm, first_in, cores)
@@ -309,7 +309,11 @@ class _ConvModel:
         return conv_lower_bounds(machine, g, dtype, tilings)
 
 
-MODELS = (_ConvModel("", "Conv"), _ConvModel("fuser", "ConvBnRelu"))
+MODELS = (
+    _ConvModel("", "Conv"),
+    _ConvModel("", "ConvTranspose"),
+    _ConvModel("fuser", "ConvBnRelu"),
+)
 
 
 def conv_lower_bounds(
@@ -381,7 +385,9 @@ def conv_lower_bounds(
     heads = np.array(
         [machine.copy_in_head(int(b), int(c)) for b, c in zip(first_in, cores, strict=True)]
     )
-    gm = isz * (g.n * g.cin * g.h * g.w + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
+    # HBM reads the input as it sits in GM (a ConvTranspose's zeros are never read), as
+    # conv_cycles counts it: the floor must not count bytes the kernel does not move.
+    gm = isz * (g.n * g.cin * g.src_pixels + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)
     floor = machine.hbm_cycles(gm)
     return machine.kernel_launch_cycles + np.maximum(
         core + heads + machine.copy_out_head_cycles, floor

@@ -19,6 +19,12 @@ covers, with block-diagonal weights: the Cube pays for the zeros, as group packi
 hardware. The packed weight layout is prepared once per run, as weights are converted to the
 Cube's format at model load. With BN inputs the core folds scale / sqrt(var + eps) and the
 shift on its scalar unit once per channel block.
+
+Transposed (`transposed=1`, ONNX ConvTranspose): the same program over the convolution it
+equals (geometry.py): the input with stride - 1 zeros between pixels, the weight flipped and
+its channels swapped per group (prepared once, as any weight conversion). The zero insertion
+happens in the DMA into L1: each halo copy is priced at the bytes it writes, zeros included,
+and the Cube multiplies the zeros too (about stride_h * stride_w times the useful work).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from ..npu.memory import Tile
 from ..npu.pipes import Level
 from ..search import Searched
 from .epilogue import WORKSPACE, VectorEpilogue
-from .geometry import ConvGeometry, conv_geometry
+from .geometry import ConvGeometry, conv_geometry, transposed_weight, zero_inserted
 from .tiling import ConvTiling, conv_specs, default_conv_tiling, effective, images
 
 
@@ -184,8 +190,11 @@ class _ConvKernel(Kernel):
             assert X is not None
             assert W is not None
             y = np.empty(g.out_shape(), x.dtype)
+            if g.transposed:
+                W = transposed_weight(W, g.group)
+            src = X.reshape(g.n, g.cin, (g.h - 1) // g.up_h + 1, (g.w - 1) // g.up_w + 1)
             data = _RunData(
-                x=X.reshape(g.n, g.cin, g.h, g.w),
+                x=zero_inserted(src, g),
                 packed=_pack_weights(W.reshape(g.cout, g.cin_g, g.kh, g.kw), g, co),
                 params=self._raw_params(inputs, g) if (has_b or has_bn) else None,
                 y=y.reshape(g.n, g.cout, g.ho, g.wo),
@@ -499,6 +508,20 @@ class Conv(_ConvKernel):
     fused = False
 
 
+class ConvTranspose(_ConvKernel):
+    """ONNX ConvTranspose (explicit pads; auto_pad and output_shape refused): the transposed
+    program ConvBnRelu runs with transposed=1, bias added in the FixPipe epilogue."""
+
+    op_type = "ConvTranspose"
+    domain = ""
+    fused = False
+
+    def _geometry(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> tuple[ConvGeometry, TensorMeta, bool, bool]:
+        return super()._geometry(inputs_meta, {**attrs, "transposed": 1})
+
+
 class ConvBnRelu(Searched, _ConvKernel):
     """Fused Conv -> BatchNormalization -> Relu (docs/fused-ops.md): inputs X, W, B, then
     scale, bias, mean, var (all four or none); attributes as Conv plus epsilon and relu."""
@@ -508,4 +531,4 @@ class ConvBnRelu(Searched, _ConvKernel):
     fused = True
 
 
-KERNELS = (Conv(), ConvBnRelu())
+KERNELS = (Conv(), ConvTranspose(), ConvBnRelu())

@@ -371,3 +371,147 @@ def test_conflicting_activation_attributes_are_refused() -> None:
         _kernel(FUSED).run(MACHINE, [x, w, b], {"relu": 1, "activation": "Tanh"})
     with pytest.raises(KernelError, match="unknown activation 'Mish'"):
         _kernel(FUSED).run(MACHINE, [x, w, b], {"activation": "Mish"})
+
+
+# ConvTranspose (transposed=1): (X shape, W shape [Cin, Cout/group, *k], attrs). Strides 2
+# and 3, output_padding, groups (depthwise), dilation, pads past the kernel span (a crop),
+# 1-D, batch 1 and 2, odd channel counts.
+TRANSPOSED: list[tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]] = [
+    ((1, 7, 6, 5), (7, 5, 4, 4), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ((2, 6, 5, 4), (6, 3, 3, 3), {"strides": [3, 2], "group": 2, "output_padding": [2, 1]}),
+    ((1, 9, 7, 7), (9, 1, 4, 4), {"strides": [2, 2], "group": 9, "pads": [1, 2, 1, 0]}),
+    (
+        (1, 5, 4, 6),
+        (5, 3, 3, 2),
+        {"strides": [2, 3], "dilations": [2, 1], "pads": [0, 1, 1, 0], "output_padding": [1, 2]},
+    ),
+    (
+        (1, 7, 9),
+        (7, 5, 5),
+        {"strides": [3], "dilations": [2], "pads": [3, 1], "output_padding": [1]},
+    ),
+    ((1, 3, 5, 5), (3, 2, 3, 3), {"pads": [3, 3, 2, 2]}),  # stride 1, pads past the span
+]
+
+
+def _transposed_data(
+    xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict[str, Any], dtype: type
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    cout = ws[1] * int(attrs.get("group", 1))
+    x, w, _, _ = _data(xs, ws, dtype)
+    _, _, b, bn = _data(xs, (cout, *ws[1:]), dtype, seed=1)
+    return x, w, b, bn
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(("xs", "ws", "attrs"), TRANSPOSED)
+def test_transposed_conv_bn_relu_matches_the_conv_transpose_chain(
+    xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict[str, Any], dtype: type
+) -> None:
+    x, w, b, bn = _transposed_data(xs, ws, attrs, dtype)
+    full = {**attrs, "transposed": 1, "relu": 1, "epsilon": 1e-5}
+    got = _kernel(FUSED).run(MACHINE, [x, w, b, *bn], full).outputs[0]
+    want = run_chain(
+        [
+            ("ConvTranspose", ["x", "w", "b"], attrs),
+            ("BatchNormalization", ["t0", "s", "bb", "m", "v"], {"epsilon": 1e-5}),
+            ("Relu", ["t1"], {}),
+        ],
+        {"x": x, "w": w, "b": b, "s": bn[0], "bb": bn[1], "m": bn[2], "v": bn[3]},
+    )
+    assert got.dtype == dtype
+    taps = math.prod(ws[2:]) * xs[1] // int(attrs.get("group", 1))
+    assert_close(got, want, np.dtype(dtype), math.sqrt(taps) * 2)
+
+
+@pytest.mark.parametrize(
+    "tiling",
+    [ConvTiling(3, 4, 16, 16, 0, 3), ConvTiling(1, 16, 32, 32, 1, 7, 0, 2)],
+    ids=["small-blocks", "images"],
+)
+def test_transposed_tilings_give_the_same_numbers(tiling: ConvTiling) -> None:
+    xs, ws, attrs = TRANSPOSED[1]
+    x, w, b, _ = _transposed_data(xs, ws, attrs, np.float32)
+    full = {**attrs, "transposed": 1, "activation": "Silu"}
+    got = _kernel(FUSED).run(MACHINE, [x, w, b], full, tiling=tiling).outputs[0]
+    default = _kernel(FUSED).run(MACHINE, [x, w, b], full).outputs[0]
+    np.testing.assert_allclose(got, default, rtol=1e-6, atol=1e-6)
+    y = run_node("ConvTranspose", [x, w, b], attrs)
+    assert_close(got, y / (1 + np.exp(-y)), np.dtype(np.float32), _scale(ws))
+
+
+def test_transposed_prices_the_zeros_as_the_equivalent_convolution() -> None:
+    """A ConvTranspose (64 -> 32, 4x4, stride 2, pads 1) costs the Cube exactly what the
+    convolution over its zero-inserted input does: the zeros are multiplied, never skipped;
+    its input DMA writes the zeros too, while GM holds (and HBM reads) only the real pixels."""
+    f16 = np.dtype(np.float16)
+    xs, ws = (1, 64, 28, 28), (64, 32, 4, 4)
+    attrs = {"strides": [2, 2], "pads": [1, 1, 1, 1], "transposed": 1, "relu": 1}
+    metas = [TensorMeta(xs, f16), TensorMeta(ws, f16), TensorMeta((32,), f16)]
+    # The equivalent Conv: input 55 x 55 (27 zero rows/cols inserted), pads 4 - 1 - 1 = 2.
+    eq_metas = [TensorMeta((1, 64, 55, 55), f16), TensorMeta((32, 64, 4, 4), f16), metas[2]]
+    eq_attrs = {"pads": [2, 2, 2, 2], "relu": 1}
+    t = ConvTiling(4, 14, 32, 64, 1, 8)
+    run = _kernel(FUSED).run(MACHINE, metas, attrs, tiling=t, functional=False)
+    eq = _kernel(FUSED).run(MACHINE, eq_metas, eq_attrs, tiling=t, functional=False)
+    assert run.outputs == ()
+    assert run.stats.pipe_busy["CUBE"] == pytest.approx(eq.stats.pipe_busy["CUBE"])
+    assert run.stats.pipe_busy["MTE2"] == pytest.approx(eq.stats.pipe_busy["MTE2"])
+    assert run.stats.hbm_bytes < eq.stats.hbm_bytes  # X is read at its real size
+    assert run.stats.cycles >= eq.stats.cycles * 0.99
+
+
+@pytest.mark.parametrize("act", ["", "Silu"])
+@pytest.mark.parametrize(
+    ("xs", "ws", "attrs"),
+    [
+        ((1, 64, 56, 56), (64, 32, 4, 4), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
+        (
+            (2, 24, 15, 15),
+            (24, 1, 3, 3),
+            {"strides": [2, 2], "group": 24, "output_padding": [1, 1]},
+        ),
+    ],
+    ids=["decoder-64to32", "depthwise-batch2"],
+)
+def test_cost_model_agrees_with_the_simulated_transposed_kernel(
+    act: str, xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict[str, Any]
+) -> None:
+    from fuser.kernels.search import search
+
+    f16 = np.dtype(np.float16)
+    cout = ws[1] * int(attrs.get("group", 1))
+    metas = [TensorMeta(xs, f16), TensorMeta(ws, f16), TensorMeta((cout,), f16)]
+    full = {**attrs, "transposed": 1, "activation": act, "relu": 0 if act else 1}
+    result = search("fuser", "ConvBnRelu", metas, full, MACHINE)
+    for priced in result.candidates[:4]:
+        sim = _kernel(FUSED).run(MACHINE, metas, full, tiling=priced.tiling, functional=False)
+        # 15%, not the 12% above: at the decoder shape the analytical conv model is 13%
+        # pessimistic for the plain Conv over the same (zero-inserted) geometry too.
+        assert priced.cycles == pytest.approx(sim.stats.cycles, rel=0.15)
+        assert priced.cycles >= sim.stats.cycles * 0.88
+
+
+def test_transposed_refuses_what_it_does_not_resolve() -> None:
+    x, w, b, _ = _transposed_data((1, 3, 4, 4), (3, 2, 3, 3), {}, np.float32)
+    for extra, why in (
+        ({"auto_pad": "SAME_UPPER"}, "transposed with auto_pad='SAME_UPPER'"),
+        ({"output_shape": [9, 9]}, "transposed with output_shape"),
+    ):
+        with pytest.raises(KernelError, match=why):
+            _kernel(FUSED).run(MACHINE, [x, w, b], {"transposed": 1, "relu": 1, **extra})
+
+
+@pytest.mark.parametrize(("xs", "ws", "attrs"), TRANSPOSED)
+def test_onnx_conv_transpose_kernel_matches_onnxruntime(
+    xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict[str, Any]
+) -> None:
+    """The unfused ConvTranspose gets the same program (so the fused row compares against a
+    priced kernel, not a guess)."""
+    kernel = _kernel(registry.get_kernel("", "ConvTranspose"))
+    x, w, b, _ = _transposed_data(xs, ws, attrs, np.float32)
+    got = kernel.run(MACHINE, [x, w, b], attrs).outputs[0]
+    want = run_node("ConvTranspose", [x, w, b], attrs)
+    assert_close(got, want, np.dtype(np.float32), _scale(ws) * 2)
+    no_bias = kernel.run(MACHINE, [x, w], attrs).outputs[0]
+    assert_close(no_bias, run_node("ConvTranspose", [x, w], attrs), np.dtype(np.float32), 4)

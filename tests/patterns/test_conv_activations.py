@@ -401,24 +401,38 @@ def test_castlike_bound_read_elsewhere_blocks_the_clip() -> None:
     assert count_ops(result.model, "Clip") == 1
 
 
-def test_conv_transpose_with_bn_is_a_near_miss() -> None:
+def test_conv_transpose_with_bn_fuses_and_output_shape_is_a_near_miss() -> None:
+    """ConvTranspose -> BN fuses (transposed=1; more in test_conv_transpose.py); one giving
+    output_shape is refused with the reason."""
     rng = np.random.default_rng(1)
     inits = [numpy_helper.from_array(rng.standard_normal((3, 4, 2, 2)).astype(np.float32), "W")]
     for name in ("scale", "bias", "mean", "var"):
         inits.append(numpy_helper.from_array(rng.uniform(0.5, 1, 4).astype(np.float32), name))
-    nodes = [
-        helper.make_node("ConvTranspose", ["x", "W"], ["c"], name="deconv", strides=[2, 2]),
-        helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["y"]),
-    ]
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", F32, [1, 3, 5, 5])],
-        [helper.make_tensor_value_info("y", F32, None)], inits,
-    )  # fmt: skip
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    result = fuse_all(m)
+
+    def build(**extra: Any) -> onnx.ModelProto:
+        nodes = [
+            helper.make_node(
+                "ConvTranspose", ["x", "W"], ["c"], name="deconv", strides=[2, 2], **extra
+            ),
+            helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["y"]),
+        ]
+        graph = helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", F32, [1, 3, 5, 5])],
+            [helper.make_tensor_value_info("y", F32, None)], inits,
+        )  # fmt: skip
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    original = build()
+    result = fuse_all(original)
+    assert count_ops(result.model, "ConvBnRelu") == 1
+    assert count_ops(result.model, "ConvTranspose") == 0
+    assert_equivalent(original, result.model)
+    result = fuse_all(build(output_shape=[10, 10]))
     assert count_ops(result.model, "ConvBnRelu") == 0
     [why] = reasons(result)
-    assert why.startswith("ConvTranspose 'deconv' followed by BatchNormalization is not fused")
+    assert why == (
+        "ConvTranspose 'deconv' gives output_shape [10, 10]: ConvBnRelu takes explicit pads only"
+    )
 
 
 def test_old_relu_attribute_model_still_runs() -> None:
