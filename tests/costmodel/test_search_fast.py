@@ -71,8 +71,32 @@ def gemm_case(rng: np.random.Generator, gemm: bool) -> tuple[str, str, list[Any]
     return "", "MatMul", [m(*batch, rows, k, dtype=dtype), m(k, n, dtype=dtype)], {}
 
 
+def conv_transpose_case(
+    rng: np.random.Generator, fused: bool
+) -> tuple[str, str, list[Any], dict[str, Any]]:
+    """Decoder upsampling: the kernel runs the equivalent conv over the zero-inserted input,
+    whose zeros are written into L1 but never read from HBM (the bound must not count them)."""
+    n = int(rng.choice([1, 2]))
+    cin, cout = int(rng.choice([8, 32, 64, 130])), int(rng.choice([3, 16, 32, 64]))
+    k, stride = int(rng.choice([2, 3, 4])), int(rng.choice([1, 2, 3]))
+    h, w = int(rng.choice([7, 14, 28])), int(rng.choice([7, 15, 28]))
+    attrs: dict[str, Any] = {
+        "kernel_shape": [k, k],
+        "strides": [stride, stride],
+        "pads": [k // 2] * 4 if k // 2 < k else [0] * 4,
+    }
+    x, wt = m(n, cin, h, w), m(cin, cout, k, k)
+    if not fused:
+        return "", "ConvTranspose", [x, wt], attrs
+    p = m(cout)
+    full = {**attrs, "transposed": 1, "relu": 1, "epsilon": 1e-5}
+    return "fuser", "ConvBnRelu", [x, wt, p, p, p, p, p], full
+
+
 MAKERS = {
     "ConvBnRelu": lambda rng: conv_case(rng, True),
+    "ConvBnRelu transposed": lambda rng: conv_transpose_case(rng, True),
+    "ConvTranspose": lambda rng: conv_transpose_case(rng, False),
     "Conv": lambda rng: conv_case(rng, False),
     "MatMul": lambda rng: gemm_case(rng, False),
     "Gemm": lambda rng: gemm_case(rng, True),
