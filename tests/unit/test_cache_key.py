@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+
 from fuser.tuning_cache import CacheKey
 
 
