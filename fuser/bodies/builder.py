@@ -179,3 +179,27 @@ class BodyGraph:
 def dtype_name(elem_type: int) -> str:
     """float16, float, double, ... (the short name variants carry)."""
     return helper.tensor_dtype_to_np_dtype(elem_type).name if elem_type else "unknown"
+
+
+def linears(
+    g: BodyGraph,
+    n: str,
+    has_bias: Sequence[int],
+    flatten: Sequence[int],
+    inputs: list[str],
+    outputs: list[str],
+) -> list[str]:
+    """The variadic Linears of a normalization + MatMul body: per Linear i, `[Flatten(-1)] ->
+    MatMul(W_i) [-> Add(b_i)]` into `Y_i`, its inputs and output appended to `inputs` and
+    `outputs`; returns the overload name parts (`mm`, `b` bias, `f` flattened) in order."""
+    parts = []
+    for i, (bias, flat_i) in enumerate(zip(has_bias, flatten, strict=True)):
+        inputs.append(f"W_{i}")
+        a = g.op("Flatten", n, axis=-1) if flat_i else n
+        y = g.op("MatMul", a, f"W_{i}", out=None if bias else f"Y_{i}")
+        if bias:
+            inputs.append(f"b_{i}")
+            g.op("Add", y, f"b_{i}", out=f"Y_{i}")
+        outputs.append(f"Y_{i}")
+        parts.append("mm" + ("b" if bias else "") + ("f" if flat_i else ""))
+    return parts

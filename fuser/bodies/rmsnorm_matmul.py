@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from .builder import Body, BodyError, BodyGraph, BodyRequest, dtype_name
+from .builder import Body, BodyError, BodyGraph, BodyRequest, dtype_name, linears
 
 
 def build(request: BodyRequest) -> Body:
@@ -56,15 +56,7 @@ def build(request: BodyRequest) -> Body:
     inputs = ["X", "scale"]
     outputs = ["normalized"]
     parts = []
-    for i, (bias, flat_i) in enumerate(zip(has_bias, flatten, strict=True)):
-        inputs.append(f"W_{i}")
-        a = g.op("Flatten", n, axis=-1) if flat_i else n
-        y = g.op("MatMul", a, f"W_{i}", out=None if bias else f"Y_{i}")
-        if bias:
-            inputs.append(f"b_{i}")
-            g.op("Add", y, f"b_{i}", out=f"Y_{i}")
-        outputs.append(f"Y_{i}")
-        parts.append("mm" + ("b" if bias else "") + ("f" if flat_i else ""))
+    parts += linears(g, n, has_bias, flatten, inputs, outputs)
     return g.build(
         inputs,
         outputs,
