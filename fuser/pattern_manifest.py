@@ -44,7 +44,8 @@ PATTERNS: list[dict[str, str | list[str]]] = [
         "ops": ["SoftmaxTopK"],
         "description": (
             "Softmax/Sigmoid/LogSoftmax -> [bias, expert groups] -> TopK (-> renormalize "
-            "[+eps], scale), or TopK -> Softmax/Sigmoid => SoftmaxTopK"
+            "[+eps], scale), TopK -> Softmax/Sigmoid, or TopK -> ScatterElements(-inf) -> "
+            "Sigmoid => SoftmaxTopK"
         ),
     },
 ]

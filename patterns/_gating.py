@@ -180,9 +180,12 @@ def _feeds_topk(graph: GraphIndex, value: str, through_where_only: bool = False)
     return False
 
 
-def _filled_like(graph: GraphIndex, value: str, like: str) -> tuple[float, list[int]] | None:
+def filled_like(
+    graph: GraphIndex, value: str, like: str, rank: int | None = None
+) -> tuple[float, list[int]] | None:
     """(v, nodes) when `value` is a tensor of `like`'s shape filled with v: ConstantOfShape(
-    Shape(like)) or Expand(scalar v, Shape(like))."""
+    Shape(like)) or Expand(scalar v, Shape(like)); with `rank` (like's), an Expanded scalar of
+    a higher rank (which would broadcast the shape up) does not count."""
     producer = graph.producer.get(value)
     if producer is None:
         return None
@@ -201,7 +204,8 @@ def _filled_like(graph: GraphIndex, value: str, like: str) -> tuple[float, list[
         fill = 0.0 if tensor is None else float(onnx.numpy_helper.to_array(tensor).reshape(-1)[0])
     else:
         found = _scalar(graph, node.input[0])
-        if found is None:
+        array = graph.constant(node.input[0])
+        if found is None or (rank is not None and array is not None and array.ndim > rank):
             return None
         fill = found
     return fill, [producer, shape_id]
@@ -317,8 +321,8 @@ def _group_limit(
     assert scatter_id is not None
     assert unsq_id is not None
     assert expand_id is not None
-    zeros = _filled_like(graph, scatter.input[0], gs)
-    ones = _filled_like(graph, scatter.input[2], kept)
+    zeros = filled_like(graph, scatter.input[0], gs)
+    ones = filled_like(graph, scatter.input[2], kept)
     if zeros is None or ones is None or zeros[0] != 0.0 or ones[0] == 0.0:
         return Problem(
             f"ScatterElements '{_name(graph, scatter_id)}' does not write ones into zeros shaped "

@@ -37,7 +37,7 @@ from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
 from fuser.pattern import Match, Rejection, rejection
 
-from . import _gating
+from . import _dense_gate, _gating
 
 NAME = "softmax_topk"
 PRIORITY = 40
@@ -51,7 +51,7 @@ SCORES = (SOFTMAX, SIGMOID, LOG_SOFTMAX)
 #: The gating attributes' defaults (the plain Softmax -> TopK of the first version).
 DEFAULTS: dict[str, Any] = {
     "score": SOFTMAX, "n_group": 1, "topk_group": 1, "mask_value": float("-inf"),
-    "epsilon": 0.0, "scale": 1.0,
+    "epsilon": 0.0, "scale": 1.0, "dense": 0, "fill": float("-inf"),
 }  # fmt: skip
 
 
@@ -74,7 +74,7 @@ def _infer(
     axis = int(attrs["axis"]) % len(x.shape)
     top = (*x.shape[:axis], int(attrs["k"]), *x.shape[axis + 1 :])
     return [
-        TensorInfo(values_type, top),
+        TensorInfo(values_type, x.shape if int(attrs.get("dense", 0)) else top),
         TensorInfo(TensorProto.INT64, top),
         TensorInfo(x.elem_type, x.shape),
     ]
@@ -179,6 +179,18 @@ def _renormalize_and_scale(values: np.ndarray, attrs: Mapping[str, Any], axis: i
     return values
 
 
+def scattered(
+    x: np.ndarray, top: np.ndarray, indices: np.ndarray, fill: float, axis: int
+) -> np.ndarray:
+    """ScatterElements(data, indices, top, axis) with data a tensor of x's shape and dtype
+    filled with `fill` (ConstantOfShape / Expand of the constant): the dense row of the
+    Llama-4 router, the k chosen logits at their experts, `fill` everywhere else. TopK's
+    indices are distinct along the axis, so the scatter writes each position at most once."""
+    dense = np.full(x.shape, x.dtype.type(fill), dtype=x.dtype)
+    np.put_along_axis(dense, indices, top, axis=axis)
+    return dense
+
+
 def reference(
     inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]
 ) -> tuple[np.ndarray, ...]:
@@ -186,6 +198,9 @@ def reference(
 
     TopK ranks the values in the dtype the original TopK sees, so ties are exactly its ties.
     With sorted=0 ONNX leaves the order of the k results unspecified; they come sorted here.
+    With dense=1 (topk_softmax order) the k values are first scattered into a row of X's shape
+    filled with `fill` (in X's dtype, as the exporters' ConstantOfShape / Expand hold it), and
+    the score is taken of that whole row: values have X's shape.
     """
     x = inputs[0]
     assert x is not None
@@ -199,6 +214,8 @@ def reference(
     full_attrs = {**DEFAULTS, **attrs}
     if attrs["order"] == TOPK_SOFTMAX_ORDER:
         top, indices = _topk(x, k, axis)
+        if int(attrs.get("dense", 0)):
+            top = scattered(x, top, indices, float(attrs.get("fill", float("-inf"))), axis)
         values = _score(top.astype(between), score, axis)
         probs = np.zeros((0,), dtype=x.dtype)
     else:
@@ -246,6 +263,19 @@ SOFTMAX_TOPK = FusedOp(
         Attr("mask_value", "float", "the choice of experts in dropped groups", float("-inf")),
         Attr("epsilon", "float", "renormalize as v / (sum(v) + epsilon)", 0.0),
         Attr("scale", "float", "values times this (routed scaling factor)", 1.0),
+        Attr(
+            "dense",
+            "int",
+            "1 (topk_softmax order, sigmoid) = the k values are scattered into a row of X's "
+            "shape filled with `fill` before the score: values have X's shape (Llama-4)",
+            0,
+        ),
+        Attr(
+            "fill",
+            "float",
+            "the dense row where no expert was chosen (before the score)",
+            float("-inf"),
+        ),
     ),
     type_constraints=(
         ("T", FLOAT_TYPES, "float tensors"),
@@ -495,12 +525,14 @@ _SCORE_OF = {"Softmax": SOFTMAX, "Sigmoid": SIGMOID, "LogSoftmax": LOG_SOFTMAX}
 @dataclass(frozen=True)
 class SoftmaxTopKPattern:
     """Scores (Softmax, Sigmoid, LogSoftmax) -> [Cast] -> [bias, group limit] -> TopK [->
-    gather, renormalize, scale], or TopK -> [Cast] -> Softmax/Sigmoid; anchored at the score op."""
+    gather, renormalize, scale], or TopK -> [Cast] -> Softmax/Sigmoid, or TopK ->
+    ScatterElements(fill) -> [Cast] -> Sigmoid [-> Cast] (Llama-4); anchored at the score op."""
 
     name: str = NAME
     description: str = (
         "Softmax/Sigmoid/LogSoftmax -> [bias, expert groups] -> TopK (-> renormalize [+eps], "
-        "scale), or TopK -> Softmax/Sigmoid => SoftmaxTopK"
+        "scale), TopK -> Softmax/Sigmoid, or TopK -> ScatterElements(-inf) -> Sigmoid "
+        "=> SoftmaxTopK"
     )
     anchors: tuple[tuple[str, str], ...] = (("", "Softmax"), ("", "Sigmoid"), ("", "LogSoftmax"))
     ops: tuple[FusedOp, ...] = (SOFTMAX_TOPK,)
@@ -508,6 +540,12 @@ class SoftmaxTopKPattern:
     def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
         softmax = graph.node(node_id)
         score = _SCORE_OF[softmax.op_type]
+        if score == SIGMOID:
+            dense = _dense_gate.dense_scatter(graph, node_id)
+            if isinstance(dense, _gating.Problem):
+                return rejection(self.name, graph, [node_id], dense.reason, dense.value)
+            if dense is not None:
+                return self._match_dense(graph, node_id, dense)
         if score != LOG_SOFTMAX:
             before = self._topk_before(graph, softmax)
             if before is not None:
@@ -594,6 +632,28 @@ class SoftmaxTopKPattern:
         return Match(
             self.name, SOFTMAX_TOPK, tuple(ids + list(fin.nodes)), (x,), outputs, attrs,
             exportable={softmax.output[0]: 2}, notes=fin.notes,
+        )  # fmt: skip
+
+    def _match_dense(
+        self, graph: GraphIndex, sigmoid_id: int, dense: _dense_gate.Dense
+    ) -> Match | Rejection:
+        """Llama-4: TopK -> ScatterElements into a constant row -> [Cast] -> Sigmoid [-> Cast]:
+        order topk_softmax, score sigmoid, dense=1 (fill when not -inf)."""
+        topk = graph.node(dense.topk)
+        x = topk.input[0]
+        ids = [dense.topk, *dense.nodes]
+        rank = _rank(graph, x)
+        k = _topk_problem(graph, topk, rank)
+        if isinstance(k, _Problem):
+            return rejection(self.name, graph, ids, k.reason, k.value)
+        attrs = self._attributes(
+            k, TOPK_SOFTMAX_ORDER, _Finish(), topk, dense.to_float32, graph.node(sigmoid_id)
+        )
+        attrs["dense"] = 1
+        if dense.fill != float("-inf"):
+            attrs["fill"] = dense.fill
+        return Match(
+            self.name, SOFTMAX_TOPK, tuple(ids), (x,), (dense.out, topk.output[1], ""), attrs,
         )  # fmt: skip
 
     def _match_topk_softmax(

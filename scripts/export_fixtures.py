@@ -744,6 +744,75 @@ FIXTURES += [
 # -- export ------------------------------------------------------------------------------------
 
 
+# -- llama4: Llama-4's dense router (TopK -> ScatterElements into -inf -> Sigmoid) -------------
+
+
+class Llama4Router(nn.Module):
+    """transformers' own Llama4Router as Llama4TextMoe calls it: the tokens flattened to
+    [B*S, H], logits = Linear, top-k of the logits scattered into a row of -inf, sigmoid of the
+    whole row in float32 and back (`sigmoid(scores.float()).to(dtype)`); returns the dense
+    scores transposed to [E, B*S] (as the MoE reads them) and the logits."""
+
+    def __init__(self, top_k: int) -> None:
+        super().__init__()
+        from transformers import Llama4TextConfig
+        from transformers.models.llama4.modeling_llama4 import Llama4Router as Router
+
+        config = Llama4TextConfig(hidden_size=32, num_local_experts=16, num_experts_per_tok=top_k)
+        self.router = Router(config)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, logits = self.router(hidden.reshape(-1, 32))
+        return scores.transpose(0, 1), logits
+
+
+def _build_llama4_router(top_k: int, half: bool) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(8)
+    model = Llama4Router(top_k).eval()
+    model.router.weight.data = torch.randn(16, 32, generator=gen) * 0.3
+    hidden = torch.randn(2, 8, 32, generator=gen)
+    if half:
+        model, hidden = model.half(), hidden.half()
+    return model, {"hidden": hidden}
+
+
+FIXTURES += [
+    Fixture(
+        "llama4-router-ts14",
+        lambda: _build_llama4_router(1, False),
+        "torchscript",
+        14,
+        "Llama-4 router (transformers Llama4Router, 16 experts, top-1): TopK -> ConstantOfShape"
+        "(-inf) -> ScatterElements -> Cast -> Sigmoid -> Cast (no-op Casts in float32) ->"
+        " Transpose",
+        dynamic=_ROUTER_TOKENS,
+        library="transformers",
+    ),
+    Fixture(
+        "llama4-router-dynamo18",
+        lambda: _build_llama4_router(2, False),
+        "dynamo",
+        18,
+        "the same router through dynamo, top-2: Gemm, Expand(-inf) -> ScatterElements ->"
+        " Sigmoid (the exporter drops the no-op Casts) -> Transpose",
+        dynamic=_ROUTER_TOKENS,
+        library="transformers",
+    ),
+    Fixture(
+        "llama4-router-fp16-dynamo18",
+        lambda: _build_llama4_router(1, True),
+        "dynamo",
+        18,
+        "the router in float16 through dynamo: Expand(-inf) -> ScatterElements -> Cast(float32)"
+        " -> Sigmoid -> Cast(float16) -> Transpose",
+        dynamic=_ROUTER_TOKENS,
+        library="transformers",
+        half=True,
+    ),
+]
+
+
 def export(fx: Fixture, path: Path) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
     """Export ``fx`` to ``path``; return the example inputs and PyTorch's outputs."""
     model, inputs = fx.build()

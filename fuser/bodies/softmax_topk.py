@@ -3,6 +3,10 @@ the optional Cast to float32 between them, the optional selection bias and exper
 (DeepSeek-V3), the gather of the unbiased scores at the chosen indices, and the optional
 renormalization (Div by ReduceSum, keepdims; `+ epsilon` when non-zero) and scale.
 
+Dense (Llama-4, `dense=1`, topk_softmax order): the k values scattered (ScatterElements, opset
+11+) into a row of X's shape filled with `fill` (Expand of the attribute, by reference from
+opset 12) before the Sigmoid; variant `_dense`.
+
 Variants: the order (`softmax_topk` or `topk_softmax`), the score when not softmax, then `_f32`
 (the Cast), `_bias`, `_group` (with the mask value: `maskninf`, `mask0`, ...), `_renorm`,
 `_eps`, `_scale`. axis, sorted, k, epsilon and scale are passed by reference (through a
@@ -64,6 +68,10 @@ def build(request: BodyRequest) -> Body:
         else:
             values, _ = _topk(g, scores, last)
         outputs: tuple[str, ...] = ("values", "indices", "probs")
+    elif int(attrs.get("dense", 0)):
+        top, indices = _topk(g, "X", None)
+        values = scored(cast(_scatter(g, top, indices, x_type)), last)
+        outputs = ("values", "indices")
     else:
         top, _ = _topk(g, "X", None)
         values = scored(cast(top), last)
@@ -85,6 +93,7 @@ def build(request: BodyRequest) -> Body:
         outputs,
         order,
         "" if score == "softmax" else score,
+        "dense" if int(attrs.get("dense", 0)) else "",
         "f32" if to_float32 else "",
         "bias" if bias else "",
         f"group{n_group}of{int(attrs['topk_group'])}mask{mask.replace('-', 'n')}"
@@ -100,6 +109,17 @@ def _typed(g: BodyGraph, source: str, elem_type: int) -> str:
     """The float attribute `source` as a scalar of the values' type."""
     value = g.scalar(source)
     return g.op("Cast", value, to=elem_type) if elem_type not in (0, TensorProto.FLOAT) else value
+
+
+def _scatter(g: BodyGraph, top: str, indices: str, elem_type: int) -> str:
+    """ScatterElements(fill like X, indices, top, axis): the dense row of the Llama-4 router."""
+    if g.opset < 11:
+        raise BodyError("the dense row needs ScatterElements (opset 11+)")
+    attrs = g.request.attributes
+    if bool(int(attrs["renormalize"])) or float(attrs.get("scale", 1.0)) != 1.0:
+        raise BodyError("dense=1 takes neither renormalize nor scale")
+    filled = g.op("Expand", _typed(g, "fill", elem_type), g.op("Shape", "X"))
+    return g.op("ScatterElements", filled, indices, top, refs={"axis": "axis"})
 
 
 def _group_limit(g: BodyGraph, choice: str, elem_type: int) -> str:

@@ -3,6 +3,8 @@
     softmax_topk:  p = Softmax(X);  values, indices = TopK(p [cast to float32], k)
     topk_softmax:  l, indices = TopK(X, k);  values = Softmax(l)       (softmax over the k)
     renormalize:   values = values / sum(values)                         (per point)
+    dense (Llama-4, topk_softmax + sigmoid): l, indices = TopK(X, k);
+                   values = Sigmoid(ScatterElements(fill like X, indices, l))  (X's shape)
 
 Each (B, S) point is a row of E experts (`axis` moved last). Per tile of `rows` points a core
 copies in rows x E (npu-model.md "Softmax+TopK": t * E * size), runs max, sub, exp, sum, div
@@ -80,6 +82,8 @@ class _Spec:
     mask_value: float = float("-inf")
     epsilon: float = 0.0
     scale: float = 1.0
+    dense: bool = False
+    fill: float = float("-inf")
 
     @property
     def classic(self) -> bool:
@@ -96,6 +100,11 @@ class _Spec:
     @property
     def values_dtype(self) -> np.dtype:
         return F32 if self.to_float32 else self.dtype
+
+    @property
+    def values_width(self) -> int:
+        """k, or the whole row in the dense form."""
+        return self.width if self.dense else self.k
 
     @property
     def probs_width(self) -> int:
@@ -133,11 +142,19 @@ def _spec(op: str, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str,
         raise KernelError(f"{op}: topk_group={topk_group} outside [1, {n_group}]")
     if order != "softmax_topk" and (bias or n_group > 1):
         raise KernelError(f"{op}: selection_bias and n_group need order softmax_topk")
+    dense = bool(int(attrs.get("dense", 0)))
+    renormalize = bool(int(attrs.get("renormalize", 0)))
+    scale = float(attrs.get("scale", 1.0))
+    if dense and (order, score, renormalize, scale) != ("topk_softmax", "sigmoid", False, 1.0):
+        raise KernelError(
+            f"{op}: dense=1 needs order topk_softmax and score sigmoid, without renormalize "
+            "or scale"
+        )
     return _Spec(
         axis=axis,
         k=k,
         order=order,
-        renormalize=bool(int(attrs.get("renormalize", 0))),
+        renormalize=renormalize,
         to_float32=bool(int(attrs.get("to_float32", 0))),
         emit_probs=bool(int(attrs.get("emit_probs", 0))),
         dtype=x.dtype,
@@ -148,7 +165,9 @@ def _spec(op: str, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str,
         topk_group=topk_group,
         mask_value=float(attrs.get("mask_value", float("-inf"))),
         epsilon=float(attrs.get("epsilon", 0.0)),
-        scale=float(attrs.get("scale", 1.0)),
+        scale=scale,
+        dense=dense,
+        fill=float(attrs.get("fill", float("-inf"))),
     )
 
 
@@ -191,12 +210,17 @@ def _steps(s: _Spec, machine: Machine | None) -> list[VecStep]:
             steps.append(VecStep(("Cast",), e, F32))
     else:
         steps = [*up, *select_steps(machine, F32, e, k), *_score_steps(s.score, k)]
+    if s.dense:
+        # The dense row: sigmoid(fill) duplicated over the row (one constant, computed once
+        # per kernel), then each chosen expert's score selected in at its index (a Select per
+        # chosen expert, as the gather), and the whole row copied out.
+        steps += [VecStep(("Duplicate",), e, F32), *[VecStep(("Select",), e, F32)] * k]
     if s.renormalize:
         steps.append(VecStep(("ReduceSum", *(("Adds",) if s.epsilon else ()), "Div"), k, F32))
     if s.scale != 1.0:
         steps.append(VecStep(("Muls",), k, F32))
     if s.values_dtype != F32:
-        steps.append(VecStep(("Cast",), k, F32))
+        steps.append(VecStep(("Cast",), s.values_width, F32))
     return steps
 
 
@@ -224,6 +248,11 @@ def _tile(s: _Spec, x: np.ndarray, *resident: np.ndarray) -> tuple[np.ndarray, .
     else:
         top, indices = topk_rows(x32, s.k, largest=True)
         values = _scores(s.score, top)
+        if s.dense:  # as `_steps` prices it: the row of sigmoid(fill), the k scores put in
+            fill = np.full((1, 1), s.dtype.type(s.fill), dtype=s.dtype).astype(F32)
+            row = np.broadcast_to(_scores(s.score, fill), x32.shape).copy()
+            np.put_along_axis(row, indices, values, axis=-1)
+            values = row
         extra = ()
     if s.renormalize:
         total = values.sum(axis=-1, keepdims=True, dtype=F32)
@@ -249,7 +278,7 @@ class SoftmaxTopKKernel(Searched, Kernel):
             width=width,
             in_dtype=s.dtype,
             outs=(
-                RowOut("values", s.k, s.values_dtype),
+                RowOut("values", s.values_width, s.values_dtype),
                 RowOut("indices", s.k, I64),
                 # No softmax of the whole row exists in topk_softmax order: probs is empty.
                 *([RowOut("probs", width, s.dtype, emit=s.emit_probs)] if s.probs_width else []),
@@ -269,7 +298,7 @@ class SoftmaxTopKKernel(Searched, Kernel):
         shape = list(s.shape)
         shape[s.axis] = s.k
         return (
-            TensorMeta(tuple(shape), s.values_dtype),
+            TensorMeta(s.shape if s.dense else tuple(shape), s.values_dtype),
             TensorMeta(tuple(shape), I64),
             TensorMeta(s.shape if s.probs_width else (0,), s.dtype),
         )

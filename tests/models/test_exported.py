@@ -252,3 +252,43 @@ def test_autocast_vit_casts_its_float32_layernorms_to_float16_linears(name: str)
     for node in fused:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["matmul_type"] == onnx.TensorProto.FLOAT16
+
+
+# -- Llama-4 routers (llama4 lane) ---------------------------------------------------------------
+
+# A Sigmoid router, not Softmax -> TopK: nothing for the structural inventory.
+EXPECTED |= {name: {} for name in ("llama4-router-ts14", "llama4-router-dynamo18",
+                                   "llama4-router-fp16-dynamo18")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "k", "casts"),
+    [("llama4-router-ts14", 1, 2), ("llama4-router-dynamo18", 2, 0),
+     ("llama4-router-fp16-dynamo18", 1, 2)],
+)  # fmt: skip
+def test_llama4_router_fuses_into_one_dense_node(name: str, k: int, casts: int) -> None:
+    """TopK -> fill (-inf) -> ScatterElements -> [Cast] -> Sigmoid [-> Cast]: one SoftmaxTopK
+    with dense=1 whose values the Transpose reads, with default flags."""
+    from fuser.api import fuse, validate
+
+    model = _load(name)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("ScatterElements") == 1 and ops.count("Cast") == casts
+    assert ops.count("ConstantOfShape") + ops.count("Expand") == 1
+    result = fuse(model, cache=False)
+    assert result.report.summary["softmax_topk"] == 1
+    left = [n.op_type for n in result.model.graph.node]
+    assert not {"TopK", "ScatterElements", "Sigmoid", "Cast", "ConstantOfShape", "Expand",
+                "Shape"} & set(left), left  # fmt: skip
+    (node,) = [n for n in result.model.graph.node if n.domain == "fuser"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert (attrs["order"], attrs["score"], attrs["dense"], attrs["k"]) == (
+        b"topk_softmax",
+        b"sigmoid",
+        1,
+        k,
+    )
+    assert "fill" not in attrs and attrs["to_float32"] == 0  # -inf; Cast back absorbed
+    (transpose,) = [n for n in result.model.graph.node if n.op_type == "Transpose"]
+    assert transpose.input[0] == node.output[0]
+    assert validate(model, result).ok
