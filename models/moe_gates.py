@@ -134,3 +134,68 @@ def gate_model(gate: Gate, opset: int = 17) -> onnx.ModelProto:
     del model.graph.output[:]
     model.graph.output.extend(inferred.graph.output)
     return model
+
+
+# -- Llama-4's dense router (llama4 lane) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DenseGate:
+    """Llama-4's router after its logits: TopK -> ScatterElements into a row of `fill` ->
+    [Cast float32] -> Sigmoid [-> Cast back] [-> Transpose]; the defaults are the TorchScript
+    form of transformers' Llama4Router (16 experts, top-1). Each trap a keyword."""
+
+    dtype: str = "float32"
+    experts: int = 16
+    k: int = 1
+    tokens: int | str = "N"
+    fill_form: str = "ConstantOfShape"  # or "Expand" (dynamo), "logits" (a trap: no fill)
+    fill: float = float("-inf")
+    casts: bool = True  # Cast(float32) before the Sigmoid and back to dtype after
+    cast_back: bool = True  # with casts: the Cast back after the Sigmoid
+    cast_to: int = TensorProto.FLOAT  # the Cast before the Sigmoid (another type: a trap)
+    transpose: bool = True
+    scatter_axis: int = 1  # 0: a trap
+    indices_from: str = "topk"  # "other": a second TopK's (largest=0) indices, a trap
+    largest: int = 1  # 0: a trap
+    read_values: bool = False  # the TopK values also a graph output (a trap)
+    read_indices: bool = False  # the TopK indices also a graph output (fine)
+    reduction: str | None = None  # ScatterElements reduction ("add": a trap)
+
+
+def dense_gate_model(gate: DenseGate, opset: int = 14) -> onnx.ModelProto:
+    """The dense router as one model: outputs the (transposed) dense scores, and the traps'
+    extras."""
+    b = _Builder(Gate(dtype=gate.dtype, experts=gate.experts, tokens=gate.tokens))
+    k = b.const([gate.k], "k", np.int64)
+    values, indices = b.op("TopK", "x", k, n_out=2, axis=1, largest=gate.largest, sorted=1)
+    if gate.indices_from == "other":
+        indices = b.op("TopK", "x", k, n_out=2, axis=1, largest=0)[1]
+    if gate.fill_form == "logits":
+        data = "x"
+    elif gate.fill_form == "Expand":
+        data = b.op("Expand", b.const(gate.fill, "fill"), b.op("Shape", "x"))
+    else:
+        tensor = numpy_helper.from_array(np.array([gate.fill], b.np))
+        data = b.op("ConstantOfShape", b.op("Shape", "x"), value=tensor)
+    extra = {"reduction": gate.reduction} if gate.reduction else {}
+    row = b.op("ScatterElements", data, indices, values, axis=gate.scatter_axis, **extra)
+    scores = b.op("Cast", row, to=gate.cast_to) if gate.casts else row
+    scores = b.op("Sigmoid", scores)
+    if gate.casts and gate.cast_back:
+        scores = b.op("Cast", scores, to=b.elem)
+    if gate.transpose:
+        scores = b.op("Transpose", scores, perm=[1, 0])
+    b.outputs = [scores]
+    if gate.read_values:
+        b.outputs.append(values)
+    if gate.read_indices:
+        b.outputs.append(indices)
+    untyped = [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in b.outputs]
+    graph = helper.make_graph(b.nodes, "dense_gate", b.inputs, untyped, b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    inferred = onnx.shape_inference.infer_shapes(model)
+    del model.graph.output[:]
+    model.graph.output.extend(inferred.graph.output)
+    return model
