@@ -14,7 +14,8 @@ default tiling unless a sweep says otherwise) on the chosen target; nothing is a
 8. Conv+BN+activation forms (ReLU6, SiLU, HardSwish, GELU, Conv+SiLU without BN) at
    MobileNet / EfficientNet / YOLO layer shapes: time, GM bytes, launches.
 9. MoE gating beyond softmax: DeepSeek-V3's router (256 experts, 8 groups, top-4 groups, k=8,
-   4096 tokens) and TopK -> Sigmoid, unfused vs fused: launches, time, GM bytes.
+   4096 tokens), TopK -> Sigmoid and Llama-4's dense router (TopK -> ScatterElements(-inf) ->
+   Sigmoid), unfused vs fused: launches, time, GM bytes.
 
     python benchmarks/fusion_gain.py [--target ascend910b] [--quick]
 
@@ -763,8 +764,24 @@ def _gating_cases() -> list[tuple[str, Any]]:
                     opset=18)),
         ("sigmoid + bias, no groups, k=8", gate_model(Gate(**{**deepseek.__dict__,
                                                               "groups": None}), opset=18)),
-        ("Llama-4 style TopK(1 of 16) -> Sigmoid", topk_sigmoid(4096, 16, 1)),
+        ("TopK(1 of 16) -> Sigmoid of the k values", topk_sigmoid(4096, 16, 1)),
         ("TopK(8 of 256) -> Sigmoid", topk_sigmoid(4096, 256, 8)),
+        *_llama4_cases(),
+    ]  # fmt: skip
+
+
+def _llama4_cases() -> list[tuple[str, Any]]:
+    """Llama-4's dense router (llama4 lane): TopK -> ScatterElements into -inf -> Sigmoid of
+    the whole row (Scout: 16 experts, Maverick: 128, top-1), the transposed scores read by the
+    MoE."""
+    from fuser.models.moe_gates import DenseGate, dense_gate_model
+
+    return [
+        ("Llama-4 dense router (TorchScript): TopK(1 of 16) -> Scatter(-inf) -> Sigmoid",
+         dense_gate_model(DenseGate(tokens=4096), opset=14)),
+        ("Llama-4 dense router, dynamo form, TopK(1 of 128) (Maverick)",
+         dense_gate_model(DenseGate(tokens=4096, experts=128, fill_form="Expand", casts=False),
+                          opset=18)),
     ]  # fmt: skip
 
 
@@ -792,7 +809,9 @@ def print_gating(machine: Machine, target: str) -> None:
         "ScatterElements, GatherElements, Expand, ...: roofline estimates). The fused kernel "
         "reads the logits and the bias row once and writes k weights and indices per token; the "
         "chain writes and reads the scores, the biased choice, the group scores and masks, and "
-        "the masked choice through GM."
+        "the masked choice through GM. Llama-4's dense router writes the whole row of E scores "
+        "(the Transpose after it stays, in both columns); its chain also writes and reads the "
+        "-inf row and the scattered logits."
     )
 
 
