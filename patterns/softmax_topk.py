@@ -652,8 +652,11 @@ class SoftmaxTopKPattern:
         attrs["dense"] = 1
         if dense.fill != float("-inf"):
             attrs["fill"] = dense.fill
+        # Every value after the scatter has X's shape: a Shape that reads one reads X instead.
+        rows = {graph.node(i).output[0]: x for i in dense.nodes if graph.node(i).output[0]}
         return Match(
             self.name, SOFTMAX_TOPK, tuple(ids), (x,), (dense.out, topk.output[1], ""), attrs,
+            shape_sources={v: s for v, s in rows.items() if v != dense.out},
         )  # fmt: skip
 
     def _match_topk_softmax(

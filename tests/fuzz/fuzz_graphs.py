@@ -774,6 +774,69 @@ PATTERN_OF["sigmoid_gate"] = "softmax_topk"
 BUILDERS["sigmoid_gate"] = sigmoid_gate
 
 
+# -- llama4 lane: Llama-4's dense router (TopK -> ScatterElements into a fill -> Sigmoid) --------
+
+
+def dense_gate(b: Builder) -> None:
+    """TopK (largest, k up to E, sorted or not: the scatter undoes the order) ->
+    ScatterElements into ConstantOfShape / Expand(fill, Shape(x)) -> [Cast float32] ->
+    Sigmoid [-> Cast back] [-> Transpose]; rows [T, E] or [B, S, E]. Traps: fills -inf, 0,
+    -1e4, +inf; the TopK values or the scattered row read elsewhere; indices of another TopK
+    (largest=0); a scatter with a reduction (opset 16+); largest=0; the fill tensor shared."""
+    e = int(b.pick([5, 8, 15, 16]))
+    if b.chance(0.3):
+        shape, symbols = [int(b.rng.integers(1, 4)), int(b.rng.integers(1, 4)), e], [
+            "batch", "seq", None]  # fmt: skip
+    else:
+        shape, symbols = [int(b.rng.integers(1, 6)), e], ["tokens", None]
+    rank = len(shape)
+    x = b.activation(shape, symbols)
+    k = int(b.pick([1, 1, 2, e]))
+    kname = b.const(np.array([k], np.int64), "k", allow_input=False)
+    largest = None if b.chance(0.92) else 0
+    axis = b.pick([None, -1, rank - 1])
+    sorted_ = b.pick([None, 0])
+    vals, idx = b.node("TopK", [x, kname], 2, axis=axis, largest=largest, sorted=sorted_)
+    if b.chance(0.08):
+        idx = b.node("TopK", [x, kname], 2, axis=axis, largest=0)[1]
+        b.traps.append("dense: indices of another TopK")
+    b.expose(vals, 0.08)
+    fill = float(b.pick([-np.inf, -np.inf, -np.inf, 0.0, -1e4, np.inf]))
+    shape_of = b.one("Shape", [x])
+    if b.chance(0.5):
+        value = numpy_helper.from_array(np.array([fill], b.dtype))
+        data = b.one("ConstantOfShape", [shape_of], value=value)
+    else:
+        scalar = b.const(np.array(fill, b.dtype), "fill", allow_input=False)
+        data = b.one("Expand", [scalar, shape_of])
+    b.expose(data, 0.05)
+    b.traps.append(f"dense fill {fill}")
+    reduction = None
+    if b.opset >= 16 and b.chance(0.08):
+        reduction = b.pick(["add", "mul"] + (["max", "min"] if b.opset >= 18 else []))
+        b.traps.append(f"dense scatter reduction {reduction}")
+    row = b.one("ScatterElements", [data, idx, vals], axis=b.pick([-1, rank - 1]),
+                reduction=reduction)  # fmt: skip
+    b.expose(row, 0.05)
+    casts = b.chance(0.5)
+    scores = b.one("Cast", [row], to=TensorProto.FLOAT) if casts else row
+    scores = b.one("Sigmoid", [scores])
+    if casts and b.chance(0.8):
+        scores = b.one("Cast", [scores], to=b.elem)
+    if b.chance(0.5):
+        perm = list(range(rank))[::-1]
+        scores = b.one("Transpose", [scores], perm=perm)
+    b.scope.outputs.append(scores)
+    if b.chance(0.2):  # the indices of a sorted=0 TopK come in an order ONNX leaves open
+        b.scope.outputs.append(idx)
+        b.unsorted_topk |= sorted_ == 0
+
+
+FAMILIES += ("dense_gate",)
+PATTERN_OF["dense_gate"] = "softmax_topk"
+BUILDERS["dense_gate"] = dense_gate
+
+
 # -- placement: main graph, If branch, Loop body -------------------------------------------------
 
 

@@ -252,3 +252,18 @@ def test_a_sigmoid_of_an_unrelated_scatter_is_no_near_miss() -> None:
     result = fuse_all(model, PATTERN)
     assert result.report.summary["softmax_topk"] == 0
     assert reasons(result) == []
+
+
+def test_a_shape_of_the_scattered_row_reads_the_logits_instead() -> None:
+    """The row has X's shape: a Shape reading it is re-pointed to X, and the rest fuses."""
+    model = parse(
+        "(float[N, 8] x) => (float[N, 8] s, int64[2] d)",
+        "k = Constant<value = int64[1] {2}>()\nt, i = TopK(x, k)\nsh = Shape(x)\n"
+        "f = ConstantOfShape<value = float[1] {-inf}>(sh)\n"
+        "r = ScatterElements<axis = 1>(f, i, t)\ns = Sigmoid(r)\nd = Shape(r)\n",
+    )
+    result = fuse_all(model, PATTERN)
+    assert result.report.summary["softmax_topk"] == 1
+    (shape,) = [n for n in result.model.graph.node if n.op_type == "Shape"]
+    assert list(shape.input) == ["x"]
+    assert_equivalent(model, result.model)
