@@ -61,6 +61,19 @@ class _Builder:
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=name, **attrs))
         return outs[0] if n_out == 1 else outs
 
+    def model(self, name: str, opset: int) -> onnx.ModelProto:
+        """The graph built so far as a model, its outputs typed by shape inference."""
+        untyped = [
+            helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in self.outputs
+        ]
+        graph = helper.make_graph(self.nodes, name, self.inputs, untyped, self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        model.ir_version = 8
+        inferred = onnx.shape_inference.infer_shapes(model)
+        del model.graph.output[:]
+        model.graph.output.extend(inferred.graph.output)
+        return model
+
     def filled(self, like: str, value: float) -> str:
         shape = self.op("Shape", like)
         if self.gate.mask_form == "ts" and value == 1.0:
@@ -126,14 +139,7 @@ def gate_model(gate: Gate, opset: int = 17) -> onnx.ModelProto:
     if gate.scale is not None:
         weights = b.op("Mul", weights, b.const(gate.scale, "scale"))
     b.outputs[:0] = [weights, indices]
-    untyped = [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in b.outputs]
-    graph = helper.make_graph(b.nodes, "gate", b.inputs, untyped, b.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 8
-    inferred = onnx.shape_inference.infer_shapes(model)
-    del model.graph.output[:]
-    model.graph.output.extend(inferred.graph.output)
-    return model
+    return b.model("gate", opset)
 
 
 # -- Llama-4's dense router (llama4 lane) ----------------------------------------------------------
@@ -178,7 +184,7 @@ def dense_gate_model(gate: DenseGate, opset: int = 14) -> onnx.ModelProto:
     else:
         tensor = numpy_helper.from_array(np.array([gate.fill], b.np))
         data = b.op("ConstantOfShape", b.op("Shape", "x"), value=tensor)
-    extra = {"reduction": gate.reduction} if gate.reduction else {}
+    extra: dict[str, Any] = {"reduction": gate.reduction} if gate.reduction else {}
     row = b.op("ScatterElements", data, indices, values, axis=gate.scatter_axis, **extra)
     scores = b.op("Cast", row, to=gate.cast_to) if gate.casts else row
     scores = b.op("Sigmoid", scores)
@@ -191,11 +197,4 @@ def dense_gate_model(gate: DenseGate, opset: int = 14) -> onnx.ModelProto:
         b.outputs.append(values)
     if gate.read_indices:
         b.outputs.append(indices)
-    untyped = [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in b.outputs]
-    graph = helper.make_graph(b.nodes, "dense_gate", b.inputs, untyped, b.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 8
-    inferred = onnx.shape_inference.infer_shapes(model)
-    del model.graph.output[:]
-    model.graph.output.extend(inferred.graph.output)
-    return model
+    return b.model("dense_gate", opset)

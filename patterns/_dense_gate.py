@@ -23,7 +23,7 @@ from onnx import TensorProto
 
 from fuser.graph import GraphIndex
 
-from ._gating import Problem, attr, filled_like, is_op
+from ._gating import Problem, attr, filled_like, is_op, through_cast
 
 _ELEM_NAMES: dict[int, str] = {
     TensorProto.FLOAT: "float32",
@@ -66,11 +66,7 @@ def dense_scatter(graph: GraphIndex, sigmoid_id: int) -> Dense | Problem | None:
     """The TopK -> ScatterElements(fill) -> [Cast] -> Sigmoid [-> Cast] form ending at the
     Sigmoid `sigmoid_id`, why it does not fit, or None when the Sigmoid reads no such scatter."""
     sigmoid = graph.node(sigmoid_id)
-    value, cast_id = sigmoid.input[0], None
-    producer = graph.producer.get(value)
-    if producer is not None and is_op(graph, producer, "Cast"):
-        cast_id, value = producer, graph.node(producer).input[0]
-        producer = graph.producer.get(value)
+    cast_id, _, producer = through_cast(graph, sigmoid.input[0])
     if producer is None or not is_op(graph, producer, "ScatterElements"):
         return None
     scatter_id, scatter = producer, graph.node(producer)

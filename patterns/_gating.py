@@ -65,6 +65,16 @@ def _producer(graph: GraphIndex, value: str, op_type: str) -> int | None:
     return found if found is not None and is_op(graph, found, op_type) else None
 
 
+def through_cast(graph: GraphIndex, value: str) -> tuple[int | None, str, int | None]:
+    """(Cast id or None, the value before it, that value's producer): `value`'s producer,
+    looking through one Cast."""
+    cast_id, producer = None, graph.producer.get(value)
+    if producer is not None and is_op(graph, producer, "Cast"):
+        cast_id, value = producer, graph.node(producer).input[0]
+        producer = graph.producer.get(value)
+    return cast_id, value, producer
+
+
 def _readers(graph: GraphIndex, value: str, op_type: str) -> list[int]:
     return [r for r in graph.readers(value) if is_op(graph, r, op_type)]
 

@@ -573,12 +573,7 @@ class SoftmaxTopKPattern:
     @staticmethod
     def _topk_before(graph: GraphIndex, softmax: onnx.NodeProto) -> tuple[int | None, int] | None:
         """(Cast id or None, TopK id) when the Softmax reads TopK values, maybe through a Cast."""
-        cast_id = None
-        value = softmax.input[0]
-        producer = graph.producer.get(value)
-        if producer is not None and _is_op(graph, producer, "Cast"):
-            cast_id, value = producer, graph.node(producer).input[0]
-            producer = graph.producer.get(value)
+        cast_id, value, producer = _gating.through_cast(graph, softmax.input[0])
         if producer is None or not _is_op(graph, producer, "TopK"):
             return None
         if graph.node(producer).output[0] != value:

@@ -147,6 +147,12 @@ def test_ties_choose_the_lower_expert_as_onnxruntime(kernel: str) -> None:
     assert np.flatnonzero(got[0]).tolist() == [0, 1, 2]
 
 
+# TopK(x, 2) and a float32 -inf row shaped as x, as the parse-built cases share them
+ROW = (
+    "k = Constant<value = int64[1] {2}>()\nt, i = TopK(x, k)\nsh = Shape(x)\n"
+    "f = ConstantOfShape<value = float[1] {-inf}>(sh)\n"
+)
+
 # -- traps ----------------------------------------------------------------------------------------
 
 TRAPS = {
@@ -205,9 +211,7 @@ def test_traps_are_refused_with_a_reason(case: str) -> None:
 def test_scattered_updates_that_are_not_topk_values_are_refused() -> None:
     model = parse(
         "(float[N, 8] x, float[N, 2] u) => (float[N, 8] s)",
-        "k = Constant<value = int64[1] {2}>()\nt, i = TopK(x, k)\nsh = Shape(x)\n"
-        "f = ConstantOfShape<value = float[1] {-inf}>(sh)\n"
-        "r = ScatterElements<axis = 1>(f, i, u)\ns = Sigmoid(r)\n",
+        ROW + "r = ScatterElements<axis = 1>(f, i, u)\ns = Sigmoid(r)\n",
     )
     result = fuse_all(model, PATTERN)
     assert reasons(result, "softmax_topk") == [
@@ -219,9 +223,7 @@ def test_scattered_updates_that_are_not_topk_values_are_refused() -> None:
 def test_a_scattered_row_read_elsewhere_is_refused() -> None:
     model = parse(
         "(float[N, 8] x) => (float[N, 8] s, float[N, 8] r)",
-        "k = Constant<value = int64[1] {2}>()\nt, i = TopK(x, k)\nsh = Shape(x)\n"
-        "f = ConstantOfShape<value = float[1] {-inf}>(sh)\n"
-        "r = ScatterElements<axis = 1>(f, i, t)\ns = Sigmoid(r)\n",
+        ROW + "r = ScatterElements<axis = 1>(f, i, t)\ns = Sigmoid(r)\n",
     )
     result = fuse_all(model, PATTERN)
     assert result.report.summary["softmax_topk"] == 0
@@ -234,9 +236,7 @@ def test_a_shared_fill_stays_for_its_other_reader() -> None:
     """The -inf row also read elsewhere: fused without it (it stays for its reader)."""
     model = parse(
         "(float[N, 8] x) => (float[N, 8] s, float[N, 8] f)",
-        "k = Constant<value = int64[1] {2}>()\nt, i = TopK(x, k)\nsh = Shape(x)\n"
-        "f = ConstantOfShape<value = float[1] {-inf}>(sh)\n"
-        "r = ScatterElements<axis = 1>(f, i, t)\ns = Sigmoid(r)\n",
+        ROW + "r = ScatterElements<axis = 1>(f, i, t)\ns = Sigmoid(r)\n",
     )
     result = fuse_all(model, PATTERN)
     assert result.report.summary["softmax_topk"] == 1
@@ -258,9 +258,7 @@ def test_a_shape_of_the_scattered_row_reads_the_logits_instead() -> None:
     """The row has X's shape: a Shape reading it is re-pointed to X, and the rest fuses."""
     model = parse(
         "(float[N, 8] x) => (float[N, 8] s, int64[2] d)",
-        "k = Constant<value = int64[1] {2}>()\nt, i = TopK(x, k)\nsh = Shape(x)\n"
-        "f = ConstantOfShape<value = float[1] {-inf}>(sh)\n"
-        "r = ScatterElements<axis = 1>(f, i, t)\ns = Sigmoid(r)\nd = Shape(r)\n",
+        ROW + "r = ScatterElements<axis = 1>(f, i, t)\ns = Sigmoid(r)\nd = Shape(r)\n",
     )
     result = fuse_all(model, PATTERN)
     assert result.report.summary["softmax_topk"] == 1
