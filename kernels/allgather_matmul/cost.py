@@ -187,3 +187,30 @@ class _AgmmModel:
 
 
 MODELS = (_AgmmModel(),)
+
+
+# The lower bound of the exact search (`search.Bounded`): `bounds.agmm_lower_bounds`.
+import numpy as np  # noqa: E402
+
+from .bounds import agmm_lower_bounds  # noqa: E402
+
+
+class _BoundedAgmmModel(_AgmmModel):
+    """`_AgmmModel` with a numpy lower bound over its space (`search.best` prunes with it)."""
+
+    #: The tiling fields `lower_bounds` understands (`search.Bounded`).
+    bound_fields = frozenset(f.name for f in dataclasses.fields(AllGatherMatMulTiling))
+
+    def lower_bounds(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tilings: Sequence[Tiling],
+        machine: Machine,
+    ) -> np.ndarray:
+        """Cycles each tiling's `cost` never goes below (`agmm_lower_bounds`)."""
+        p = self._last.get(metas, attrs, lambda: _problem(OP, metas, attrs, machine))
+        return agmm_lower_bounds(machine, p, tilings)
+
+
+MODELS = (_BoundedAgmmModel(),)
