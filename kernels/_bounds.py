@@ -18,6 +18,7 @@ space's tilings: the cheapest few and those within `TIE` of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -191,3 +192,19 @@ def space_columns(tilings: Sequence[Tiling], names: Sequence[str]) -> list[np.nd
     if isinstance(tilings, ColumnSpace):
         return tilings.columns(names)
     return field_columns(tilings, names)
+
+
+def first_of_keys(key: np.ndarray) -> np.ndarray:
+    """Indices of the first column of each distinct column of `key` (rows are fields, values
+    non-negative ints), ascending: a walk's `if key in seen: continue` over a numpy grid."""
+    if key.shape[1] == 0:
+        return np.zeros(0, dtype=np.int64)
+    radix = [int(r.max()) + 1 for r in key]
+    if math.prod(radix) < 2**62:  # one int64 per column (mixed radix), else the columns
+        flat = np.zeros(key.shape[1], dtype=np.int64)
+        for r, col in zip(radix, key, strict=True):
+            flat = flat * r + col
+        _, first = np.unique(flat, return_index=True)
+    else:
+        _, first = np.unique(key, axis=1, return_index=True)
+    return np.sort(first)

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from .._bounds import ColumnSpace
+from .._bounds import ColumnSpace, first_of_keys
 from .._budget import capacity
 from .._cost_base import aligned_sizes
 from .._groups import vector_cores_per_group
@@ -65,18 +65,6 @@ def _fit(machine: Machine, used: dict[Level, np.ndarray]) -> np.ndarray:
     for level, b in used.items():
         ok &= b <= capacity(machine, level)
     return ok
-
-
-def _flat(key: np.ndarray) -> np.ndarray:
-    """Each column of non-negative ints `key` as one int64 (mixed radix; rows of key are
-    fields), or the columns themselves when the radices would overflow."""
-    radix = [int(r.max()) + 1 for r in key] if key.size else []
-    if math.prod(radix) >= 2**62:
-        return np.unique(key, axis=1, return_inverse=True)[1].reshape(-1)
-    flat = np.zeros(key.shape[1], dtype=np.int64)
-    for r, col in zip(radix, key, strict=True):
-        flat = flat * r + col
-    return flat
 
 
 def lnmm_space_fast(machine: Machine, p: Problem) -> ColumnSpace[LayerNormMatMulTiling]:
@@ -136,9 +124,8 @@ def lnmm_space_fast(machine: Machine, p: Problem) -> ColumnSpace[LayerNormMatMul
         np.minimum(cols["tile_n"], cols["part"]), tk, np.minimum(cols["tile_k0"], tk),
         cols["n_split"], cols["a_resident"], db, l0c_single,
     ])  # fmt: skip
-    _, first = np.unique(_flat(key), return_index=True)
     keep = np.zeros(grid.shape[1], dtype=bool)
-    keep[first] = True
+    keep[first_of_keys(key)] = True
     keep &= _fit(machine, level_bytes(p, cols, l0c_single))
     n = int(keep.sum())
     out = {**{k: v[keep] for k, v in cols.items()}, "l0c_single": l0c_single[keep]}

@@ -21,10 +21,7 @@ import numpy as np
 import pytest
 from fuser.kernels import search as ks
 from fuser.kernels.api import KernelError, TensorMeta, TilingError
-from fuser.kernels.layernorm_matmul.cost import lnmm_space
-from fuser.kernels.layernorm_matmul.plan import problem as lnmm_problem
 from fuser.kernels.npu.machine import load_target
-from fuser.kernels.rmsnorm_matmul.plan import problem as rms_problem
 
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
 SHAPES = int(os.environ.get("FUSER_SEARCH_SHAPES", "4"))
@@ -157,27 +154,23 @@ def test_bounds_stay_below_every_cost_and_best_is_exact(op: str) -> None:
     assert pruned > 0  # the bound does prune
 
 
-def _volume(t: Any) -> int:
-    return int(t.rows * t.n_split * t.vec_rows * t.tile_n * t.tile_k * t.tile_k0)
-
-
-@pytest.mark.parametrize("op", ["LayerNormMatMul", "RmsNormMatMul"])
+@pytest.mark.parametrize("op", ["LayerNormMatMul", "RmsNormMatMul", "AllGatherMatMul"])
 def test_the_numpy_space_is_the_walked_space(op: str) -> None:
-    """The space built in numpy holds `lnmm_space`'s tilings in its order, then the staged
-    schedule on the biggest tiles (LayerNormMatMul) or the first (RmsNormMatMul)."""
-    make = lnmm_problem if op == "LayerNormMatMul" else rms_problem
+    """The space built in numpy (`layernorm_matmul.space`, `allgather_matmul.space`) holds the
+    walked space's tilings in its order, staged schedule included: the model it extends (the
+    walk, `lnmm_space` / `agmm_space`) builds the reference."""
     for op_type, metas, attrs in cases(op):
         model = ks.model_for("fuser", op_type)
         assert model is not None
+        walked = type(model).__bases__[0].space(model, metas, attrs, B910)  # type: ignore[attr-defined]
         space = model.space(metas, attrs, B910)
-        walked = lnmm_space(B910, make(metas, attrs))
-        assert list(space[:-1]) == walked, (op, [x.shape for x in metas])
-        assert all(type(t) is type(walked[0]) for t in space[:-1])
-        base = max(walked, key=_volume) if op == "LayerNormMatMul" else walked[0]
-        assert space[-1] == dataclasses.replace(base, staged=1)
-        # The tilings are ordinary ones: equal to (and hashed as) those built field by field.
+        assert type(model).space is not type(model).__bases__[0].space  # type: ignore[attr-defined]
+        assert list(space) == walked, (op, [x.shape for x in metas])
+        assert [type(t) for t in space] == [type(t) for t in walked]
+        # Built without the dataclass's __init__, they are ordinary tilings all the same.
         rebuilt = [dataclasses.replace(t) for t in space]
-        assert rebuilt == list(space) and {hash(t) for t in rebuilt} == {hash(t) for t in space}
+        assert rebuilt == list(space) and [hash(t) for t in rebuilt] == [hash(t) for t in space]
+        assert all(type(getattr(t, f.name)) is int for t in space for f in dataclasses.fields(t))
 
 
 def test_a_bound_above_a_cost_would_change_the_pick(monkeypatch) -> None:  # type: ignore[no-untyped-def]
