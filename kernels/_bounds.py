@@ -172,7 +172,8 @@ class ColumnSpace(list[T]):
         if not self or type(item) is not type(self[0]):
             return False
         row = np.array([getattr(item, n) for n in self.names], dtype=np.int64)
-        return bool((self.table == row).all(axis=1).any())
+        same = np.flatnonzero(self.table[:, 0] == row[0])  # then the few rows that share it
+        return bool((self.table[same] == row).all(axis=1).any())
 
 
 def _make(kind: type[T], names: Sequence[str], table: np.ndarray) -> list[T]:

@@ -20,14 +20,15 @@ import numpy as np
 
 from .._bounds import ColumnSpace, first_of_keys
 from .._budget import capacity
-from .._cost_base import aligned_sizes
+from .._cost_base import aligned_sizes, ceil_div
 from .._groups import vector_cores_per_group
+from ..api import TilingError
 from ..matmul.cost import even_splits
 from ..npu.machine import Machine
 from ..npu.memory import align
 from ..npu.pipes import Level
 from .bounds import FIELDS
-from .plan import LayerNormMatMulTiling, Problem, n_blocks, round_up, specs
+from .plan import OP, LayerNormMatMulTiling, Problem, estimate, n_blocks, round_up, specs
 
 
 def ub_fits(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> bool:
@@ -132,3 +133,80 @@ def lnmm_space_fast(machine: Machine, p: Problem) -> ColumnSpace[LayerNormMatMul
     out["cores"] = np.full(n, cores)
     out["staged"] = np.zeros(n, dtype=np.int64)
     return ColumnSpace.from_columns(LayerNormMatMulTiling, FIELDS, [out[f] for f in FIELDS])
+
+
+def ub_bytes(p: Problem, rows: np.ndarray, vec_rows: np.ndarray, db: np.ndarray) -> np.ndarray:
+    """Bytes `plan.specs` reserves in a vector core's UB, per candidate (X and N per step,
+    double-buffered, the float32 scratch, LayerNorm's scale and bias)."""
+    tm = np.minimum(rows, max(p.q, p.m))
+    vr = np.minimum(vec_rows, np.maximum(1, tm // p.q))
+    d, xsz, isz = p.ln.width, p.x_size, p.dtype.itemsize
+    depth = np.where(db != 0, 2, 1)
+    params = sum(align(d * xsz) for present in (p.ln.has_scale, p.ln.has_bias) if present)
+    return (
+        align(vr * d * xsz) * depth
+        + align(vr * d * max(xsz, isz)) * depth
+        + align(vr * d * p.ln.work.itemsize)
+        + params
+    )
+
+
+def default_tiling_fast(p: Problem, machine: Machine) -> LayerNormMatMulTiling:
+    """`plan.default_tiling(p, machine)`, its `fit` shrink loops run over numpy columns: every
+    (rows, split, placement) start shrinks, step by step, what fills the first level that
+    overflows (`_levels.LEVELS` order) by `fit`'s rules, until it fits or nothing is left to
+    shrink; the survivors are ranked by `plan.estimate`, the first cheapest kept."""
+    unit = math.lcm(machine.cube_m, p.q)
+    top = round_up(max(1, p.m), p.q)
+    rows_options = sorted({min(top, unit * 2**i) for i in range(5)})
+    most = min(machine.cube_cores, n_blocks(p))
+    splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s <= most]
+    starts = np.array(list(itertools.product(rows_options, splits, (1, 0))), dtype=np.int64)
+    rows, ns, res = starts.T if len(starts) else (np.zeros(0, dtype=np.int64),) * 3
+    k0, cn = machine.cube_k_block(p.dtype), machine.cube_n
+    vecs = max(1, vector_cores_per_group(machine))
+    vr = np.maximum(1, ceil_div(rows // p.q, vecs))
+    tn = np.minimum(ceil_div(ceil_div(p.max_n, ns), cn) * cn, 256)
+    tk = np.full(len(rows), min(round_up(max(1, p.k), k0), 1024))
+    tk0 = np.full(len(rows), min(round_up(max(1, p.k), k0), 512 // p.dtype.itemsize))
+    db = np.ones(len(rows), dtype=np.int64)
+    alive = np.ones(len(rows), dtype=bool)
+    levels = (Level.UB, Level.L1, Level.L0A, Level.L0B, Level.L0C)  # `_levels.LEVELS`
+    while True:
+        cols = {"rows": rows, "tile_n": tn, "tile_k": tk, "tile_k0": tk0, "a_resident": res,
+                "double_buffer": db}  # fmt: skip
+        used = {Level.UB: ub_bytes(p, rows, vr, db), **level_bytes(p, cols, np.zeros_like(db))}
+        over = np.full(len(rows), -1)
+        for i, level in reversed(list(enumerate(levels))):  # the first level that overflows
+            over = np.where(used[level] > capacity(machine, level), i, over)
+        todo = alive & (over >= 0)
+        if not todo.any():
+            break
+        lv = np.array(levels, dtype=object)[np.maximum(over, 0)]
+        is_ = {level: todo & (lv == level) for level in levels}
+        r1 = is_[Level.UB] & (vr > 1)
+        r2 = ~r1 & is_[Level.L1] & (tk > tk0)
+        r3 = ~r1 & ~r2 & (is_[Level.L0A] | is_[Level.L0B]) & (tk0 > 2 * k0)
+        r4 = ~r1 & ~r2 & ~r3 & (is_[Level.L0B] | is_[Level.L0C] | is_[Level.L1]) & (tn > 2 * cn)
+        r5 = todo & ~r1 & ~r2 & ~r3 & ~r4 & (db != 0)
+        alive &= ~(todo & ~(r1 | r2 | r3 | r4 | r5))  # nothing left to shrink: no tiling
+        vr = np.where(r1, vr // 2, vr)
+        tk = np.where(r2, np.maximum(tk0, ceil_div(tk // 2, tk0) * tk0), tk)
+        half = np.maximum(1, tk0 // 2)
+        tk = np.where(r3, ceil_div(tk, half) * half, tk)
+        tk0 = np.where(r3, half, tk0)
+        tn = np.where(r4, ceil_div(tn // 2, cn) * cn, tn)
+        db = np.where(r5, 0, db)
+    best: tuple[float, LayerNormMatMulTiling] | None = None
+    priced: dict[LayerNormMatMulTiling, float] = {}
+    for i in np.flatnonzero(alive).tolist():
+        fields = (rows[i], ns[i], vr[i], tn[i], tk[i], tk0[i], res[i], db[i], machine.cube_cores)
+        t = LayerNormMatMulTiling(*(int(f) for f in fields))
+        if t in priced:  # starts that shrank to the same tiling: the first one counts
+            continue
+        est = priced[t] = estimate(p, t, machine)
+        if best is None or est < best[0]:
+            best = (est, t)
+    if best is None:
+        raise TilingError(f"{OP}: no tiling fits {machine.name}")
+    return best[1]

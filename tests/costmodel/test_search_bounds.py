@@ -21,7 +21,11 @@ import numpy as np
 import pytest
 from fuser.kernels import search as ks
 from fuser.kernels.api import KernelError, TensorMeta, TilingError
+from fuser.kernels.layernorm_matmul.plan import default_tiling
+from fuser.kernels.layernorm_matmul.plan import problem as lnmm_problem
+from fuser.kernels.layernorm_matmul.space import default_tiling_fast
 from fuser.kernels.npu.machine import load_target
+from fuser.kernels.rmsnorm_matmul.plan import problem as rms_problem
 
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
 SHAPES = int(os.environ.get("FUSER_SEARCH_SHAPES", "4"))
@@ -191,3 +195,38 @@ def test_a_bound_above_a_cost_would_change_the_pick(monkeypatch) -> None:  # typ
     ks.clear_memo()
     assert ks.best("fuser", op_type, metas, attrs, B910).best.tiling != full[0].tiling
     ks.clear_memo()
+
+
+def test_the_numpy_default_tiling_is_plan_default_tiling() -> None:
+    """`space.default_tiling_fast` (what the kernels use) shrinks every start as
+    `plan.default_tiling`'s `fit` loops do and keeps the same tiling: on 910B, on a combined
+    core (910) and on a 910B with quartered buffers (many shrink steps, some starts with
+    nothing left to shrink)."""
+    tight = dataclasses.replace(
+        B910, name="tight", l1_bytes=B910.l1_bytes // 4, ub_bytes=B910.ub_bytes // 4,
+        l0a_bytes=B910.l0a_bytes // 2,
+    )  # fmt: skip
+    machines = (B910, load_target("ascend910"), tight)
+    checked = 0
+    for op in ("LayerNormMatMul", "RmsNormMatMul"):
+        make = lnmm_problem if op == "LayerNormMatMul" else rms_problem
+        rng = np.random.default_rng(7)
+        for _ in range(6 * SHAPES):
+            _, metas, attrs = MAKERS[op](rng)
+            try:
+                p = make(metas, attrs)
+            except KernelError:
+                continue
+            for machine in machines:
+                want: Any
+                try:
+                    want = default_tiling(p, machine)
+                except TilingError as e:
+                    want = str(e)
+                try:
+                    got: Any = default_tiling_fast(p, machine)
+                except TilingError as e:
+                    got = str(e)
+                assert got == want, (op, machine.name, [x.shape for x in metas], attrs)
+                checked += 1
+    assert checked >= 20
