@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._cost_base import FLOW, field_columns
+from ._cost_base import FLOW, ceil_div, field_columns
 from .api import Tiling
 from .npu.machine import Machine
 
@@ -209,3 +209,27 @@ def first_of_keys(key: np.ndarray) -> np.ndarray:
     else:
         _, first = np.unique(key, axis=1, return_index=True)
     return np.sort(first)
+
+
+def k_chunk(
+    machine: Machine,
+    tm: np.ndarray,
+    width: np.ndarray,
+    kk: np.ndarray,
+    tk0: np.ndarray,
+    isz: int,
+    k0: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(MTE1, Cube) cycles of one `kk`-deep K chunk of a `tm` x `width` output block in L0
+    steps of `tk0` (a tail step last), as the models' `_chunks(kk, tk0)` sums price it: per
+    step two L1 -> L0 loads with their start-ups, and the Cube's 16 x k0 x 16 blocks."""
+    s_full, s_tail = np.divmod(kk, tk0)
+    load_a = isz / machine.l1_to_l0a_bytes_per_cycle
+    load_b = isz / machine.l1_to_l0b_bytes_per_cycle
+    start = 2 * machine.l1_to_l0_startup_cycles
+    mte1 = s_full * (start + tm * tk0 * load_a + tk0 * width * load_b) + (s_tail > 0) * (
+        start + tm * s_tail * load_a + s_tail * width * load_b
+    )
+    mn = ceil_div(tm, 16) * ceil_div(width, 16)
+    cube = (s_full * (mn * ceil_div(tk0, k0)) + mn * ceil_div(s_tail, k0)).astype(float)
+    return mte1, cube

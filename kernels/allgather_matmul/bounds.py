@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._bounds import VecStream, kernel_floor, space_columns
+from .._bounds import VecStream, k_chunk, kernel_floor, space_columns
 from .._cost_base import ceil_div, dma, dma_out
 from .._link import ring_arrivals
 from ..api import Tiling
@@ -39,8 +39,6 @@ def agmm_lower_bounds(machine: Machine, p: _Problem, tilings: Sequence[Tiling]) 
     k0 = machine.cube_k_block(p.dtype)
     shards = p.g.group_size
     piped = db != 0
-    load_a = isz / machine.l1_to_l0a_bytes_per_cycle
-    load_b = isz / machine.l1_to_l0b_bytes_per_cycle
     full_k, tail_k = np.divmod(p.ks, tk)
     tiles = np.zeros(count, dtype=np.int64)
     work, fixes, fill = np.zeros(count), np.zeros(count), np.zeros(count)
@@ -49,14 +47,7 @@ def agmm_lower_bounds(machine: Machine, p: _Problem, tilings: Sequence[Tiling]) 
         count_i = ceil_div(p.m, tm) * ceil_div(lin.n, tn)
         tile = VecStream(count)
         for kk, n_chunks in ((tk, full_k), (tail_k, (tail_k > 0).astype(np.int64))):
-            s_full, s_tail = np.divmod(kk, tk0)
-            mte1 = s_full * (
-                2 * machine.l1_to_l0_startup_cycles + tm * tk0 * load_a + tk0 * tn * load_b
-            ) + (s_tail > 0) * (
-                2 * machine.l1_to_l0_startup_cycles + tm * s_tail * load_a + s_tail * tn * load_b
-            )
-            mn = ceil_div(tm, 16) * ceil_div(tn, 16)
-            cube = (s_full * (mn * ceil_div(tk0, k0)) + mn * ceil_div(s_tail, k0)).astype(float)
+            mte1, cube = k_chunk(machine, tm, tn, kk, tk0, isz, k0)
             a_in, w_in = tm * kk * isz, kk * tn * isz
             mte2 = dma(machine, a_in, cores, True) + dma(machine, w_in, cores, True)
             tile.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, n_chunks)

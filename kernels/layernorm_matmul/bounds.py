@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._bounds import VecStream, as_column, kernel_floor, space_columns
+from .._bounds import VecStream, as_column, k_chunk, kernel_floor, space_columns
 from .._cost_base import ceil_div, dma, dma_out, l2_spill
 from .._groups import vector_cores_per_group
 from .._rows import VecStep
@@ -101,16 +101,7 @@ def lnmm_lower_bounds(
         n_tiles = ceil_div(cols, tn)
         width = np.minimum(tn, cols)
         for kk, count in ((tk, full_k), (tail_k, (tail_k > 0).astype(np.int64))):
-            s_full, s_tail = np.divmod(kk, tk0)
-            load_a = isz / machine.l1_to_l0a_bytes_per_cycle
-            load_b = isz / machine.l1_to_l0b_bytes_per_cycle
-            mte1 = s_full * (
-                2 * machine.l1_to_l0_startup_cycles + tm * tk0 * load_a + tk0 * width * load_b
-            ) + (s_tail > 0) * (
-                2 * machine.l1_to_l0_startup_cycles + tm * s_tail * load_a + s_tail * width * load_b
-            )
-            mn = ceil_div(tm, 16) * ceil_div(width, 16)
-            cube = (s_full * (mn * ceil_div(tk0, k0)) + mn * ceil_div(s_tail, k0)).astype(float)
+            mte1, cube = k_chunk(machine, tm, width, kk, tk0, isz, k0)
             mte2 = dma(machine, kk * width * isz, groups, True) + np.where(
                 res != 0, 0.0, dma(machine, tm * kk * isz, groups, True)
             )
