@@ -173,10 +173,9 @@ def l2_spill(machine: Machine, footprint: float, again: float) -> float:
 
 
 def dma(machine: Machine, nbytes: float, active: int = 1, to_l1: bool = False) -> float:
-    """One GM -> core copy once the pipe has started: transfer cost + bytes at the L2 port."""
-    if nbytes <= 0:
-        return 0.0
-    return machine.copy_in_transfer(to_l1) + nbytes / machine.read_bytes_per_cycle
+    """One GM -> core copy once the pipe has started: transfer cost + bytes at the L2 port
+    (none for no bytes; `nbytes` may be a numpy column, for the bounds of `_bounds`)."""
+    return (nbytes > 0) * (machine.copy_in_transfer(to_l1) + nbytes / machine.read_bytes_per_cycle)
 
 
 def dma_out(machine: Machine, nbytes: float, active: int = 1, cap: float | None = None) -> float:

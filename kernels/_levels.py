@@ -12,8 +12,10 @@ LEVELS: tuple[Level, ...] = (Level.UB, Level.L1, Level.L0A, Level.L0B, Level.L0C
 
 
 def overflow(machine: Machine, specs: Sequence[QueueSpec]) -> Level | None:
-    """The first level whose queues exceed its capacity, or None when everything fits."""
-    for level in LEVELS:
-        if sum(s.reserved for s in specs if s.level is level) > capacity(machine, level):
-            return level
-    return None
+    """The first level whose queues exceed its capacity, or None when everything fits (one
+    pass over the queues: host tilings shrink in loops of these checks)."""
+    used = dict.fromkeys(LEVELS, 0)
+    for s in specs:
+        if s.level in used:
+            used[s.level] += s.reserved
+    return next((lv for lv in LEVELS if used[lv] > capacity(machine, lv)), None)

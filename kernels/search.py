@@ -207,7 +207,7 @@ def bound_of(model: CostModel, space: Sequence[Tiling]) -> Bounded | None:
     """`model` as a `Bounded` when its bound covers every field of the space's tilings."""
     if not isinstance(model, Bounded) or not space:
         return None
-    names = {f.name for t in space for f in dataclasses.fields(t)}
+    names = {f.name for kind in {type(t) for t in space} for f in dataclasses.fields(kind)}
     return model if names == set(model.bound_fields) else None
 
 

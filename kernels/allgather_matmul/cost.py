@@ -187,3 +187,43 @@ class _AgmmModel:
 
 
 MODELS = (_AgmmModel(),)
+
+
+# The lower bound of the exact search (`search.Bounded`): `bounds.agmm_lower_bounds`.
+import numpy as np  # noqa: E402
+
+from .bounds import agmm_lower_bounds  # noqa: E402
+from .space import agmm_space_fast  # noqa: E402
+
+
+class _BoundedAgmmModel(_AgmmModel):
+    """`_AgmmModel` with its space built in numpy and a lower bound over it (`search.best`
+    prunes with it)."""
+
+    def space(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> list[Tiling]:
+        """`_AgmmModel.space`, the tilings from `agmm_space_fast`."""
+        p = _problem(OP, metas, attrs, machine)
+        space: list[Tiling] = agmm_space_fast(machine, p)  # type: ignore[assignment]
+        base = space[0] if space else AllGatherMatMulTiling(16, 16, 16, 16, 1, 0, 1)
+        assert isinstance(base, AllGatherMatMulTiling)
+        space.append(dataclasses.replace(base, staged=1))
+        return space
+
+    #: The tiling fields `lower_bounds` understands (`search.Bounded`).
+    bound_fields = frozenset(f.name for f in dataclasses.fields(AllGatherMatMulTiling))
+
+    def lower_bounds(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tilings: Sequence[Tiling],
+        machine: Machine,
+    ) -> np.ndarray:
+        """Cycles each tiling's `cost` never goes below (`agmm_lower_bounds`)."""
+        p = self._last.get(metas, attrs, lambda: _problem(OP, metas, attrs, machine))
+        return agmm_lower_bounds(machine, p, tilings)
+
+
+MODELS = (_BoundedAgmmModel(),)

@@ -302,3 +302,46 @@ class _LnmmModel:
 
 
 MODELS = (_LnmmModel(),)
+
+
+# Lower bounds for the exact search (`search.Bounded`): `bounds.lnmm_lower_bounds`.
+import numpy as np  # noqa: E402
+
+from .._bounds import ColumnSpace  # noqa: E402
+from .bounds import FIELDS, lnmm_lower_bounds  # noqa: E402
+from .space import lnmm_space_fast  # noqa: E402
+
+
+class _BoundedLnmmModel(_LnmmModel):
+    """`_LnmmModel` with a numpy lower bound over its space (`search.best` prunes with it)."""
+
+    def space(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> list[Tiling]:
+        """`_LnmmModel.space`, the fused tilings built in numpy (`space.lnmm_space_fast`)."""
+        p = problem(metas, attrs)
+        fused = lnmm_space_fast(machine, p)
+        space: ColumnSpace[Tiling] = fused  # type: ignore[assignment]
+        if fused:  # the staged tiling takes the biggest tiles (see `_LnmmModel.space`)
+            rows, ns, vr, tn, tk, tk0 = fused.columns(FIELDS)[:6]
+            base = fused[int(np.argmax(rows * ns * vr * tn * tk * tk0))]  # `_volume`
+        else:
+            base = default_tiling(p, machine)
+        space.append(dataclasses.replace(base, staged=1))
+        return space
+
+    #: The tiling fields `lower_bounds` understands (`search.Bounded`).
+    bound_fields = frozenset(f.name for f in dataclasses.fields(LayerNormMatMulTiling))
+
+    def lower_bounds(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tilings: Sequence[Tiling],
+        machine: Machine,
+    ) -> np.ndarray:
+        """Cycles each tiling's `cost` never goes below (`lnmm_lower_bounds`)."""
+        return lnmm_lower_bounds(machine, self._problem(metas, attrs), tilings)
+
+
+MODELS = (_BoundedLnmmModel(),)

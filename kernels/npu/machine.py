@@ -14,6 +14,7 @@ A target file holds every number of the machine with its source tag in `"_source
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -158,13 +159,20 @@ class Machine:
             raise TargetError(
                 f"{self.name}: no vector cost for op '{op}' in 'vector_ops'"
             ) from None
-        name = np.dtype(dtype).name
+        name = dtype_name(dtype)
         if name in per_dtype:
             return per_dtype[name]
         if "float16" not in per_dtype:
             raise TargetError(f"{self.name}: no vector cost for '{op}' on {name} in 'vector_ops'")
         k, b = per_dtype["float16"]
         return k * np.dtype(dtype).itemsize / 2, b
+
+
+@functools.lru_cache(maxsize=64)
+def dtype_name(dtype: Any) -> str:
+    """`np.dtype(dtype).name`, remembered: cost models ask it per vector instruction priced,
+    and numpy computes it in Python each time."""
+    return np.dtype(dtype).name
 
 
 def load_target(name_or_path: str | Path) -> Machine:

@@ -81,3 +81,45 @@ class _RmsnmmModel:
 
 
 MODELS = (_RmsnmmModel(),)
+
+
+# The numpy-built space and the lower bound of the exact search (`search.Bounded`):
+# LayerNormMatMul's (`layernorm_matmul.space`, `layernorm_matmul.bounds`) with the RMSNorm's
+# vector instructions.
+import numpy as np  # noqa: E402
+
+from ..layernorm_matmul.bounds import lnmm_lower_bounds  # noqa: E402
+from ..layernorm_matmul.space import lnmm_space_fast  # noqa: E402
+
+
+class _BoundedRmsnmmModel(_RmsnmmModel):
+    """`_RmsnmmModel` with its space built in numpy and a lower bound over it."""
+
+    #: The tiling fields `lower_bounds` understands (`search.Bounded`).
+    bound_fields = frozenset(f.name for f in dataclasses.fields(LayerNormMatMulTiling))
+
+    def space(
+        self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
+    ) -> list[Tiling]:
+        """`_RmsnmmModel.space`, the fused tilings from `lnmm_space_fast`."""
+        p = problem(metas, attrs)
+        space: list[Tiling] = lnmm_space_fast(machine, p)  # type: ignore[assignment]
+        base = space[0] if space else default_tiling(p, machine)
+        assert isinstance(base, LayerNormMatMulTiling)
+        space.append(dataclasses.replace(base, staged=1))
+        return space
+
+    def lower_bounds(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tilings: Sequence[Tiling],
+        machine: Machine,
+    ) -> np.ndarray:
+        """Cycles each tiling's `cost` never goes below (`lnmm_lower_bounds`, RMSNorm's steps)."""
+        p = self._problem(metas, attrs)
+        steps = rms_steps(p.ln, round_before_scale(attrs))
+        return lnmm_lower_bounds(machine, p, tilings, steps)
+
+
+MODELS = (_BoundedRmsnmmModel(),)

@@ -173,3 +173,32 @@ def plan_of(
 
 
 MODELS = (_RowModel("fuser", "SoftmaxTopK"),)
+
+
+# The lower bound of the exact search (`search.Bounded`): `bounds.row_lower_bounds`.
+import dataclasses  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from .bounds import row_lower_bounds  # noqa: E402
+
+
+class _BoundedRowModel(_RowModel):
+    """`_RowModel` with a numpy lower bound over its space (`search.best` prunes with it)."""
+
+    #: The tiling fields `lower_bounds` understands (`search.Bounded`).
+    bound_fields = frozenset(f.name for f in dataclasses.fields(SoftmaxTopKTiling))
+
+    def lower_bounds(
+        self,
+        metas: Sequence[TensorMeta | None],
+        attrs: Mapping[str, Any],
+        tilings: Sequence[Tiling],
+        machine: Machine,
+    ) -> np.ndarray:
+        """Cycles each tiling's `cost` never goes below (`row_lower_bounds`)."""
+        plan = self._last.get(metas, attrs, lambda: self._plan(metas, attrs, machine))
+        return row_lower_bounds(machine, plan, tilings)
+
+
+MODELS = (_BoundedRowModel("fuser", "SoftmaxTopK"),)

@@ -1,0 +1,212 @@
+"""`cost.lnmm_space` built in numpy: the same tilings in the same order, in milliseconds.
+
+`lnmm_space` walks rows x buffering x N split x W tile x L0 step x A placement and asks the
+kernel's buffer specs (`plan.specs`) of each candidate, some twice: tens of thousands of Python
+calls per space, most of a search's time. Here the candidates of each (rows, buffering, split)
+are a numpy grid in the same order, the L1 / L0A / L0B / L0C reservations of `plan.specs` are
+columns (`level_bytes`; the UB queues depend on `vec_rows` only, found per row block as
+`lnmm_space` finds them), the dedup keeps each key's first candidate, as the walk does, and the
+result is a `ColumnSpace` (its columns feed the bound). `tests/costmodel/test_lnmm_bounds.py`
+checks it equals `lnmm_space` on awkward shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+
+from .._bounds import ColumnSpace, first_of_keys
+from .._budget import capacity
+from .._cost_base import aligned_sizes, ceil_div
+from .._groups import vector_cores_per_group
+from ..api import TilingError
+from ..matmul.cost import even_splits
+from ..npu.machine import Machine
+from ..npu.memory import align
+from ..npu.pipes import Level
+from .bounds import FIELDS
+from .plan import OP, LayerNormMatMulTiling, Problem, estimate, n_blocks, round_up, specs
+
+
+def ub_fits(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> bool:
+    """True when the tiling's UB queues (`plan.specs`) fit a vector core's UB."""
+    return sum(s.reserved for s in specs(p, t) if s.level is Level.UB) <= machine.ub_bytes
+
+
+def level_bytes(
+    p: Problem, cols: dict[str, np.ndarray], l0c_single: np.ndarray
+) -> dict[Level, np.ndarray]:
+    """Bytes `plan.specs` reserves on the cube core's levels, per candidate (its queues as
+    columns: the A block or panels and W tiles in L1 with the biases, the L0 operands, the
+    accumulator, double buffering counted)."""
+    rows, tn_t, tk_t, tk0_t, res, db = (
+        cols[n] for n in ("rows", "tile_n", "tile_k", "tile_k0", "a_resident", "double_buffer")
+    )
+    tm = np.minimum(rows, max(p.q, p.m))
+    tk = np.minimum(tk_t, p.k)
+    tn = np.minimum(tn_t, p.max_n)
+    tk0 = np.minimum(tk0_t, tk)
+    isz = p.dtype.itemsize
+    depth = np.where(db != 0, 2, 1)
+    biases = sum(align(lin.n * isz) for lin in p.linears if lin.has_bias)
+    a = np.where(res != 0, align(tm * p.k * isz), align(tm * tk * isz))
+    return {
+        Level.L1: a * depth + align(tk * tn * isz) * depth + biases,
+        Level.L0A: align(tm * tk0 * isz) * depth,
+        Level.L0B: align(tk0 * tn * isz) * depth,
+        Level.L0C: align(tm * tn * 4) * np.where(l0c_single != 0, 1, depth),
+    }
+
+
+def _fit(machine: Machine, used: dict[Level, np.ndarray]) -> np.ndarray:
+    ok = np.ones(len(next(iter(used.values()))), dtype=bool)
+    for level, b in used.items():
+        ok &= b <= capacity(machine, level)
+    return ok
+
+
+def lnmm_space_fast(machine: Machine, p: Problem) -> ColumnSpace[LayerNormMatMulTiling]:
+    """`lnmm_space(machine, p)`, the same list (see the module docstring)."""
+    unit = math.lcm(machine.cube_m, p.q)
+    top = round_up(max(1, p.m), unit)
+    rows_options = sorted({min(top, unit * f) for f in (1, 2, 4, 8, 16)})
+    most = n_blocks(p)
+    splits = sorted({min(most, s) for s in (1, 2, 3, 4, 6, 8, 12, 16, 24)})
+    k0 = machine.cube_k_block(p.dtype)
+    tks = aligned_sizes(p.k, k0, (256, 512, 1024))
+    tk0s = aligned_sizes(p.k, k0, (64, 128, 256))
+    vecs = max(1, vector_cores_per_group(machine))
+    cores = machine.cube_cores
+    # (tile_k, tile_k0, a_resident) in the walk's order, the inner loops of every block.
+    inner = np.array(list(itertools.product(tks, tk0s, (1, 0))), dtype=np.int64).T
+    grids: list[np.ndarray] = []  # per (rows, db, split): rows, ns, vr, tn, tk, tk0, res, db, part
+    for rows, db in itertools.product(rows_options, (1, 0)):
+        if rows % p.q:
+            continue
+        vr = max(1, math.ceil(rows // p.q / vecs))
+        probe = LayerNormMatMulTiling(rows, 1, vr, 16, k0, k0, 0, db, cores)
+        while vr > 1 and not ub_fits(machine, p, probe):
+            vr //= 2
+            probe = dataclasses.replace(probe, vec_rows=vr)
+        if not ub_fits(machine, p, probe):
+            continue
+        for ns in splits:
+            part = min(round_up(math.ceil(p.max_n / ns), machine.cube_n), round_up(p.max_n, 16))
+            tns = sorted(
+                {w for w in (64, 128, 256) if w < part}
+                | ({part} if part <= 512 else set())
+                | even_splits(part, machine.cube_n)
+            )
+            # itertools.product(tns, tks, tk0s, (1, 0)): tile_n slowest.
+            block = np.empty((9, len(tns) * inner.shape[1]), dtype=np.int64)
+            block[[0, 1, 2, 7, 8]] = np.array([[rows], [ns], [vr], [db], [part]])
+            block[3] = np.repeat(tns, inner.shape[1])
+            block[4:7] = np.tile(inner, len(tns))
+            grids.append(block)
+    if not grids:
+        return ColumnSpace.from_columns(LayerNormMatMulTiling, FIELDS, [np.zeros(0)] * len(FIELDS))
+    grid = np.concatenate(grids, axis=1)
+    grid = grid[:, grid[5] <= grid[4]]  # tile_k0 <= tile_k
+    names = ("rows", "n_split", "vec_rows", "tile_n", "tile_k", "tile_k0", "a_resident",
+             "double_buffer", "part")  # fmt: skip
+    cols = dict(zip(names, grid, strict=True))
+    db = cols["double_buffer"]
+    # MatMul's per-level choice: L0C single when two blocks do not fit it.
+    doubled = _fit(machine, level_bytes(p, cols, np.zeros_like(db)))
+    l0c_single = ((db != 0) & ~doubled).astype(np.int64)
+    # The walk's dedup key (`effective` fields, the part's tile width, the flags): first wins.
+    tm = np.minimum(cols["rows"], max(p.q, p.m))
+    tk = np.minimum(cols["tile_k"], p.k)
+    key = np.stack([
+        tm, np.minimum(cols["vec_rows"], np.maximum(1, tm // p.q)),
+        np.minimum(cols["tile_n"], cols["part"]), tk, np.minimum(cols["tile_k0"], tk),
+        cols["n_split"], cols["a_resident"], db, l0c_single,
+    ])  # fmt: skip
+    keep = np.zeros(grid.shape[1], dtype=bool)
+    keep[first_of_keys(key)] = True
+    keep &= _fit(machine, level_bytes(p, cols, l0c_single))
+    n = int(keep.sum())
+    out = {**{k: v[keep] for k, v in cols.items()}, "l0c_single": l0c_single[keep]}
+    out["cores"] = np.full(n, cores)
+    out["staged"] = np.zeros(n, dtype=np.int64)
+    return ColumnSpace.from_columns(LayerNormMatMulTiling, FIELDS, [out[f] for f in FIELDS])
+
+
+def ub_bytes(p: Problem, rows: np.ndarray, vec_rows: np.ndarray, db: np.ndarray) -> np.ndarray:
+    """Bytes `plan.specs` reserves in a vector core's UB, per candidate (X and N per step,
+    double-buffered, the float32 scratch, LayerNorm's scale and bias)."""
+    tm = np.minimum(rows, max(p.q, p.m))
+    vr = np.minimum(vec_rows, np.maximum(1, tm // p.q))
+    d, xsz, isz = p.ln.width, p.x_size, p.dtype.itemsize
+    depth = np.where(db != 0, 2, 1)
+    params = sum(align(d * xsz) for present in (p.ln.has_scale, p.ln.has_bias) if present)
+    return (
+        align(vr * d * xsz) * depth
+        + align(vr * d * max(xsz, isz)) * depth
+        + align(vr * d * p.ln.work.itemsize)
+        + params
+    )
+
+
+def default_tiling_fast(p: Problem, machine: Machine) -> LayerNormMatMulTiling:
+    """`plan.default_tiling(p, machine)`, its `fit` shrink loops run over numpy columns: every
+    (rows, split, placement) start shrinks, step by step, what fills the first level that
+    overflows (`_levels.LEVELS` order) by `fit`'s rules, until it fits or nothing is left to
+    shrink; the survivors are ranked by `plan.estimate`, the first cheapest kept."""
+    unit = math.lcm(machine.cube_m, p.q)
+    top = round_up(max(1, p.m), p.q)
+    rows_options = sorted({min(top, unit * 2**i) for i in range(5)})
+    most = min(machine.cube_cores, n_blocks(p))
+    splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s <= most]
+    starts = np.array(list(itertools.product(rows_options, splits, (1, 0))), dtype=np.int64)
+    rows, ns, res = starts.T if len(starts) else (np.zeros(0, dtype=np.int64),) * 3
+    k0, cn = machine.cube_k_block(p.dtype), machine.cube_n
+    vecs = max(1, vector_cores_per_group(machine))
+    vr = np.maximum(1, ceil_div(rows // p.q, vecs))
+    tn = np.minimum(ceil_div(ceil_div(p.max_n, ns), cn) * cn, 256)
+    tk = np.full(len(rows), min(round_up(max(1, p.k), k0), 1024))
+    tk0 = np.full(len(rows), min(round_up(max(1, p.k), k0), 512 // p.dtype.itemsize))
+    db = np.ones(len(rows), dtype=np.int64)
+    alive = np.ones(len(rows), dtype=bool)
+    levels = (Level.UB, Level.L1, Level.L0A, Level.L0B, Level.L0C)  # `_levels.LEVELS`
+    while True:
+        cols = {"rows": rows, "tile_n": tn, "tile_k": tk, "tile_k0": tk0, "a_resident": res,
+                "double_buffer": db}  # fmt: skip
+        used = {Level.UB: ub_bytes(p, rows, vr, db), **level_bytes(p, cols, np.zeros_like(db))}
+        over = np.full(len(rows), -1)
+        for i, level in reversed(list(enumerate(levels))):  # the first level that overflows
+            over = np.where(used[level] > capacity(machine, level), i, over)
+        todo = alive & (over >= 0)
+        if not todo.any():
+            break
+        lv = np.array(levels, dtype=object)[np.maximum(over, 0)]
+        is_ = {level: todo & (lv == level) for level in levels}
+        r1 = is_[Level.UB] & (vr > 1)
+        r2 = ~r1 & is_[Level.L1] & (tk > tk0)
+        r3 = ~r1 & ~r2 & (is_[Level.L0A] | is_[Level.L0B]) & (tk0 > 2 * k0)
+        r4 = ~r1 & ~r2 & ~r3 & (is_[Level.L0B] | is_[Level.L0C] | is_[Level.L1]) & (tn > 2 * cn)
+        r5 = todo & ~r1 & ~r2 & ~r3 & ~r4 & (db != 0)
+        alive &= ~(todo & ~(r1 | r2 | r3 | r4 | r5))  # nothing left to shrink: no tiling
+        vr = np.where(r1, vr // 2, vr)
+        tk = np.where(r2, np.maximum(tk0, ceil_div(tk // 2, tk0) * tk0), tk)
+        half = np.maximum(1, tk0 // 2)
+        tk = np.where(r3, ceil_div(tk, half) * half, tk)
+        tk0 = np.where(r3, half, tk0)
+        tn = np.where(r4, ceil_div(tn // 2, cn) * cn, tn)
+        db = np.where(r5, 0, db)
+    best: tuple[float, LayerNormMatMulTiling] | None = None
+    priced: dict[LayerNormMatMulTiling, float] = {}
+    for i in np.flatnonzero(alive).tolist():
+        fields = (rows[i], ns[i], vr[i], tn[i], tk[i], tk0[i], res[i], db[i], machine.cube_cores)
+        t = LayerNormMatMulTiling(*(int(f) for f in fields))
+        if t in priced:  # starts that shrank to the same tiling: the first one counts
+            continue
+        est = priced[t] = estimate(p, t, machine)
+        if best is None or est < best[0]:
+            best = (est, t)
+    if best is None:
+        raise TilingError(f"{OP}: no tiling fits {machine.name}")
+    return best[1]
