@@ -39,6 +39,7 @@ import numpy as np
 import onnx
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
+from onnx.reference.ops import op_loop
 
 NOISE_ULPS = 16
 MAX_REPLAYS = 256
@@ -195,6 +196,40 @@ class GatherElements(OpRun):
         return (np.take_along_axis(data, idx, axis=axis),)
 
 
+class Loop(op_loop.Loop):
+    """ONNX Loop (onnx's reference implementation reads an absent condition as false and
+    concatenates scan outputs instead of stacking them)."""
+
+    op_domain = ""
+
+    def _run(
+        self,
+        M: np.ndarray | None,
+        cond: np.ndarray | None,
+        *carried: np.ndarray,
+        context: dict | None = None,
+        body: Any = None,
+        attributes: Any = None,
+        bindings: Any = None,
+    ) -> tuple[np.ndarray, ...]:
+        names = self.body.input_names
+        state = list(carried)
+        scans: list[list[np.ndarray]] = [[] for _ in range(self.K)]
+        go, it = cond is None or bool(np.asarray(cond).item()), 0
+        while go and (M is None or it < int(np.asarray(M).item())):
+            inputs = dict(context or {})
+            inputs[names[0]] = np.array(it, np.int64)
+            inputs[names[1]] = np.array(go)
+            inputs.update(zip(names[2:], state, strict=True))
+            outs = self._run_body(inputs, attributes=attributes, bindings=bindings)
+            go = bool(np.asarray(outs[0]).item())
+            state = list(outs[1 : 1 + self.N])
+            for scan, value in zip(scans, outs[1 + self.N :], strict=True):
+                scan.append(value)
+            it += 1
+        return (*state, *(np.stack(scan) for scan in scans))
+
+
 def index_targets(
     model: onnx.ModelProto, fused: Mapping[str, np.ndarray]
 ) -> dict[str, tuple[np.ndarray, bool]]:
@@ -261,7 +296,7 @@ def replays(
     its TopKs allow, with the fused model's own indices where they show (a replay in which
     they are no valid near-tie choice is left out; see the module docstring)."""
     try:
-        evaluator = ReferenceEvaluator(twin, new_ops=[TopK, GatherElements])  # by class name
+        evaluator = ReferenceEvaluator(twin, new_ops=[TopK, GatherElements, Loop])  # by class name
     except Exception:  # an op onnx's evaluator does not know: no replay
         return
     names = [o.name for o in twin.graph.output]
