@@ -14,6 +14,8 @@ gives the same model on any machine). It plants one or two fusion families:
     topk_softmax      TopK -> Softmax
     allgather_matmul  com.microsoft AllGather -> MatMul (-> Add bias), run on 2 ranks
     allgather_linears AllGather -> several MatMuls (QKV) / Reshape -> MatMul|Gemm / Gemm, 2 ranks
+    sigmoid_gate      Sigmoid (+ selection bias) (-> DeepSeek-V3 group limit) -> TopK ->
+                      GatherElements of the scores (-> renormalize), or TopK -> Sigmoid
 
 and surrounds them with traps: internal values read elsewhere (a Relu, a Shape, a ReduceSum) or
 made graph outputs; constants as initializer, Constant node, constant subgraph (a Cast of a
@@ -24,6 +26,10 @@ transB/alpha/beta, AllGather axis absent or negative, Softmax axis); opsets 11-1
 float32 and float64; symbolic dims; the family inside an If branch or a Loop body; and decoy
 values or nodes named as fuser names what it creates (`<conv>.W_bn_folded`, ...), in the same
 graph, an enclosing one or a subgraph.
+
+Traps added after the seeds' cases were fixed (a group split written [0, g, -1], a float32
+bias on float16 scores) draw from a side stream: `make_case(seed, later_traps=False)` is the
+case a seed gave before them.
 
 The generator writes what it planted into `Case.planted`; what fuser actually fuses may be less
 (refusals are expected on many traps). The checks are in `fuzz_check.py`.

@@ -16,7 +16,7 @@ import onnx
 import pytest
 from fuzz_check import INPUT_SETS, check_case, make_feeds, run_exact
 from fuzz_graphs import Case, InputSpec, make_case
-from fuzz_ties import alternatives, noise, valid_choice
+from fuzz_ties import alternatives, noise, replays, valid_choice
 from onnx import TensorProto, helper, numpy_helper
 
 U32 = 2.0**-24
@@ -218,3 +218,52 @@ def test_group_alternatives_are_the_near_ties_at_the_boundary() -> None:
     got = [sorted(a.tolist()) for a in alternatives(groups, 2, U32)]
     assert got == [[0, 2], [0, 1]]  # {1, 2} would pass over the exact tie of groups 0 and 2
     assert [a.tolist() for a in alternatives(np.array([2.0, 1.9, 1.0]), 2, U32)] == [[0, 1]]
+
+
+def test_a_loop_body_is_replayed_as_onnx_runs_it() -> None:
+    """The replay of a Loop with no condition input runs its trips and stacks its scan
+    outputs (onnx's reference Loop ran none and concatenated), and takes the fused model's
+    indices of every trip from the stacked output: here the original's own."""
+    import onnxruntime
+
+    k = numpy_helper.from_array(np.array([2], np.int64), "k")
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("TopK", ["x", "k"], ["v", "i"]),
+            helper.make_node("GatherElements", ["x", "i"], ["g"], axis=-1),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("it", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("i", TensorProto.INT64, [3, 2]),
+            helper.make_tensor_value_info("g", TensorProto.FLOAT, [3, 2]),
+        ],
+    )
+    trips = numpy_helper.from_array(np.array(2, np.int64), "trips")
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", ""], ["idx", "picked"], body=body)],
+        "loop",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+        [
+            helper.make_tensor_value_info("idx", TensorProto.INT64, [2, 3, 2]),
+            helper.make_tensor_value_info("picked", TensorProto.FLOAT, [2, 3, 2]),
+        ],
+        [k, trips],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32)
+    sess = onnxruntime.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    idx, picked = sess.run(None, {"x": x})
+    (replay,) = list(replays(model, model, {"x": x}, {"idx": idx, "picked": picked}))
+    assert replay["idx"].shape == (2, 3, 2)
+    np.testing.assert_array_equal(replay["idx"], idx)
+    np.testing.assert_allclose(replay["picked"], picked, rtol=1e-6)
+    wrong = idx[:, :, ::-1].copy()  # the two picked in the wrong order: no valid choice
+    assert list(replays(model, model, {"x": x}, {"idx": wrong, "picked": picked})) == []
