@@ -80,7 +80,7 @@ class Result:
     outcome: str
     fused: Mapping[str, int] = field(default_factory=dict)
     detail: str = ""
-    near_ties: int = 0  # TopK index differences among values equal within tolerance
+    near_ties: int = 0  # TopK index differences judged near ties (fuzz_ties)
 
 
 def make_feeds(case: Case, kind: str, rng: np.random.Generator) -> Feeds:
@@ -210,9 +210,10 @@ def differences(
     exact_indices: bool,
     unordered: frozenset[str] = frozenset(),
 ) -> tuple[list[_Diff], int]:
-    """Every output that differs, and how many TopK index differences were near ties
-    (accepted when every float output agrees and ties need not be exact). Outputs in
-    `unordered` are compared sorted along their last axis."""
+    """Every output that differs, and how many TopK index differences may be near ties
+    (left out when every float output agrees and ties need not be exact; `check_case` then
+    asks `fuzz_ties` whether the competing values are). Outputs in `unordered` are compared
+    sorted along their last axis."""
     if list(expected) != list(actual):
         return [_Diff("", f"outputs {list(actual)} instead of {list(expected)}")], 0
     diffs: list[_Diff] = []
