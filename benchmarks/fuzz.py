@@ -81,7 +81,7 @@ def main() -> int:
         patterns.add_row(pattern, str(fused[pattern]))
     console.print(patterns)
     ties = sum(r.near_ties for r in results)
-    console.print(f"TopK index differences among values equal within tolerance: {ties}")
+    console.print(f"TopK index differences judged near ties (fuzz_ties): {ties}")
     for r in results:
         if r.outcome in BAD or r.outcome == "discarded":
             console.print(f"seed {r.seed}: {r.outcome}: {r.detail}", markup=False)

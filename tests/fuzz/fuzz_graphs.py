@@ -14,6 +14,8 @@ gives the same model on any machine). It plants one or two fusion families:
     topk_softmax      TopK -> Softmax
     allgather_matmul  com.microsoft AllGather -> MatMul (-> Add bias), run on 2 ranks
     allgather_linears AllGather -> several MatMuls (QKV) / Reshape -> MatMul|Gemm / Gemm, 2 ranks
+    sigmoid_gate      Sigmoid (+ selection bias) (-> DeepSeek-V3 group limit) -> TopK ->
+                      GatherElements of the scores (-> renormalize), or TopK -> Sigmoid
 
 and surrounds them with traps: internal values read elsewhere (a Relu, a Shape, a ReduceSum) or
 made graph outputs; constants as initializer, Constant node, constant subgraph (a Cast of a
@@ -24,6 +26,10 @@ transB/alpha/beta, AllGather axis absent or negative, Softmax axis); opsets 11-1
 float32 and float64; symbolic dims; the family inside an If branch or a Loop body; and decoy
 values or nodes named as fuser names what it creates (`<conv>.W_bn_folded`, ...), in the same
 graph, an enclosing one or a subgraph.
+
+Traps added after the seeds' cases were fixed (a group split written [0, g, -1], a float32
+bias on float16 scores) draw from a side stream: `make_case(seed, later_traps=False)` is the
+case a seed gave before them.
 
 The generator writes what it planted into `Case.planted`; what fuser actually fuses may be less
 (refusals are expected on many traps). The checks are in `fuzz_check.py`.
@@ -104,7 +110,7 @@ class _Scope:
 class Builder:
     """Builds one case: names, constants, traps; subgraphs share the name counter."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, later_traps: bool = True) -> None:
         self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.dtype: Any = DTYPES[int(self.rng.choice(3, p=[0.6, 0.3, 0.1]))]
@@ -123,6 +129,10 @@ class Builder:
         self.shared: dict[tuple[int, ...], str] = {}  # a weight reused by a later instance
         self.unsorted_topk = False  # the family being built has a TopK with sorted=0
         self.unordered: set[str] = set()
+        # traps added after the main stream was fixed draw from their own stream, so that
+        # every seed keeps its case without them (`make_case(seed, later_traps=False)`: the
+        # regressions named by seed)
+        self.side = np.random.default_rng([seed, 1]) if later_traps else None
 
     # -- names and nodes -----------------------------------------------------------------------
 
@@ -132,6 +142,10 @@ class Builder:
 
     def chance(self, p: float) -> bool:
         return bool(self.rng.random() < p)
+
+    def later(self, p: float) -> bool:
+        """A later trap's chance (from the side stream; never without later traps)."""
+        return self.side is not None and bool(self.side.random() < p)
 
     def pick(self, options: list[Any] | tuple[Any, ...]) -> Any:
         return options[int(self.rng.integers(len(options)))]
@@ -690,7 +704,13 @@ def _group_limit(b: Builder, choice: str, e: int, dtype: Any) -> str:
     """DeepSeek-V3's group limit as the TorchScript exporter writes it (Expand of ones, Cast ->
     Not -> Cast) or dynamo (ConstantOfShape of ones, Not); mask value -inf or 0."""
     g = int(b.pick([d for d in (2, 3, 4, 6) if e % d == 0 and e // d >= 2]))
-    split = b.const(np.array([-1, g, e // g], np.int64), "split", allow_input=False)
+    # the group split as exporters write it: [-1, g, E/g], or keeping the token dim (0)
+    # with the group size or the group count inferred (-1)
+    form = [-1, g, e // g]
+    if b.later(0.5):
+        form = [0, g, -1] if b.later(0.5) else [0, g, e // g]
+        b.traps.append(f"group split {form}")
+    split = b.const(np.array(form, np.int64), "split", allow_input=False)
     top2 = b.node(
         "TopK",
         [
@@ -717,7 +737,8 @@ def _group_limit(b: Builder, choice: str, e: int, dtype: Any) -> str:
     mask = _axes_op(b, "Unsqueeze", b.one("ScatterElements", [zeros, kept, ones], axis=1))
     mask = b.one("Expand", [mask, b.const(np.array([1, g, e // g], np.int64), "to_experts",
                                           allow_input=False)])  # fmt: skip
-    flat = b.const(np.array([-1, e], np.int64), "flat", allow_input=False)
+    flat = b.const(np.array([0, -1] if b.later(0.3) else [-1, e], np.int64), "flat",
+                   allow_input=False)  # fmt: skip
     drop = b.one("Not", [b.one("Cast", [b.one("Reshape", [mask, flat])], to=TensorProto.BOOL)])
     if b.chance(0.5):
         drop = b.one("Cast", [drop], to=TensorProto.BOOL)
@@ -743,13 +764,19 @@ def sigmoid_gate(b: Builder) -> None:
     if b.dtype == np.float16 and b.chance(0.3):
         scores, dtype = b.one("Cast", [scores], to=TensorProto.FLOAT), np.float32
     b.expose(scores, 0.1)
-    choice = scores
+    choice, cdtype = scores, dtype
     if b.chance(0.8):
         bias = b.pick([np.zeros(e), np.repeat(b.rng.random(e // 2), 2), b.rng.random(e) * 0.2])
-        choice = b.one("Add", [scores, b.const(bias.astype(dtype), "bias")])
+        biased = scores
+        if dtype == np.float16 and b.later(0.4):
+            # a float32 bias on float16 scores: the choice in float32, the weights gathered
+            # from the float16 scores
+            biased, cdtype = b.one("Cast", [scores], to=TensorProto.FLOAT), np.float32
+            b.traps.append("float32 bias on float16 scores")
+        choice = b.one("Add", [biased, b.const(bias.astype(cdtype), "bias")])
         b.expose(choice, 0.1)
     if choice == scores or b.chance(0.6):
-        choice = _group_limit(b, choice, e, dtype) if b.opset >= 11 else choice
+        choice = _group_limit(b, choice, e, cdtype) if b.opset >= 11 else choice
     k = int(b.pick([1, 2, e // 2, e]))
     sorted_ = None if b.chance(0.7) else 0
     b.unsorted_topk |= sorted_ == 0
@@ -932,9 +959,10 @@ def _define_decoys(b: Builder, rng: np.random.Generator) -> None:
         b.traps.append(f"decoy {name}")
 
 
-def make_case(seed: int) -> Case:
-    """The case of `seed`: one model, its inputs, the ranks it runs on."""
-    b = Builder(seed)
+def make_case(seed: int, later_traps: bool = True) -> Case:
+    """The case of `seed`: one model, its inputs, the ranks it runs on (without the traps
+    added later, the case the seed gave before them)."""
+    b = Builder(seed, later_traps)
     if b.chance(0.12):
         families = [b.pick(GATHERING)]
     else:
