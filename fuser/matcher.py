@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import onnx
 
 from .fusedop import DOMAIN, FusedOp
@@ -127,9 +129,17 @@ def _reads_only_shape(graph: GraphIndex, node_id: int, value: str) -> bool:
     )
 
 
+@functools.cache
+def _allowed_types(
+    constraints: tuple[tuple[str, tuple[str, ...], str], ...],
+) -> dict[str, frozenset[int | None]]:
+    """Element types each type constraint allows, once per fused op (a pass asks per match)."""
+    return {name: frozenset(_TYPE_NAMES.get(t) for t in types) for name, types, _ in constraints}
+
+
 def _unsupported_type(graph: GraphIndex, match: Match) -> tuple[str, str] | None:
     op: FusedOp = match.op
-    allowed = {name: {_TYPE_NAMES.get(t) for t in types} for name, types, _ in op.type_constraints}
+    allowed = _allowed_types(op.type_constraints)
     new = {t.name: t.data_type for t in match.new_initializers}
     for position, value in enumerate(match.inputs):
         if not value:
