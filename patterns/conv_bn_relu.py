@@ -414,7 +414,6 @@ def _fold(
     w = values[conv_node.input[1]]
     scale, bias, mean, var = (values[n].astype(np.float64) for n in bn.input[1:5])
     a = scale / np.sqrt(var + epsilon)
-    b0 = values[conv_b].astype(np.float64) if conv_b else np.zeros(a.shape[0])
     if transposed_group:
         g = transposed_group
         # [G, Cin/G, Cout/G, *k] scaled by a[G, 1, Cout/G]
@@ -422,6 +421,7 @@ def _fold(
         w_new = (wg * a.reshape(g, 1, -1, *([1] * (w.ndim - 2)))).reshape(w.shape)
     else:
         w_new = w.astype(np.float64) * a.reshape(-1, *([1] * (w.ndim - 1)))
+    b0 = values[conv_b].astype(np.float64) if conv_b else np.zeros(a.shape[0])
     b_new = (b0 - mean) * a + bias
     dtype = w.dtype
     w_cast, b_cast = w_new.astype(dtype, copy=False), b_new.astype(dtype, copy=False)
