@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import onnx
 
 from .fusedop import DOMAIN, FusedOp
@@ -41,10 +43,11 @@ def type_name(elem_type: int | None) -> str:
 def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
     """Apply the universal rules; returns the match (outputs completed) or why it cannot be."""
     members = set(match.nodes)
-    for node_id in match.nodes:
-        if node_id not in graph.nodes:
+    nodes = [graph.nodes.get(node_id) for node_id in match.nodes]
+    for node_id, node in zip(match.nodes, nodes, strict=True):
+        if node is None:
             return rejection(match.pattern, graph, [], "a node of the match was already removed")
-        if graph.node(node_id).domain == DOMAIN:
+        if node.domain == DOMAIN:
             return rejection(
                 match.pattern,
                 graph,
@@ -55,11 +58,12 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
     outputs = list(match.outputs)
     rewires: list[tuple[int, str, str]] = []
     notes = list(match.notes)
-    for node_id in match.nodes:
-        for value in graph.node(node_id).output:
+    for node in nodes:
+        assert node is not None  # checked above
+        for value in node.output:
             if not value or value in outputs:
                 continue
-            outside = [r for r in graph.readers(value) if r not in members]
+            outside = [r for r in graph.consumers.get(value, ()) if r not in members]
             source = match.shape_sources.get(value)
             if source:
                 shape_readers = [r for r in outside if _reads_only_shape(graph, r, value)]
@@ -104,6 +108,8 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
     bad_type = _unsupported_type(graph, match)
     if bad_type is not None:
         return rejection(match.pattern, graph, list(match.nodes), *bad_type)
+    if not rewires and not match.rewires and outputs == list(match.outputs):
+        return match  # nothing to complete (notes only grow with rewires)
     # Match(...) rather than dataclasses.replace, whose generality costs ~10 us per fusion.
     return Match(
         pattern=match.pattern,
@@ -127,9 +133,17 @@ def _reads_only_shape(graph: GraphIndex, node_id: int, value: str) -> bool:
     )
 
 
+@functools.cache
+def _allowed_types(
+    constraints: tuple[tuple[str, tuple[str, ...], str], ...],
+) -> dict[str, frozenset[int | None]]:
+    """Element types each type constraint allows, once per fused op (a pass asks per match)."""
+    return {name: frozenset(_TYPE_NAMES.get(t) for t in types) for name, types, _ in constraints}
+
+
 def _unsupported_type(graph: GraphIndex, match: Match) -> tuple[str, str] | None:
     op: FusedOp = match.op
-    allowed = {name: {_TYPE_NAMES.get(t) for t in types} for name, types, _ in op.type_constraints}
+    allowed = _allowed_types(op.type_constraints)
     new = {t.name: t.data_type for t in match.new_initializers}
     for position, value in enumerate(match.inputs):
         if not value:

@@ -332,6 +332,12 @@ def _is_const(graph: GraphIndex, name: str | None, want: float) -> bool:
     """`name` is a one-value constant equal to `want` rounded to its dtype (or float32)."""
     if name is None:
         return False
+    shape = graph.shape(name)
+    if shape is not None and any(isinstance(d, int) and d != 1 for d in shape):
+        # Not one value (a dim of 0 or > 1), whatever it holds: the common case of an
+        # activation operand, decided without walking its producers for a constant (a walk
+        # that reads the weights of up to 64 upstream nodes before it gives up).
+        return False
     c = const(graph, name)
     if c is None or c.size != 1 or not np.issubdtype(c.dtype, np.floating):
         return False

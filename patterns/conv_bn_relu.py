@@ -39,6 +39,7 @@ from onnx import numpy_helper
 from fuser.bodies import conv_bn_relu as conv_bn_relu_body
 from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
+from fuser.modelio import read_tensor
 from fuser.pattern import Match, Rejection, rejection
 
 from . import _conv_act_walk as walk
@@ -213,8 +214,7 @@ class ConvBnReluPattern:
                 "supports 1-D and 2-D",
                 w_name,
             )
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in conv_node.attribute}
-        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        attrs = {a.name: _attribute_value(a) for a in conv_node.attribute}
         transposed = op == "ConvTranspose"
         if transposed:
             refused = _transpose_problem(graph.describe(node_id), attrs)
@@ -335,8 +335,31 @@ def _transpose_problem(name: str, attrs: Mapping[str, Any]) -> str | None:
     return None
 
 
+_INT, _INTS = onnx.AttributeProto.INT, onnx.AttributeProto.INTS
+_FLOAT, _STRING = onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING
+
+
+def _attribute_value(a: onnx.AttributeProto) -> Any:
+    """onnx.helper.get_attribute_value, strings decoded, with the plain types Conv and BN carry
+    read directly (the helper's generality costs more than the rest of a Conv's match)."""
+    kind = a.type
+    if kind == _INTS:
+        return list(a.ints)
+    if kind == _INT:
+        return a.i
+    if kind == _STRING:
+        return a.s.decode()
+    if kind == _FLOAT:
+        return a.f
+    value = onnx.helper.get_attribute_value(a)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+_BN_MODES = ("training_mode", "spatial")
+
+
 def _bn_problem(graph: GraphIndex, bn: onnx.NodeProto) -> tuple[str, str | None] | None:
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in bn.attribute}
+    attrs = {a.name: _attribute_value(a) for a in bn.attribute if a.name in _BN_MODES}
     if attrs.get("training_mode", 0) == 1:
         return (
             f"BatchNormalization '{bn.name}' is in training mode (training_mode=1)",
@@ -379,7 +402,7 @@ def _fold(
         names.append(conv_b)
     values = {}
     for name in names:
-        value = graph.constant(name)
+        value = _parameter(graph, name)
         if value is None:
             why = (
                 "an overridable graph input"
@@ -391,7 +414,6 @@ def _fold(
     w = values[conv_node.input[1]]
     scale, bias, mean, var = (values[n].astype(np.float64) for n in bn.input[1:5])
     a = scale / np.sqrt(var + epsilon)
-    b0 = values[conv_b].astype(np.float64) if conv_b else np.zeros(a.shape[0])
     if transposed_group:
         g = transposed_group
         # [G, Cin/G, Cout/G, *k] scaled by a[G, 1, Cout/G]
@@ -399,16 +421,30 @@ def _fold(
         w_new = (wg * a.reshape(g, 1, -1, *([1] * (w.ndim - 2)))).reshape(w.shape)
     else:
         w_new = w.astype(np.float64) * a.reshape(-1, *([1] * (w.ndim - 1)))
+    b0 = values[conv_b].astype(np.float64) if conv_b else np.zeros(a.shape[0])
     b_new = (b0 - mean) * a + bias
     dtype = w.dtype
-    if not (np.all(np.isfinite(w_new)) and np.all(np.isfinite(b_new))):
-        return "folding gives non-finite weights (var + epsilon <= 0?)"
-    if not (np.all(np.isfinite(w_new.astype(dtype))) and np.all(np.isfinite(b_new.astype(dtype)))):
+    w_cast, b_cast = w_new.astype(dtype, copy=False), b_new.astype(dtype, copy=False)
+    # A non-finite float64 value stays non-finite when cast: all finite after the cast means
+    # both checks pass, and only a failure needs the float64 values to say which one failed.
+    if not (np.isfinite(w_cast).all() and np.isfinite(b_cast).all()):
+        if not (np.isfinite(w_new).all() and np.isfinite(b_new).all()):
+            return "folding gives non-finite weights (var + epsilon <= 0?)"
         return f"folded weights overflow {dtype}"
     base = conv_node.name or conv_node.output[0]
-    w_tensor = _tensor(w_new.astype(dtype), graph.unique_value_name(f"{base}.W_bn_folded"))
-    b_tensor = _tensor(b_new.astype(dtype), graph.unique_value_name(f"{base}.B_bn_folded"))
+    w_tensor = _tensor(w_cast, graph.unique_value_name(f"{base}.W_bn_folded"))
+    b_tensor = _tensor(b_cast, graph.unique_value_name(f"{base}.B_bn_folded"))
     return w_tensor, b_tensor
+
+
+def _parameter(graph: GraphIndex, name: str) -> np.ndarray | None:
+    """`graph.constant(name)`, an initializer read without keeping it in the index's constant
+    cache: each Conv's weight and BN parameters are read once, by their fold, and caching them
+    would hold a second copy of every folded weight for the whole pass."""
+    tensor = graph.initializers.get(name)
+    if tensor is not None and name not in graph.graph_inputs:
+        return read_tensor(graph.source, tensor)
+    return graph.constant(name)
 
 
 def _tensor(array: np.ndarray, name: str) -> onnx.TensorProto:
