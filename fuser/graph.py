@@ -205,6 +205,7 @@ class GraphIndex:
     dead_initializers: set[str] = field(default_factory=set)
     new_initializers: list[onnx.TensorProto] = field(default_factory=list)
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
+    _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
     _reads: dict[int, list[str]] = field(default_factory=dict)
     _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
     _next_id: int = 0
@@ -393,10 +394,65 @@ class GraphIndex:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             # Read directly: the reference evaluator costs ~1 ms per call, per Constant node.
             return _constant_node_value(node, self.source)
+        if self._runtime_dependent(name):
+            return None
         cone = self._constant_cone(name)
         if cone is None:
             return None
         return self._evaluate(cone, name)
+
+    def _runtime_dependent(self, name: str) -> bool:
+        """Whether `name` depends on a value only known at run time: a leaf that is not
+        constant (a graph input, an outer value), or a nondeterministic or subgraph-carrying
+        producer, anywhere upstream. Memoized per value, so asking about every value of a
+        graph is linear in its size; without it each question about a value deep in the graph
+        walks back `_MAX_CONSTANT_CONE` nodes before giving up.
+
+        Rewrites keep the answers valid: a fused node computes the same values from the
+        non-constant inputs of the nodes it replaces, and new names are never reused.
+        """
+        memo = self._runtime
+        found = memo.get(name)
+        if found is not None:
+            return found
+        stack = [name]
+        while stack:
+            value = stack[-1]
+            if value in memo:
+                stack.pop()
+                continue
+            node_id = self.producer.get(value)
+            if node_id is None:  # a leaf, judged without reading any tensor
+                memo[value] = self._leaf_runtime_dependent(value)
+                stack.pop()
+                continue
+            node = self.nodes[node_id]
+            if node.op_type in _NONDETERMINISTIC or any(True for _ in _node_subgraphs(node)):
+                memo[value] = True
+                stack.pop()
+                continue
+            inputs = [i for i in node.input if i]
+            if any(memo.get(i) for i in inputs):
+                memo[value] = True
+                stack.pop()
+                continue
+            pending = [i for i in inputs if i not in memo]
+            if pending:  # the first input (the data, usually) is looked at first
+                stack.extend(reversed(pending))
+                continue
+            memo[value] = False  # every input known, none runtime-dependent
+            stack.pop()
+        return memo[name]
+
+    def _leaf_runtime_dependent(self, name: str) -> bool:
+        """`_runtime_dependent` of a value no node of this graph produces (as
+        `_compute_constant` treats it: an overridable initializer or a graph input is not
+        constant; an outer value is what the enclosing graph says)."""
+        if name in self.initializers:
+            return name in self.graph_inputs
+        if name in self.graph_inputs or self.outer is None:
+            return True
+        return self.outer._runtime_dependent(name)
 
     def _constant_cone(self, name: str) -> list[int] | None:
         """Producer nodes of `name` back to constants, or None if any leaf is not constant."""
