@@ -375,6 +375,10 @@ class GraphIndex:
         """
         if name in self._constants:
             return self._constants[name]
+        if name in self.initializers and name not in self.producer:
+            # Read anew each time rather than kept: reading one is cheap, and keeping every
+            # weight a pass looked at would hold a copy of the model's tensors.
+            return self._compute_constant(name)
         value = self._compute_constant(name)
         self._constants[name] = value
         return value
