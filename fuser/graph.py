@@ -209,6 +209,7 @@ class GraphIndex:
     _reads: dict[int, list[str]] = field(default_factory=dict)
     _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
     _next_id: int = 0
+    _added: set[int] = field(default_factory=set)  # ids of nodes made by rewrites
     modified: bool = False
 
     @classmethod
@@ -617,6 +618,7 @@ class GraphIndex:
             self.new_initializers.append(tensor)
             self.types[tensor.name] = ValueType(tensor.data_type, tuple(tensor.dims))
         fused_id = self._add_node(fused, at_end=False)
+        self._added.add(fused_id)
         after_set = set(after)
         window = [i for i in self.order[lo : hi + 1] if i is not None and i not in member_set]
         before = [i for i in window if i not in after_set]
@@ -663,17 +665,28 @@ class GraphIndex:
         """Write nodes and initializers back into the GraphProto; untouched graphs stay as is."""
         if not self.modified:
             return
+        # The graph's own messages are moved, never copied (protobuf copies on extend: a
+        # rebuilt list would hold the model's nodes twice until the model is freed). Only the
+        # new nodes are added (copied); then one in-place sort puts every node at its place,
+        # the dead ones last, and they are cut off.
         live_ids = list(self.live_nodes())
-        del self.graph.node[:]
-        self.graph.node.extend(self.nodes[i] for i in live_ids)
-        # protobuf copies on extend: point the index at the graph's own messages, so later
-        # edits (subgraph rewrites) land in the model.
-        for node_id, node in zip(live_ids, self.graph.node, strict=True):
-            self.nodes[node_id] = node
+        added = [i for i in live_ids if i in self._added]
+        start = len(self.graph.node)
+        self.graph.node.extend(self.nodes[i] for i in added)
+        for offset, node_id in enumerate(added):
+            # point the index at the graph's copy, so later edits (subgraph rewrites) land
+            # in the model
+            self.nodes[node_id] = self.graph.node[start + offset]
+        self._added.clear()
+        rank = {id(self.nodes[node_id]): r for r, node_id in enumerate(live_ids)}
+        dead = len(live_ids)
+        self.graph.node.sort(key=lambda node: rank.get(id(node), dead))
+        del self.graph.node[len(live_ids) :]
         if self.dead_initializers:
-            kept = [t for t in self.graph.initializer if t.name not in self.dead_initializers]
-            del self.graph.initializer[:]
-            self.graph.initializer.extend(kept)
+            gone = self.dead_initializers
+            kept = sum(1 for t in self.graph.initializer if t.name not in gone)
+            self.graph.initializer.sort(key=lambda t: t.name in gone)  # stable: order kept
+            del self.graph.initializer[kept:]
         new = [t for t in self.new_initializers if t.name in self.initializers]
         self.graph.initializer.extend(new)
         self.new_initializers = []
