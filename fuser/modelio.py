@@ -96,14 +96,19 @@ def iter_all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     """Every TensorProto in a graph and its subgraphs: initializers and node attributes."""
     yield from graph.initializer
     for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("g"):
-                yield from iter_all_tensors(attr.g)
-            for sub in attr.graphs:
-                yield from iter_all_tensors(sub)
+        yield from node_tensors(node)
+
+
+def node_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+    """The tensors in one node's attributes (subgraphs' included), in `iter_all_tensors` order."""
+    for attr in node.attribute:
+        if attr.HasField("t"):
+            yield attr.t
+        yield from attr.tensors
+        if attr.HasField("g"):
+            yield from iter_all_tensors(attr.g)
+        for sub in attr.graphs:
+            yield from iter_all_tensors(sub)
 
 
 def _is_external(tensor: onnx.TensorProto) -> bool:

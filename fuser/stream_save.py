@@ -21,7 +21,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from .modelio import EXTERNAL_THRESHOLD_BYTES, iter_all_tensors
+from .modelio import EXTERNAL_THRESHOLD_BYTES, node_tensors
 
 _LEN = 2  # wire type of a length-delimited field
 # Reads the data of one external tensor of the input (from its validated file).
@@ -49,18 +49,6 @@ def moves_out(tensor: onnx.TensorProto) -> bool:
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
         return True
     return tensor.HasField("raw_data") and len(tensor.raw_data) >= EXTERNAL_THRESHOLD_BYTES
-
-
-def _node_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
-    """The tensors of one node's attributes, in `iter_all_tensors` order."""
-    for attr in node.attribute:
-        if attr.HasField("t"):
-            yield attr.t
-        yield from attr.tensors
-        if attr.HasField("g"):
-            yield from iter_all_tensors(attr.g)
-        for sub in attr.graphs:
-            yield from iter_all_tensors(sub)
 
 
 def _may_hold_tensors(node: onnx.NodeProto) -> bool:
@@ -118,7 +106,7 @@ def write_external(
             by_initializer[i] = move(tensor)
     for i, node in enumerate(graph.node):
         if _may_hold_tensors(node):
-            found = [move(t) for t in _node_tensors(node) if moves_out(t)]
+            found = [move(t) for t in node_tensors(node) if moves_out(t)]
             if found:
                 by_node[i] = found
     # 2. The model, piece by piece; sizes first (a length prefix precedes each message).
@@ -131,7 +119,7 @@ def write_external(
         copy = onnx.NodeProto()
         copy.CopyFrom(graph.node[i])
         spans_left = iter(by_node[i])
-        for tensor in _node_tensors(copy):
+        for tensor in node_tensors(copy):
             if moves_out(tensor):
                 offset, length = next(spans_left)
                 tensor.ClearField("raw_data")
