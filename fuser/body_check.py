@@ -81,6 +81,11 @@ def _key(request: BodyRequest) -> Hashable | None:
 
 
 def _frozen(value: Any) -> Any:
+    kind = type(value)
+    if kind is int or kind is float or kind is str or kind is bool:  # most values: no walk
+        return value
+    if (kind is list or kind is tuple) and all(type(v) is int for v in value):
+        return tuple(value)
     if isinstance(value, list | tuple):
         return tuple(_frozen(v) for v in value)
     if isinstance(value, np.ndarray):

@@ -284,7 +284,8 @@ def _apply(
         output=_trim(match.outputs),
         doc_string=describe(match.pattern, replaced),
     )
-    fused.attribute.extend(make_attribute(k, attributes[k]) for k in sorted(attributes))
+    for key in sorted(attributes):  # filled in place: extend would copy each attribute
+        fill_attribute(fused.attribute.add(), key, attributes[key])
     index.replace(match.nodes, fused, match.new_initializers)
     log.fusions.append(
         FusionRecord(
@@ -303,7 +304,14 @@ def _apply(
 def make_attribute(name: str, value: Any) -> onnx.AttributeProto:
     """onnx.helper.make_attribute for the plain types fused ops use, without its generality
     (which costs more than the rest of a rewrite on large models)."""
-    attr = onnx.AttributeProto(name=name)
+    attr = onnx.AttributeProto()
+    fill_attribute(attr, name, value)
+    return attr
+
+
+def fill_attribute(attr: onnx.AttributeProto, name: str, value: Any) -> None:
+    """Make the empty `attr` the attribute `name` = `value` (as `make_attribute`)."""
+    attr.name = name
     if isinstance(value, bool | int | np.integer):
         attr.type, attr.i = onnx.AttributeProto.INT, int(value)
     elif isinstance(value, float | np.floating):
@@ -314,8 +322,7 @@ def make_attribute(name: str, value: Any) -> onnx.AttributeProto:
         attr.type = onnx.AttributeProto.INTS
         attr.ints.extend(value)
     else:
-        return helper.make_attribute(name, value)
-    return attr
+        attr.CopyFrom(helper.make_attribute(name, value))
 
 
 def fused_attributes(match: Match, extra_attrs: Mapping[str, Any]) -> dict[str, Any]:

@@ -205,9 +205,11 @@ class GraphIndex:
     dead_initializers: set[str] = field(default_factory=set)
     new_initializers: list[onnx.TensorProto] = field(default_factory=list)
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
+    _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
     _reads: dict[int, list[str]] = field(default_factory=dict)
     _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
     _next_id: int = 0
+    _added: set[int] = field(default_factory=set)  # ids of nodes made by rewrites
     modified: bool = False
 
     @classmethod
@@ -374,6 +376,10 @@ class GraphIndex:
         """
         if name in self._constants:
             return self._constants[name]
+        if name in self.initializers and name not in self.producer:
+            # Read anew each time rather than kept: reading one is cheap, and keeping every
+            # weight a pass looked at would hold a copy of the model's tensors.
+            return self._compute_constant(name)
         value = self._compute_constant(name)
         self._constants[name] = value
         return value
@@ -393,10 +399,65 @@ class GraphIndex:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             # Read directly: the reference evaluator costs ~1 ms per call, per Constant node.
             return _constant_node_value(node, self.source)
+        if self._runtime_dependent(name):
+            return None
         cone = self._constant_cone(name)
         if cone is None:
             return None
         return self._evaluate(cone, name)
+
+    def _runtime_dependent(self, name: str) -> bool:
+        """Whether `name` depends on a value only known at run time: a leaf that is not
+        constant (a graph input, an outer value), or a nondeterministic or subgraph-carrying
+        producer, anywhere upstream. Memoized per value, so asking about every value of a
+        graph is linear in its size; without it each question about a value deep in the graph
+        walks back `_MAX_CONSTANT_CONE` nodes before giving up.
+
+        Rewrites keep the answers valid: a fused node computes the same values from the
+        non-constant inputs of the nodes it replaces, and new names are never reused.
+        """
+        memo = self._runtime
+        found = memo.get(name)
+        if found is not None:
+            return found
+        stack = [name]
+        while stack:
+            value = stack[-1]
+            if value in memo:
+                stack.pop()
+                continue
+            node_id = self.producer.get(value)
+            if node_id is None:  # a leaf, judged without reading any tensor
+                memo[value] = self._leaf_runtime_dependent(value)
+                stack.pop()
+                continue
+            node = self.nodes[node_id]
+            if node.op_type in _NONDETERMINISTIC or any(True for _ in _node_subgraphs(node)):
+                memo[value] = True
+                stack.pop()
+                continue
+            inputs = [i for i in node.input if i]
+            if any(memo.get(i) for i in inputs):
+                memo[value] = True
+                stack.pop()
+                continue
+            pending = [i for i in inputs if i not in memo]
+            if pending:  # the first input (the data, usually) is looked at first
+                stack.extend(reversed(pending))
+                continue
+            memo[value] = False  # every input known, none runtime-dependent
+            stack.pop()
+        return memo[name]
+
+    def _leaf_runtime_dependent(self, name: str) -> bool:
+        """`_runtime_dependent` of a value no node of this graph produces (as
+        `_compute_constant` treats it: an overridable initializer or a graph input is not
+        constant; an outer value is what the enclosing graph says)."""
+        if name in self.initializers:
+            return name in self.graph_inputs
+        if name in self.graph_inputs or self.outer is None:
+            return True
+        return self.outer._runtime_dependent(name)
 
     def _constant_cone(self, name: str) -> list[int] | None:
         """Producer nodes of `name` back to constants, or None if any leaf is not constant."""
@@ -557,6 +618,7 @@ class GraphIndex:
             self.new_initializers.append(tensor)
             self.types[tensor.name] = ValueType(tensor.data_type, tuple(tensor.dims))
         fused_id = self._add_node(fused, at_end=False)
+        self._added.add(fused_id)
         after_set = set(after)
         window = [i for i in self.order[lo : hi + 1] if i is not None and i not in member_set]
         before = [i for i in window if i not in after_set]
@@ -603,17 +665,28 @@ class GraphIndex:
         """Write nodes and initializers back into the GraphProto; untouched graphs stay as is."""
         if not self.modified:
             return
+        # The graph's own messages are moved, never copied (protobuf copies on extend: a
+        # rebuilt list would hold the model's nodes twice until the model is freed). Only the
+        # new nodes are added (copied); then one in-place sort puts every node at its place,
+        # the dead ones last, and they are cut off.
         live_ids = list(self.live_nodes())
-        del self.graph.node[:]
-        self.graph.node.extend(self.nodes[i] for i in live_ids)
-        # protobuf copies on extend: point the index at the graph's own messages, so later
-        # edits (subgraph rewrites) land in the model.
-        for node_id, node in zip(live_ids, self.graph.node, strict=True):
-            self.nodes[node_id] = node
+        added = [i for i in live_ids if i in self._added]
+        start = len(self.graph.node)
+        self.graph.node.extend(self.nodes[i] for i in added)
+        for offset, node_id in enumerate(added):
+            # point the index at the graph's copy, so later edits (subgraph rewrites) land
+            # in the model
+            self.nodes[node_id] = self.graph.node[start + offset]
+        self._added.clear()
+        rank = {id(self.nodes[node_id]): r for r, node_id in enumerate(live_ids)}
+        dead = len(live_ids)
+        self.graph.node.sort(key=lambda node: rank.get(id(node), dead))
+        del self.graph.node[len(live_ids) :]
         if self.dead_initializers:
-            kept = [t for t in self.graph.initializer if t.name not in self.dead_initializers]
-            del self.graph.initializer[:]
-            self.graph.initializer.extend(kept)
+            gone = self.dead_initializers
+            kept = sum(1 for t in self.graph.initializer if t.name not in gone)
+            self.graph.initializer.sort(key=lambda t: t.name in gone)  # stable: order kept
+            del self.graph.initializer[kept:]
         new = [t for t in self.new_initializers if t.name in self.initializers]
         self.graph.initializer.extend(new)
         self.new_initializers = []

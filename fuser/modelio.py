@@ -96,14 +96,19 @@ def iter_all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     """Every TensorProto in a graph and its subgraphs: initializers and node attributes."""
     yield from graph.initializer
     for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("g"):
-                yield from iter_all_tensors(attr.g)
-            for sub in attr.graphs:
-                yield from iter_all_tensors(sub)
+        yield from node_tensors(node)
+
+
+def node_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+    """The tensors in one node's attributes (subgraphs' included), in `iter_all_tensors` order."""
+    for attr in node.attribute:
+        if attr.HasField("t"):
+            yield attr.t
+        yield from attr.tensors
+        if attr.HasField("g"):
+            yield from iter_all_tensors(attr.g)
+        for sub in attr.graphs:
+            yield from iter_all_tensors(sub)
 
 
 def _is_external(tensor: onnx.TensorProto) -> bool:
@@ -250,6 +255,9 @@ def save_model(
     output, streamed one by one from wherever they live now. All files appear together or not
     at all (see `fuser.atomic`); none of them may be a file of `source` (OutputError).
     """
+    from .stream_save import streamable as _streamable  # stream_save reads this module
+    from .stream_save import write_external as _write_external
+
     out = Path(path)
     if external is None:
         external = has_external_data(model) or model.ByteSize() > PROTOBUF_LIMIT_BYTES
@@ -263,6 +271,11 @@ def save_model(
             extra_files = [(batch.open(p), data) for p, data in (extra or {}).items()]
             if data_file is None:
                 model_file.write(model.SerializeToString(deterministic=True))
+            elif _streamable(model):  # no second copy of the model held
+                _write_external(
+                    model, model_file, data_file, data_path.name,
+                    lambda tensor: _external_source_bytes(source, tensor),
+                )  # fmt: skip
             else:
                 staged = onnx.ModelProto()
                 staged.CopyFrom(model)
@@ -296,6 +309,13 @@ def save_files(files: Mapping[Path, bytes]) -> None:
         raise OutputError(f"{failed}: cannot write ({exc.strerror or exc})") from exc
 
 
+def _external_source_bytes(source: LoadedModel | None, tensor: onnx.TensorProto) -> bytes:
+    """The data of an external tensor of the model being saved, from its source's folder."""
+    if source is None:
+        raise ModelLoadError(f"tensor '{tensor.name}' has external data but no source folder")
+    return read_external_bytes(source, tensor)
+
+
 def _externalize(
     tensor: onnx.TensorProto,
     data_file: BinaryIO,
@@ -303,9 +323,7 @@ def _externalize(
     source: LoadedModel | None,
 ) -> None:
     if _is_external(tensor):
-        if source is None:
-            raise ModelLoadError(f"tensor '{tensor.name}' has external data but no source folder")
-        raw = read_external_bytes(source, tensor)
+        raw = _external_source_bytes(source, tensor)
     elif tensor.HasField("raw_data") and len(tensor.raw_data) >= EXTERNAL_THRESHOLD_BYTES:
         raw = tensor.raw_data
     else:

@@ -1,0 +1,187 @@
+"""Writing a model with external data without a second copy of it in memory.
+
+The model is written in protobuf's wire format piece by piece, as `SerializeToString` would
+lay it out (fields in number order, each repeated element tag + length + bytes): the graph's
+nodes and initializers one at a time. An initializer whose data goes to the data file is
+written as a staged TensorProto built field by field around its data (never copied); a node
+whose attributes hold such a tensor (a large Constant, a subgraph's initializer) is staged
+alone. So what is held at once beyond the model is one node's staged copy at most.
+
+The data file gets the tensors in `iter_all_tensors` order, at the offsets the staged protos
+name; the bytes are the ones copying the whole model and externalizing it would give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+import onnx
+from google.protobuf import unknown_fields
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from .modelio import EXTERNAL_THRESHOLD_BYTES, node_tensors
+
+_LEN = 2  # wire type of a length-delimited field
+# Reads the data of one external tensor of the input (from its validated file).
+ReadExternal = Callable[[onnx.TensorProto], bytes]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _key(number: int) -> bytes:
+    return _varint(number << 3 | _LEN)
+
+
+def moves_out(tensor: onnx.TensorProto) -> bool:
+    """Whether saving with external data writes `tensor`'s data to the data file."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return True
+    return tensor.HasField("raw_data") and len(tensor.raw_data) >= EXTERNAL_THRESHOLD_BYTES
+
+
+def _may_hold_tensors(node: onnx.NodeProto) -> bool:
+    kinds = (
+        onnx.AttributeProto.TENSOR,
+        onnx.AttributeProto.TENSORS,
+        onnx.AttributeProto.GRAPH,
+        onnx.AttributeProto.GRAPHS,
+    )
+    return any(a.type in kinds for a in node.attribute)
+
+
+def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _staged_tensor(
+    tensor: onnx.TensorProto, location: str, offset: int, length: int
+) -> onnx.TensorProto:
+    """`tensor` pointing at its data in the data file, built without copying its data."""
+    staged = onnx.TensorProto()
+    for fd, value in tensor.ListFields():
+        if fd.name not in ("raw_data", "external_data", "data_location"):
+            _copy_field(fd, value, staged)
+    _point_at(staged, location, offset, length)
+    return staged
+
+
+def write_external(
+    model: onnx.ModelProto, model_file: BinaryIO, data_file: BinaryIO, location: str,
+    read_external: ReadExternal,
+) -> None:  # fmt: skip
+    """Write `model` to `model_file` and its large tensors to `data_file` (named `location`
+    beside it); `model` is not changed."""
+    graph = model.graph
+    # 1. The data, in iter_all_tensors order: main-graph initializers, then node by node.
+    spans: list[tuple[int, int]] = []
+    by_initializer: dict[int, tuple[int, int]] = {}
+    by_node: dict[int, list[tuple[int, int]]] = {}
+
+    def move(tensor: onnx.TensorProto) -> tuple[int, int]:
+        raw = read_external(tensor) if tensor.data_location == onnx.TensorProto.EXTERNAL else None
+        data = raw if raw is not None else tensor.raw_data
+        span = (data_file.tell(), len(data))
+        data_file.write(data)
+        spans.append(span)
+        return span
+
+    for i, tensor in enumerate(graph.initializer):
+        if moves_out(tensor):
+            by_initializer[i] = move(tensor)
+    for i, node in enumerate(graph.node):
+        if _may_hold_tensors(node):
+            found = [move(t) for t in node_tensors(node) if moves_out(t)]
+            if found:
+                by_node[i] = found
+    # 2. The model, piece by piece; sizes first (a length prefix precedes each message).
+    staged_inits = {
+        i: _staged_tensor(graph.initializer[i], location, *span)
+        for i, span in by_initializer.items()
+    }
+
+    def staged_node(i: int) -> onnx.NodeProto:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(graph.node[i])
+        spans_left = iter(by_node[i])
+        for tensor in node_tensors(copy):
+            if moves_out(tensor):
+                offset, length = next(spans_left)
+                tensor.ClearField("raw_data")
+                _point_at(tensor, location, offset, length)
+        return copy
+
+    def graph_pieces(sizes_only: bool) -> Iterator[tuple[bytes, int, Message | None]]:
+        """(key, size, message to write or None when sizing) per field element."""
+        for fd, value in graph.ListFields():
+            key = _key(fd.number)
+            if fd.is_repeated and fd.message_type is not None:
+                for i, element in enumerate(value):
+                    if fd.name == "node" and i in by_node:
+                        element = staged_node(i)
+                    elif fd.name == "initializer" and i in staged_inits:
+                        element = staged_inits[i]
+                    yield key, element.ByteSize(), None if sizes_only else element
+            else:
+                single = onnx.GraphProto()
+                _copy_field(fd, value, single)
+                data = single.SerializeToString(deterministic=True)
+                yield b"", len(data), None if sizes_only else _Raw(data)
+
+    def piece_len(key: bytes, size: int) -> int:
+        return size if not key else len(key) + len(_varint(size)) + size
+
+    graph_size = sum(piece_len(k, s) for k, s, _ in graph_pieces(True))
+    for fd, value in model.ListFields():
+        if fd.name != "graph":
+            single = onnx.ModelProto()
+            _copy_field(fd, value, single)
+            model_file.write(single.SerializeToString(deterministic=True))
+            continue
+        model_file.write(_key(fd.number) + _varint(graph_size))
+        for key, size, element in graph_pieces(False):
+            if isinstance(element, _Raw):
+                model_file.write(element.data)
+            elif element is not None:
+                model_file.write(key + _varint(size))
+                model_file.write(element.SerializeToString(deterministic=True))
+
+
+class _Raw:
+    """Bytes already laid out (a field serialized alone)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _copy_field(fd: FieldDescriptor, value: object, target: Message) -> None:
+    if fd.is_repeated:
+        getattr(target, fd.name).extend(value)
+    elif fd.message_type is not None:
+        getattr(target, fd.name).CopyFrom(value)
+    else:
+        setattr(target, fd.name, value)
+
+
+def streamable(model: onnx.ModelProto) -> bool:
+    """Whether `write_external` lays `model` out as protobuf would: no unknown fields at the
+    two levels it writes field by field (deeper ones travel inside each element's bytes)."""
+    return not (
+        len(unknown_fields.UnknownFieldSet(model))
+        or len(unknown_fields.UnknownFieldSet(model.graph))
+    )

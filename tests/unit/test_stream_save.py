@@ -1,0 +1,106 @@
+"""Saving with external data streams the model (no copy of it held): the files are byte for
+byte those of copying the model and externalizing the copy, and the model is not changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fuser import stream_save
+from fuser.modelio import load_model, save_model
+
+
+def _model() -> onnx.ModelProto:
+    """Large and small initializers, a large Constant node, an If whose branch holds a large
+    initializer, value_info, metadata and a doc string: every place a tensor can sit."""
+    rng = np.random.default_rng(3)
+    big = numpy_helper.from_array(rng.standard_normal((17, 23)).astype(np.float32), "big")
+    small = numpy_helper.from_array(np.arange(3, dtype=np.int64), "small")
+    const = helper.make_node(
+        "Constant",
+        [],
+        ["c"],
+        value=numpy_helper.from_array(rng.standard_normal((300,)).astype(np.float32)),
+    )
+    branch_w = numpy_helper.from_array(rng.standard_normal((301,)).astype(np.float32), "bw")
+    then = helper.make_graph(
+        [helper.make_node("Add", ["c", "bw"], ["t"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, [300])],
+        initializer=[branch_w],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["e"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [300])],
+    )
+    nodes = [
+        const,
+        helper.make_node("MatMul", ["x", "big"], ["y"]),
+        helper.make_node("If", ["cond"], ["z"], then_branch=then, else_branch=other),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 17]),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 23]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, None),
+        ],
+        initializer=[big, small],
+        value_info=[helper.make_tensor_value_info("c", TensorProto.FLOAT, [300])],
+        doc_string="doc",
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.metadata_props.add(key="k", value="v")
+    return model
+
+
+def _save(model: onnx.ModelProto, out: Path, source: object, stream: bool) -> list[bytes]:
+    original = stream_save.streamable
+    stream_save.streamable = (lambda m: original(m)) if stream else (lambda m: False)
+    try:
+        written = save_model(model, out, source=source, external=True)  # type: ignore[arg-type]
+    finally:
+        stream_save.streamable = original
+    return [p.read_bytes() for p in written]
+
+
+@pytest.mark.parametrize("from_external", [False, True])
+def test_streamed_files_equal_the_copied_ones(tmp_path: Path, from_external: bool) -> None:
+    model = _model()
+    source = None
+    if from_external:  # the input's tensors already live in a data file of its own
+        first = tmp_path / "in" / "m.onnx"
+        first.parent.mkdir()
+        save_model(model, first, external=True)
+        loaded = load_model(first)
+        model, source = loaded.model, loaded
+    before = model.SerializeToString()
+    streamed = _save(model, tmp_path / "a.onnx", source, stream=True)
+    assert model.SerializeToString() == before  # the model itself is untouched
+    copied = _save(model, tmp_path / "b.onnx", source, stream=False)
+    assert streamed[0].replace(b"a.onnx.data", b"b.onnx.data") == copied[0]
+    assert streamed[1] == copied[1]
+    assert len(streamed[1]) >= (17 * 23 + 300 + 301) * 4  # the three large tensors moved out
+    back = onnx.load(str(tmp_path / "a.onnx"))
+    np.testing.assert_array_equal(
+        numpy_helper.to_array(back.graph.initializer[0]),
+        numpy_helper.to_array(_model().graph.initializer[0]),
+    )
+
+
+def test_unknown_fields_take_the_copying_path() -> None:
+    model = _model()
+    model.ParseFromString(model.SerializeToString() + b"\xf8\x07\x01")  # field 127, unknown
+    assert not stream_save.streamable(model)
+    assert stream_save.streamable(_model())
