@@ -43,6 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ._columns import TilingColumns
 from ._cost_base import CostModel
 from .api import Kernel, TensorMeta, Tiling, TilingError
 from .npu.machine import Machine
@@ -103,10 +104,11 @@ def candidate_space(
     metas: Sequence[TensorMeta | None],
     attrs: Mapping[str, Any],
     machine: Machine,
-) -> tuple[CostModel, list[Tiling]]:
+) -> tuple[CostModel, Sequence[Tiling]]:
     """The op's cost model and the tilings both searches rank: the model's space plus the
     kernel's own default and the articles' rule of thumb where they fit; `TilingError` if the
-    op has no model or nothing fits."""
+    op has no model or nothing fits. A list, or numpy columns (`TilingColumns`) where the
+    model builds its space so: tilings are then made only where read."""
     model = model_for(domain, op_type)
     if model is None:
         raise TilingError(f"{op_type}: no cost model")
@@ -125,7 +127,7 @@ def candidate_space(
             kernel.check_tiling(metas, attrs, t, machine)
         except TilingError:
             continue
-        space.append(t)
+        space = space.extended([t]) if isinstance(space, TilingColumns) else [*space, t]
     if not space:
         raise TilingError(f"{op_type}: no tiling fits {machine.name}")
     return model, space
@@ -166,7 +168,7 @@ def search(
 
 def _price_all(
     model: CostModel,
-    space: list[Tiling],
+    space: Sequence[Tiling],
     metas: Sequence[TensorMeta | None],
     attrs: Mapping[str, Any],
     machine: Machine,
@@ -207,7 +209,10 @@ def bound_of(model: CostModel, space: Sequence[Tiling]) -> Bounded | None:
     """`model` as a `Bounded` when its bound covers every field of the space's tilings."""
     if not isinstance(model, Bounded) or not space:
         return None
-    names = {f.name for t in space for f in dataclasses.fields(t)}
+    if isinstance(space, TilingColumns):
+        names = set(space.columns)
+    else:
+        names = {f.name for kind in {type(t) for t in space} for f in dataclasses.fields(kind)}
     return model if names == set(model.bound_fields) else None
 
 
@@ -321,7 +326,7 @@ def _shape_key(t: Tiling) -> Hashable:
 
 def _beam(
     model: CostModel,
-    space: list[Tiling],
+    space: Sequence[Tiling],
     metas: Sequence[TensorMeta | None],
     attrs: Mapping[str, Any],
     machine: Machine,

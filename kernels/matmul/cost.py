@@ -18,13 +18,14 @@ both ways over HBM, and the reduce pass on the vector cores after a barrier (a l
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .._budget import fits_each
+from .._columns import TilingColumns, first_of_each
 from .._cost_base import (
     LastProblem,
     aligned_sizes,
@@ -34,15 +35,14 @@ from .._cost_base import (
     dma,
     dma_out,
     field_columns,
-    fitting,
     kernel_cycles,
     round_up,
 )
 from ..api import TensorMeta, Tiling
 from ..npu.machine import Machine
 from ..registry import get_kernel
-from .kernel import GemmProblem, MatMulTiling, _CubeGemm
-from .splitk import Block, reduce_cycles, reduce_elems, reduce_items, split_of
+from .kernel import GemmProblem, MatMulTiling, _CubeGemm, gemm_queues
+from .splitk import Block, cut_slices, reduce_cycles, reduce_elems, reduce_items, split_of
 
 
 def gemm_cycles(
@@ -155,8 +155,12 @@ SPLIT_K = (2, 3, 4, 8)
 SPLIT_K_MIN = 1024
 
 
-def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> list[MatMulTiling]:
-    """Fitting tilings on aligned steps, deduplicated by what the kernel would run."""
+def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> TilingColumns:
+    """Fitting tilings on aligned steps, deduplicated by what the kernel would run (the first
+    kept), as numpy columns in the order of a loop over tile_m, tile_n, tile_k, tile_k0, the
+    three buffering switches, the core counts and split_k. The fit (`gemm_queues`, the rule
+    `check_tiling` applies) does not depend on the cores or split_k: it filters the sizes
+    first, then the survivors take every core count and split."""
     k0 = machine.cube_k_block(p.dtype)
     ms = sorted({*aligned_sizes(p.m, machine.cube_m, (16, 32, 64, 128, 256)),
                  *even_splits(p.m, machine.cube_m)})  # fmt: skip
@@ -164,27 +168,30 @@ def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> list[MatM
                  *even_splits(p.n, machine.cube_n)})  # fmt: skip
     ks = aligned_sizes(p.k, k0, (64, 128, 256, 512, 1024))
     k0s = aligned_sizes(p.k, k0, (32, 64, 128, 256))
-    seen: set[tuple[int, ...]] = set()
-    out: list[MatMulTiling] = []
-    splits = (1, *SPLIT_K) if p.k >= SPLIT_K_MIN else (1,)
-    for tm, tn, tk, tk0, l1, l0, l0c, cores, sk in itertools.product(
-        ms, ns, ks, k0s, (1, 0), (1, 0), (0, 1), core_counts(machine.cube_cores), splits
-    ):
-        if tk0 > tk:
-            continue
-        t = MatMulTiling(tm, tn, tk, tk0, l1, l0, l0c, cores, sk)
-        items = p.batch_size * math.ceil(p.m / min(tm, p.m)) * math.ceil(p.n / min(tn, p.n))
-        # split-K only where a wave is partly filled (else it is the same tiling)
-        split = split_of(items, p.k, sk, min(cores, machine.cube_cores), k0).slices
-        if sk > 1 and split == 1:
-            continue
-        key = (min(tm, p.m), min(tn, p.n), min(tk, p.k), min(tk0, tk, p.k), l1, l0, l0c,
-               min(cores, items), split)  # fmt: skip
-        if key in seen or not fitting(machine, kernel._specs(p, t)):
-            continue
-        seen.add(key)
-        out.append(t)
-    return out
+    grid = np.meshgrid(ms, ns, ks, k0s, [1, 0], [1, 0], [0, 1], indexing="ij")
+    names = ("tile_m", "tile_n", "tile_k", "tile_k0", "db_l1", "db_l0", "db_l0c")
+    columns: dict[str, Any] = {n: g.ravel() for n, g in zip(names, grid, strict=True)}
+    sizes = TilingColumns(MatMulTiling, {**columns, "cores": machine.cube_cores})
+    ok = (sizes.tile_k0 <= sizes.tile_k) & fits_each(
+        machine, [(lv, b, d) for lv, _, b, d in gemm_queues(p, sizes)]
+    )
+    sizes = sizes.take(np.flatnonzero(ok))
+    cores = np.array(core_counts(machine.cube_cores), dtype=np.int64)
+    splits = np.array((1, *SPLIT_K) if p.k >= SPLIT_K_MIN else (1,), dtype=np.int64)
+    per = len(cores) * len(splits)
+    t = sizes.take(np.repeat(np.arange(len(sizes)), per))
+    t.columns["cores"] = np.tile(np.repeat(cores, len(splits)), len(sizes))
+    t.columns["split_k"] = np.tile(splits, len(sizes) * len(cores))
+    tm, tn = np.minimum(t.tile_m, p.m), np.minimum(t.tile_n, p.n)
+    items = p.batch_size * ceil_div(p.m, tm) * ceil_div(p.n, tn)
+    split = cut_slices(items, p.k, t.split_k, np.minimum(t.cores, machine.cube_cores), k0)
+    # split-K only where a wave is partly filled (else it is the same tiling)
+    keep = np.flatnonzero((t.split_k == 1) | (split != 1))
+    t, tm, tn, items, split = t.take(keep), tm[keep], tn[keep], items[keep], split[keep]
+    tk = np.minimum(t.tile_k, p.k)
+    key = (tm, tn, tk, np.minimum(t.tile_k0, tk), t.db_l1, t.db_l0, t.db_l0c,
+           np.minimum(t.cores, items), split)  # fmt: skip
+    return t.take(first_of_each(*key))
 
 
 def gemm_rule_of_thumb(machine: Machine, p: GemmProblem) -> MatMulTiling:
@@ -208,9 +215,9 @@ class _GemmModel:
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
+    ) -> TilingColumns:
         k = self._kernel()
-        return list(gemm_space(machine, k.problem(metas, attrs), k))
+        return gemm_space(machine, k.problem(metas, attrs), k)
 
     def cost(
         self,
