@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -267,21 +267,62 @@ def _branch_and_bound(
     machine: Machine,
     keep: int,
 ) -> list[Priced]:
-    order = np.argsort(lower, kind="stable")
-    found: list[tuple[float, int]] = []  # (cycles, index in the space)
+    """The tilings `ranked` needs priced, in space order: the `keep` cheapest (in the order of
+    their bounds, until the next bound exceeds the `keep`-th price), then of the tilings whose
+    bound is within `TIE` of the cheapest price, the biggest ones (by `_volume`, largest
+    first, a whole volume at a time) until one is found truly within `TIE`: no tiling left
+    could be the near-tie winner or in the first `keep`."""
+    found: dict[int, float] = {}  # index in the space -> cycles
     cheapest: list[float] = []  # the `keep` lowest prices so far, ascending
-    for i in order.tolist():
-        if len(cheapest) >= keep and lower[i] > max(cheapest[0] * (1 + TIE), cheapest[-1]):
-            break  # the bounds ascend: no tiling left can matter
+    for i in _ascending(lower):
+        if len(cheapest) >= keep and lower[i] > cheapest[-1]:
+            break  # the bounds ascend: nothing left is among the `keep` cheapest
         c = model.cost(metas, attrs, space[i], machine)
-        found.append((c, i))
+        found[i] = c
         if len(cheapest) < keep or c < cheapest[-1]:
             cheapest.append(c)
             cheapest.sort()
             del cheapest[keep:]
+    limit = cheapest[0] * (1 + TIE)
+    near = np.flatnonzero(lower <= limit)
+    volume = volumes(space, near)
+    biggest = max((volume[j] for j, i in enumerate(near.tolist())
+                   if i in found and found[i] <= limit), default=0)  # fmt: skip
+    by_volume = np.argsort(-volume, kind="stable")
+    j = 0
+    while j < len(by_volume):
+        v = volume[by_volume[j]]
+        if v < biggest:
+            break  # smaller than a true near tie: never the winner
+        while j < len(by_volume) and volume[by_volume[j]] == v:
+            i = int(near[by_volume[j]])
+            if i not in found:
+                found[i] = model.cost(metas, attrs, space[i], machine)
+            if found[i] <= limit:
+                biggest = max(biggest, int(v))
+            j += 1
     # Space order within equal cycles, as `search` ranks them.
-    found.sort(key=lambda f: f[1])
-    return [Priced(space[i], c) for c, i in found]
+    return [Priced(space[i], found[i]) for i in sorted(found)]
+
+
+def _ascending(lower: np.ndarray) -> Iterator[int]:
+    """Indices by ascending bound, ties in space order (a stable sort), sorting the few lowest
+    bounds first: the walk rarely goes past them, and a space holds tens of thousands."""
+    low = np.flatnonzero(lower <= lower.min() * 1.05)
+    yield from low[np.argsort(lower[low], kind="stable")].tolist()
+    rest = np.flatnonzero(lower > lower.min() * 1.05)
+    yield from rest[np.argsort(lower[rest], kind="stable")].tolist()
+
+
+def volumes(space: Sequence[Tiling], rows: np.ndarray) -> np.ndarray:
+    """`_volume` of the given rows of a space (numpy over the columns of a `TilingColumns`)."""
+    if isinstance(space, TilingColumns):
+        v = np.ones(len(rows), dtype=np.int64)
+        for name, c in space.columns.items():
+            if name not in FLAGS:
+                v *= np.maximum(1, c[rows])
+        return v
+    return np.array([_volume(space[i]) for i in rows.tolist()], dtype=np.int64)
 
 
 _BEST: dict[Hashable, SearchResult] = {}
