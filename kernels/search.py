@@ -19,17 +19,20 @@ Two searches share that space and ranking (`candidate_space`, `ranked`):
 - `best`, what decisions run (`fuse`, a staged schedule's stages, a kernel's run-time tiling):
   exact branch and bound. A cost model that bounds a whole space at once (`Bounded`: numpy
   over the space's fields, e.g. Conv's and MatMul's Cube, MTE1, copy and FixPipe work) has its
-  tilings priced in the order of their lower bounds, and the walk stops when the next bound is
-  above both the cheapest price plus `TIE` and the `keep`-th cheapest: the pick and the first
-  `keep` of the ranking are those of pricing every tiling, from a few dozen priced tilings of
-  thousands. A model without a bound (or whose tiling gained a field its bound does not name)
-  is priced as `search` prices it. Memoized per process by (op, inputs, attributes, target).
+  tilings priced in the order of their lower bounds until the next bound is above the
+  `keep`-th cheapest price, then, of the tilings whose bound is within `TIE` of the cheapest,
+  the biggest: the pick and the first `keep` of the ranking are those of pricing every
+  tiling, from a few priced tilings of thousands. A model without a bound (or whose tiling
+  gained a field its bound does not name) is priced as `search` prices it. Memoized per
+  process by (op, inputs, attributes, target).
 - `search`, the whole ranking (`fuser tune`, the accuracy benchmark): every tiling priced when
   the space holds at most `EXHAUSTIVE_LIMIT`; beyond it a two-level beam (every distinct tile
   shape priced once by its first variant, then every variant of the best `BEAM` shapes).
 
-Pricing a tiling takes tens of microseconds; building the space (the kernel's buffer checks
-of every candidate) is now most of a search.
+Pricing a tiling takes tens of microseconds. The Conv and MatMul spaces (tens of thousands
+of candidates) are built as numpy columns (`TilingColumns`), filtered by the kernels' own fit
+rule written once for a tiling or a column, and a `Tiling` is made only for a row the search
+reads: a decision takes a few milliseconds.
 """
 
 from __future__ import annotations
@@ -230,9 +233,10 @@ def best(
     schedule prices the very nodes the unfused side prices.
 
     Exact branch and bound: where the model bounds the space (`Bounded`), tilings are priced
-    in the order of their lower bounds until the next bound exceeds both the cheapest price
-    found plus the `TIE` margin and the `keep`-th cheapest price: every tiling left has a
-    cost above both, so it could be neither picked nor ranked in the first `keep`. Without a
+    in the order of their lower bounds until the next bound exceeds the `keep`-th cheapest
+    price (no tiling left is among the `keep` cheapest), then the near ties' candidates
+    (bound within `TIE` of the cheapest price) biggest first, until the biggest true near
+    tie is known (no tiling left could be the winner `ranked` moves to the front). Without a
     bound every tiling is priced (`search`). `candidates` holds the tilings priced, ranked as
     `search` ranks them (equal cycles in space order)."""
     key = _memo_key(domain, op_type, metas, attrs, machine, keep)
