@@ -22,15 +22,17 @@ from .api import Tiling
 
 def lesser(*xs: Any) -> Any:
     """min of ints, or the elementwise minimum when one of them is a numpy column."""
-    if any(isinstance(x, np.ndarray) for x in xs):
-        return np.minimum.reduce(np.broadcast_arrays(*xs))
+    for x in xs:
+        if isinstance(x, np.ndarray):
+            return np.minimum.reduce(np.broadcast_arrays(*xs))
     return min(xs)
 
 
 def greater(*xs: Any) -> Any:
     """max of ints, or the elementwise maximum when one of them is a numpy column."""
-    if any(isinstance(x, np.ndarray) for x in xs):
-        return np.maximum.reduce(np.broadcast_arrays(*xs))
+    for x in xs:
+        if isinstance(x, np.ndarray):
+            return np.maximum.reduce(np.broadcast_arrays(*xs))
     return max(xs)
 
 

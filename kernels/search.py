@@ -54,7 +54,7 @@ from .registry import all_models, get_kernel
 
 #: Bumped when a cost model or the simulated machine changes what a tiling costs, so that
 #: tuning-cache entries priced by an older model are not reused (`cache_target`).
-MODEL_REVISION = 8  # 8: activation epilogues, split-K, gating variants, shifted LN statistics
+MODEL_REVISION = 9  # 9: split-K MatMul/Gemm bound fixed (best could prune the true pick)
 
 EXHAUSTIVE_LIMIT = 4096
 #: Tiling fields that are switches or core counts rather than tile sizes.
