@@ -12,6 +12,7 @@ whole space (columns: what the space filter uses): one fact in one place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -24,7 +25,7 @@ def lesser(*xs: Any) -> Any:
     """min of ints, or the elementwise minimum when one of them is a numpy column."""
     for x in xs:
         if isinstance(x, np.ndarray):
-            return np.minimum.reduce(np.broadcast_arrays(*xs))
+            return functools.reduce(np.minimum, xs)
     return min(xs)
 
 
@@ -32,7 +33,7 @@ def greater(*xs: Any) -> Any:
     """max of ints, or the elementwise maximum when one of them is a numpy column."""
     for x in xs:
         if isinstance(x, np.ndarray):
-            return np.maximum.reduce(np.broadcast_arrays(*xs))
+            return functools.reduce(np.maximum, xs)
     return max(xs)
 
 
@@ -77,7 +78,8 @@ class TilingColumns(Sequence[Tiling]):
         cols: dict[str, np.ndarray] = {}
         for f in fields:
             if f.name in columns:
-                cols[f.name] = np.broadcast_to(np.asarray(columns[f.name], dtype=np.int64), (n,))
+                c = np.asarray(columns[f.name], dtype=np.int64)
+                cols[f.name] = c if c.shape == (n,) else np.broadcast_to(c, (n,))
             elif f.default is not dataclasses.MISSING:
                 cols[f.name] = np.full(n, int(f.default), dtype=np.int64)
             else:
