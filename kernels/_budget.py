@@ -7,8 +7,9 @@ reserved on the core (where overrunning raises `CapacityError`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .api import TilingError
 from .npu.machine import Machine
@@ -28,7 +29,13 @@ class QueueSpec:
     @property
     def reserved(self) -> int:
         """Bytes the queue reserves, aligned as the core aligns them."""
-        return align(self.slot_bytes) * self.depth
+        return int(reserved_bytes(self.slot_bytes, self.depth))
+
+
+def reserved_bytes(slot_bytes: Any, depth: Any) -> Any:
+    """Bytes `depth` slots of `slot_bytes` reserve, aligned as the core aligns them (ints, or
+    numpy columns: one entry per tiling of a space)."""
+    return align(slot_bytes) * depth
 
 
 #: The machine's field holding each buffer level's bytes per core.
@@ -61,12 +68,23 @@ def require_fits(op: str, machine: Machine, specs: Sequence[QueueSpec]) -> None:
 
 
 def fits(machine: Machine, specs: Sequence[QueueSpec]) -> bool:
-    """True when every level's queues fit (for filtering a tiling space). One pass over the
-    queues: spaces check hundreds of thousands of tilings per model."""
-    used: dict[Level, int] = {}
-    for s in specs:
-        used[s.level] = used.get(s.level, 0) + s.reserved
-    return all(u <= capacity(machine, lv) for lv, u in used.items() if lv in _CAPACITY_FIELD)
+    """True when every level's queues fit (for filtering a tiling space): `fits_each` of one
+    tiling."""
+    return bool(fits_each(machine, [(s.level, s.slot_bytes, s.depth) for s in specs]))
+
+
+def fits_each(machine: Machine, queues: Iterable[tuple[Level, Any, Any]]) -> Any:
+    """Whether every level's queues fit, from (level, slot bytes, depth) per queue: ints for
+    one tiling (a bool), or numpy columns for a whole space (a bool column, one pass of numpy
+    instead of one Python call per tiling)."""
+    used: dict[Level, Any] = {}
+    for level, slot, depth in queues:
+        used[level] = used.get(level, 0) + reserved_bytes(slot, depth)
+    ok: Any = True
+    for level, u in used.items():
+        if level in _CAPACITY_FIELD:
+            ok = ok & (u <= capacity(machine, level))
+    return ok
 
 
 def check_positive(op: str, **fields: int) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ._budget import QueueSpec, fits
+from ._columns import TilingColumns
 from .api import TensorMeta, Tiling
 from .npu.machine import Machine
 
@@ -38,9 +39,10 @@ class CostModel(Protocol):
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
+    ) -> Sequence[Tiling]:
         """Legal tilings on hardware-aligned steps, filtered by buffer capacities, deduplicated
-        (two tilings the kernel would run identically appear once)."""
+        (two tilings the kernel would run identically appear once): a list, or numpy columns
+        (`_columns.TilingColumns`) for the big spaces."""
         ...
 
     def cost(
@@ -219,8 +221,25 @@ def field_columns(tilings: Sequence[Tiling], names: Sequence[str]) -> list[Any]:
     the vectorized lower bounds that `search.best` prunes a space with)."""
     import numpy as np
 
+    if isinstance(tilings, TilingColumns):
+        return [tilings.columns[n] for n in names]
     table = np.array([[getattr(t, n) for n in names] for t in tilings], dtype=np.int64)
     return list(table.reshape(len(tilings), len(names)).T)
+
+
+def copy_in_heads(machine: Machine, first_bytes: Any, cores: Any) -> Any:
+    """`Machine.copy_in_head` of every (first copy bytes, active cores) pair of two int
+    columns: computed once per distinct pair (a space has few)."""
+    import numpy as np
+
+    b = np.asarray(first_bytes).astype(np.int64)
+    c = np.asarray(cores).astype(np.int64)
+    if not len(b):
+        return np.zeros(0)
+    span = int(c.max()) + 1
+    codes, inverse = np.unique(b * span + c, return_inverse=True)
+    heads = [machine.copy_in_head(code // span, code % span) for code in codes.tolist()]
+    return np.array(heads)[inverse.ravel()]
 
 
 def ceil_div(a: Any, b: Any) -> Any:

@@ -19,17 +19,20 @@ Two searches share that space and ranking (`candidate_space`, `ranked`):
 - `best`, what decisions run (`fuse`, a staged schedule's stages, a kernel's run-time tiling):
   exact branch and bound. A cost model that bounds a whole space at once (`Bounded`: numpy
   over the space's fields, e.g. Conv's and MatMul's Cube, MTE1, copy and FixPipe work) has its
-  tilings priced in the order of their lower bounds, and the walk stops when the next bound is
-  above both the cheapest price plus `TIE` and the `keep`-th cheapest: the pick and the first
-  `keep` of the ranking are those of pricing every tiling, from a few dozen priced tilings of
-  thousands. A model without a bound (or whose tiling gained a field its bound does not name)
-  is priced as `search` prices it. Memoized per process by (op, inputs, attributes, target).
+  tilings priced in the order of their lower bounds until the next bound is above the
+  `keep`-th cheapest price, then, of the tilings whose bound is within `TIE` of the cheapest,
+  the biggest: the pick and the first `keep` of the ranking are those of pricing every
+  tiling, from a few priced tilings of thousands. A model without a bound (or whose tiling
+  gained a field its bound does not name) is priced as `search` prices it. Memoized per
+  process by (op, inputs, attributes, target).
 - `search`, the whole ranking (`fuser tune`, the accuracy benchmark): every tiling priced when
   the space holds at most `EXHAUSTIVE_LIMIT`; beyond it a two-level beam (every distinct tile
   shape priced once by its first variant, then every variant of the best `BEAM` shapes).
 
-Pricing a tiling takes tens of microseconds; building the space (the kernel's buffer checks
-of every candidate) is now most of a search.
+Pricing a tiling takes tens of microseconds. The Conv and MatMul spaces (tens of thousands
+of candidates) are built as numpy columns (`TilingColumns`), filtered by the kernels' own fit
+rule written once for a tiling or a column, and a `Tiling` is made only for a row the search
+reads: a decision takes a few milliseconds.
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ._columns import TilingColumns
 from ._cost_base import CostModel
 from .api import Kernel, TensorMeta, Tiling, TilingError
 from .npu.machine import Machine
@@ -50,7 +54,7 @@ from .registry import all_models, get_kernel
 
 #: Bumped when a cost model or the simulated machine changes what a tiling costs, so that
 #: tuning-cache entries priced by an older model are not reused (`cache_target`).
-MODEL_REVISION = 8  # 8: activation epilogues, split-K, gating variants, shifted LN statistics
+MODEL_REVISION = 9  # 9: split-K MatMul/Gemm bound fixed (best could prune the true pick)
 
 EXHAUSTIVE_LIMIT = 4096
 #: Tiling fields that are switches or core counts rather than tile sizes.
@@ -103,10 +107,11 @@ def candidate_space(
     metas: Sequence[TensorMeta | None],
     attrs: Mapping[str, Any],
     machine: Machine,
-) -> tuple[CostModel, list[Tiling]]:
+) -> tuple[CostModel, Sequence[Tiling]]:
     """The op's cost model and the tilings both searches rank: the model's space plus the
     kernel's own default and the articles' rule of thumb where they fit; `TilingError` if the
-    op has no model or nothing fits."""
+    op has no model or nothing fits. A list, or numpy columns (`TilingColumns`) where the
+    model builds its space so: tilings are then made only where read."""
     model = model_for(domain, op_type)
     if model is None:
         raise TilingError(f"{op_type}: no cost model")
@@ -125,7 +130,7 @@ def candidate_space(
             kernel.check_tiling(metas, attrs, t, machine)
         except TilingError:
             continue
-        space.append(t)
+        space = space.extended([t]) if isinstance(space, TilingColumns) else [*space, t]
     if not space:
         raise TilingError(f"{op_type}: no tiling fits {machine.name}")
     return model, space
@@ -166,7 +171,7 @@ def search(
 
 def _price_all(
     model: CostModel,
-    space: list[Tiling],
+    space: Sequence[Tiling],
     metas: Sequence[TensorMeta | None],
     attrs: Mapping[str, Any],
     machine: Machine,
@@ -207,7 +212,10 @@ def bound_of(model: CostModel, space: Sequence[Tiling]) -> Bounded | None:
     """`model` as a `Bounded` when its bound covers every field of the space's tilings."""
     if not isinstance(model, Bounded) or not space:
         return None
-    names = {f.name for kind in {type(t) for t in space} for f in dataclasses.fields(kind)}
+    if isinstance(space, TilingColumns):
+        names = set(space.columns)
+    else:
+        names = {f.name for kind in {type(t) for t in space} for f in dataclasses.fields(kind)}
     return model if names == set(model.bound_fields) else None
 
 
@@ -225,9 +233,10 @@ def best(
     schedule prices the very nodes the unfused side prices.
 
     Exact branch and bound: where the model bounds the space (`Bounded`), tilings are priced
-    in the order of their lower bounds until the next bound exceeds both the cheapest price
-    found plus the `TIE` margin and the `keep`-th cheapest price: every tiling left has a
-    cost above both, so it could be neither picked nor ranked in the first `keep`. Without a
+    in the order of their lower bounds until the next bound exceeds the `keep`-th cheapest
+    price (no tiling left is among the `keep` cheapest), then the near ties' candidates
+    (bound within `TIE` of the cheapest price) biggest first, until the biggest true near
+    tie is known (no tiling left could be the winner `ranked` moves to the front). Without a
     bound every tiling is priced (`search`). `candidates` holds the tilings priced, ranked as
     `search` ranks them (equal cycles in space order)."""
     key = _memo_key(domain, op_type, metas, attrs, machine, keep)
@@ -262,21 +271,62 @@ def _branch_and_bound(
     machine: Machine,
     keep: int,
 ) -> list[Priced]:
-    order = np.argsort(lower, kind="stable")
-    found: list[tuple[float, int]] = []  # (cycles, index in the space)
+    """The tilings `ranked` needs priced, in space order: the `keep` cheapest (in the order of
+    their bounds, until the next bound exceeds the `keep`-th price), then of the tilings whose
+    bound is within `TIE` of the cheapest price, the biggest ones (by `_volume`, largest
+    first, a whole volume at a time) until one is found truly within `TIE`: no tiling left
+    could be the near-tie winner or in the first `keep`."""
+    found: dict[int, float] = {}  # index in the space -> cycles
     cheapest: list[float] = []  # the `keep` lowest prices so far, ascending
-    for i in order.tolist():
-        if len(cheapest) >= keep and lower[i] > max(cheapest[0] * (1 + TIE), cheapest[-1]):
-            break  # the bounds ascend: no tiling left can matter
+    for i in _ascending(lower):
+        if len(cheapest) >= keep and lower[i] > cheapest[-1]:
+            break  # the bounds ascend: nothing left is among the `keep` cheapest
         c = model.cost(metas, attrs, space[i], machine)
-        found.append((c, i))
+        found[i] = c
         if len(cheapest) < keep or c < cheapest[-1]:
             cheapest.append(c)
             cheapest.sort()
             del cheapest[keep:]
+    limit = cheapest[0] * (1 + TIE)
+    near = np.flatnonzero(lower <= limit)
+    volume = volumes(space, near)
+    biggest = max((volume[j] for j, i in enumerate(near.tolist())
+                   if i in found and found[i] <= limit), default=0)  # fmt: skip
+    by_volume = np.argsort(-volume, kind="stable")
+    j = 0
+    while j < len(by_volume):
+        v = volume[by_volume[j]]
+        if v < biggest:
+            break  # smaller than a true near tie: never the winner
+        while j < len(by_volume) and volume[by_volume[j]] == v:
+            i = int(near[by_volume[j]])
+            if i not in found:
+                found[i] = model.cost(metas, attrs, space[i], machine)
+            if found[i] <= limit:
+                biggest = max(biggest, int(v))
+            j += 1
     # Space order within equal cycles, as `search` ranks them.
-    found.sort(key=lambda f: f[1])
-    return [Priced(space[i], c) for c, i in found]
+    return [Priced(space[i], found[i]) for i in sorted(found)]
+
+
+def _ascending(lower: np.ndarray) -> Iterator[int]:
+    """Indices by ascending bound, ties in space order (a stable sort), sorting the few lowest
+    bounds first: the walk rarely goes past them, and a space holds tens of thousands."""
+    low = np.flatnonzero(lower <= lower.min() * 1.05)
+    yield from low[np.argsort(lower[low], kind="stable")].tolist()
+    rest = np.flatnonzero(lower > lower.min() * 1.05)
+    yield from rest[np.argsort(lower[rest], kind="stable")].tolist()
+
+
+def volumes(space: Sequence[Tiling], rows: np.ndarray) -> np.ndarray:
+    """`_volume` of the given rows of a space (numpy over the columns of a `TilingColumns`)."""
+    if isinstance(space, TilingColumns):
+        v = np.ones(len(rows), dtype=np.int64)
+        for name, c in space.columns.items():
+            if name not in FLAGS:
+                v *= np.maximum(1, c[rows])
+        return v
+    return np.array([_volume(space[i]) for i in rows.tolist()], dtype=np.int64)
 
 
 _BEST: dict[Hashable, SearchResult] = {}
@@ -321,7 +371,7 @@ def _shape_key(t: Tiling) -> Hashable:
 
 def _beam(
     model: CostModel,
-    space: list[Tiling],
+    space: Sequence[Tiling],
     metas: Sequence[TensorMeta | None],
     attrs: Mapping[str, Any],
     machine: Machine,

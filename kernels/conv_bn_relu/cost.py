@@ -21,7 +21,6 @@ whole output map, 2 and 4 images per block (`tile_n`) too.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,12 +28,14 @@ from typing import Any
 import numpy as np
 from fuser.patterns.conv_activation import Activation
 
+from .._columns import TilingColumns, first_of_each
 from .._cost_base import (
     LastProblem,
     Stage,
     Stream,
     aligned_sizes,
     ceil_div,
+    copy_in_heads,
     core_counts,
     cube_blocks,
     dma,
@@ -50,7 +51,7 @@ from ..registry import get_kernel
 from .epilogue import epilogue_cycles
 from .geometry import ConvGeometry
 from .kernel import _ConvKernel
-from .tiling import ConvTiling, conv_specs, effective, fold_saves, images, n_items
+from .tiling import ConvTiling, conv_fits, conv_specs, effective, fold_saves, images, n_items
 
 NO_ACTIVATION = Activation()
 
@@ -155,87 +156,83 @@ def conv_cycles(
 
 def conv_space(
     machine: Machine, g: ConvGeometry, dtype: np.dtype, has_params: bool
-) -> list[ConvTiling]:
-    """Fitting tilings on aligned steps (see the module docstring)."""
+) -> TilingColumns:
+    """Fitting tilings on aligned steps (see the module docstring), built as numpy columns:
+    per output-channel block the unfolded tilings, then (where folding saves Cube blocks) the
+    folded ones, then the whole-map tilings with 2 and 4 images per block; each filtered by
+    the kernel's own fit rule (`conv_fits`, the one `check_tiling` applies) and deduplicated
+    by what the kernel would run, keeping the first (the order the scalar loops listed)."""
     k0 = machine.cube_k_block(dtype)
+    isz = dtype.itemsize
     cos = aligned_sizes(g.cout, machine.cube_n, (16, 32, 64, 128, 256))
     tws = sorted({min(g.wo, w) for w in (8, 16, 32, 64, 128, 256)} | {g.wo})
-    seen: set[tuple[int, ...]] = set()
-    out: list[ConvTiling] = []
+    parts = []
     for co in cos:
         lo, hi = g.channel_range(0, min(co, g.cout))
         cis = aligned_sizes(hi - lo, k0, (16, 32, 64, 128, 256))
-        for ci, tw in itertools.product(cis, tws):
-            m_max = max(1, machine.l0a_bytes // max(1, ci * dtype.itemsize))
-            ths = {min(g.ho, h) for h in (1, 2, 4, 8, 16, 32)} | {max(1, min(g.ho, m_max // tw))}
-            for th, db, cores in itertools.product(
-                sorted(ths), (1, 0), core_counts(machine.cube_cores)
-            ):
-                t = ConvTiling(th, tw, co, ci, db, cores)
-                key = (*effective(g, t), db, min(cores, n_items(g, t)))
-                if key in seen or not fitting(machine, conv_specs(g, dtype, has_params, t)):
-                    continue
-                seen.add(key)
-                out.append(t)
+        parts.append(_grid(machine, g, isz, co, cis, tws, fold=0))
         if fold_saves(g, hi - lo, k0):
-            out.extend(_folded(machine, g, dtype, has_params, co, hi - lo, tws, seen))
-    out.extend(_batched(machine, g, dtype, has_params, out, seen))
-    return out
+            ks = aligned_sizes((hi - lo) * g.taps, k0, (32, 64, 128, 256))
+            parts.append(_grid(machine, g, isz, co, ks, tws, fold=1))
+    raw = TilingColumns.concat(ConvTiling, parts)
+    out = _kept(machine, g, dtype, has_params, raw)
+    # Whole-map blocks with 2 or 4 images per block (`tile_n`: small maps such as 7x7 get
+    # more GEMM rows per weight copy), after every single-image tiling.
+    th, tw = effective(g, out)[:2]
+    whole = out.take(np.flatnonzero((th >= g.ho) & (tw >= g.wo) & (out.tile_n == 1)))
+    tns = np.array([tn for tn in (2, 4) if tn <= g.n], dtype=np.int64)
+    rows = np.repeat(np.arange(len(whole)), len(tns))
+    batched = whole.take(rows)
+    batched.columns["tile_n"] = np.tile(tns, len(whole))
+    return TilingColumns.concat(ConvTiling, [out, _kept(machine, g, dtype, has_params, batched)])
 
 
-def _batched(
+def _grid(
     machine: Machine,
     g: ConvGeometry,
-    dtype: np.dtype,
-    has_params: bool,
-    whole: Sequence[ConvTiling],
-    seen: set[tuple[int, ...]],
-) -> list[ConvTiling]:
-    """The tilings whose block is a whole output map, with 2 or 4 images per block
-    (`tile_n`: small maps such as 7x7 get more GEMM rows per weight copy)."""
-    out = []
-    for t in whole:
-        th, tw = effective(g, t)[:2]
-        if th < g.ho or tw < g.wo or t.tile_n > 1:
-            continue
-        for tn in (2, 4):
-            if tn > g.n:
-                continue
-            b = dataclasses.replace(t, tile_n=tn)
-            key = (*effective(g, b), b.double_buffer, min(b.cores, n_items(g, b)), b.fold_taps, tn)
-            if key in seen or not fitting(machine, conv_specs(g, dtype, has_params, b)):
-                continue
-            seen.add(key)
-            out.append(b)
-    return out
-
-
-def _folded(
-    machine: Machine,
-    g: ConvGeometry,
-    dtype: np.dtype,
-    has_params: bool,
+    isz: int,
     co: int,
-    width: int,
+    k_steps: Sequence[int],
     tws: Sequence[int],
-    seen: set[tuple[int, ...]],
-) -> list[ConvTiling]:
-    """Tilings with the taps folded into K (`fold_taps`): L0 steps of the folded K."""
-    k0 = machine.cube_k_block(dtype)
-    out = []
-    for ks, tw in itertools.product(aligned_sizes(width * g.taps, k0, (32, 64, 128, 256)), tws):
-        m_max = max(1, machine.l0a_bytes // max(1, ks * dtype.itemsize))
-        ths = {min(g.ho, h) for h in (1, 2, 4, 8, 16, 32)} | {max(1, min(g.ho, m_max // tw))}
-        for th, db, cores in itertools.product(
-            sorted(ths), (1, 0), core_counts(machine.cube_cores)
-        ):
-            t = ConvTiling(th, tw, co, ks, db, cores, fold_taps=1)
-            key = (*effective(g, t), db, min(cores, n_items(g, t)), 1)
-            if key in seen or not fitting(machine, conv_specs(g, dtype, has_params, t)):
-                continue
-            seen.add(key)
-            out.append(t)
-    return out
+    fold: int,
+) -> TilingColumns:
+    """The candidates of one output-channel block, in loop order: per K step (input channels,
+    or with `fold` rows of the folded K) and tile_w, the tile_h options ascending (a few fixed
+    rows and the most L0A holds), double then single buffering, every core count."""
+    kk, tw = (a.ravel() for a in np.meshgrid(k_steps, tws, indexing="ij"))
+    m_max = np.maximum(1, machine.l0a_bytes // np.maximum(1, kk * isz))
+    fixed = np.minimum(g.ho, np.array([1, 2, 4, 8, 16, 32]))
+    ths = np.sort(
+        np.column_stack([np.broadcast_to(fixed, (len(kk), 6)),
+                         np.maximum(1, np.minimum(g.ho, m_max // tw))]),
+        axis=1,
+    )  # fmt: skip
+    cores = np.array(core_counts(machine.cube_cores), dtype=np.int64)
+    per_th = 2 * len(cores)
+    n_th = ths.shape[1]
+    return TilingColumns(
+        ConvTiling,
+        {
+            "tile_h": np.repeat(ths.ravel(), per_th),
+            "tile_w": np.repeat(tw, n_th * per_th),
+            "tile_co": co,
+            "tile_ci": np.repeat(kk, n_th * per_th),
+            "double_buffer": np.tile(np.repeat([1, 0], len(cores)), len(kk) * n_th),
+            "cores": np.tile(cores, len(kk) * n_th * 2),
+            "fold_taps": fold,
+        },
+    )
+
+
+def _kept(
+    machine: Machine, g: ConvGeometry, dtype: np.dtype, has_params: bool, cands: TilingColumns
+) -> TilingColumns:
+    """The candidates that fit, the first of each set the kernel would run identically (same
+    clipped sizes, buffering, cores used, folding, images per block)."""
+    ok = cands.take(np.flatnonzero(conv_fits(g, dtype, has_params, cands, machine)))
+    key = (*effective(g, ok), ok.double_buffer, np.minimum(ok.cores, n_items(g, ok)),
+           ok.fold_taps, ok.tile_n)  # fmt: skip
+    return ok.take(first_of_each(*key))
 
 
 class _ConvModel:
@@ -259,9 +256,9 @@ class _ConvModel:
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
+    ) -> TilingColumns:
         g, dtype, has_b, has_bn = self._setup(metas, attrs)
-        return list(conv_space(machine, g, dtype, has_b or has_bn))
+        return conv_space(machine, g, dtype, has_b or has_bn)
 
     def cost(
         self,
@@ -382,9 +379,7 @@ def conv_lower_bounds(
         busy_cube + busy_mte1 + busy_mte2 + fix,
     )
     first_in = np.where(folded, width, np.minimum(ci, width)) * x_px
-    heads = np.array(
-        [machine.copy_in_head(int(b), int(c)) for b, c in zip(first_in, cores, strict=True)]
-    )
+    heads = copy_in_heads(machine, first_in, cores)
     # HBM reads the input as it sits in GM (a ConvTranspose's zeros are never read), as
     # conv_cycles counts it: the floor must not count bytes the kernel does not move.
     gm = isz * (g.n * g.cin * g.src_pixels + g.cout * g.cin_g * g.taps + g.n * g.cout * g.ho * g.wo)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .._budget import QueueSpec, fits
+from .._budget import QueueSpec, fits, fits_each
+from .._columns import TilingColumns, greater, lesser, pick
+from .._cost_base import ceil_div
 from ..api import Tiling, TilingError
 from ..npu.machine import Machine
 from ..npu.pipes import Level
@@ -41,19 +44,22 @@ class ConvTiling(Tiling):
     tile_n: int = 1
 
 
-def effective(g: ConvGeometry, t: ConvTiling) -> tuple[int, int, int, int]:
+#: A tiling, or a whole space of them as columns: the fit rule and the clipped sizes below are
+#: one function for both (`_columns`), ints in and ints out for one tiling.
+Tilings = ConvTiling | TilingColumns
+
+
+def effective(g: ConvGeometry, t: Tilings) -> tuple[Any, Any, Any, Any]:
     """Tile sizes clipped to the problem: (rows, cols, out channels, K step: channels per
     tap, or with `fold_taps` rows of the folded K = channels x taps)."""
-    th, tw, co = min(t.tile_h, g.ho), min(t.tile_w, g.wo), min(t.tile_co, g.cout)
+    th, tw, co = lesser(t.tile_h, g.ho), lesser(t.tile_w, g.wo), lesser(t.tile_co, g.cout)
     lo, hi = g.channel_range(0, co)
-    if t.fold_taps:
-        return th, tw, co, min(t.tile_ci, (hi - lo) * g.taps)
-    return th, tw, co, min(t.tile_ci, hi - lo)
+    return th, tw, co, lesser(t.tile_ci, pick(t.fold_taps, (hi - lo) * g.taps, hi - lo))
 
 
-def images(g: ConvGeometry, t: ConvTiling) -> int:
+def images(g: ConvGeometry, t: Tilings) -> Any:
     """Images per block, clipped to the batch."""
-    return max(1, min(t.tile_n, g.n))
+    return greater(1, lesser(t.tile_n, g.n))
 
 
 def fold_saves(g: ConvGeometry, width: int, k0: int) -> bool:
@@ -62,39 +68,54 @@ def fold_saves(g: ConvGeometry, width: int, k0: int) -> bool:
     return g.group == 1 and g.taps > 1 and -(-width * g.taps // k0) < g.taps * -(-width // k0)
 
 
-def conv_specs(
-    g: ConvGeometry, dtype: np.dtype, has_params: bool, t: ConvTiling
-) -> list[QueueSpec]:
-    """The queues a tiling reserves in L1, L0A, L0B and L0C."""
+def conv_queues(
+    g: ConvGeometry, dtype: np.dtype, has_params: bool, t: Tilings
+) -> list[tuple[Level, str, Any, Any]]:
+    """(level, name, slot bytes, depth) of the queues a tiling reserves in L1, L0A, L0B and
+    L0C: ints for one tiling, columns for a space (see `Tilings`)."""
     th, tw, co, ci = effective(g, t)
     # A channel block may straddle one more group than a block starting at 0.
-    ci = min(t.tile_ci, ci + g.cin_g) if g.group > 1 else ci
+    ci = lesser(t.tile_ci, ci + g.cin_g) if g.group > 1 else ci
     isz = dtype.itemsize
-    depth = 2 if t.double_buffer else 1
+    depth = pick(t.double_buffer, 2, 1)
     rows, cols = g.halo(th, tw)
     nimg = images(g, t)
     m = th * tw * nimg
     # Folded: the chunk holds all of the block's channels (`ci` is then the folded K step).
-    cx = g.channel_range(0, co)[1] if t.fold_taps else ci
-    specs = [
-        QueueSpec(Level.L1, "x", nimg * cx * rows * cols * isz, depth),
-        QueueSpec(Level.L1, "w", co * cx * g.taps * isz, depth),
-        QueueSpec(Level.L0A, "a", m * ci * isz, depth),
-        QueueSpec(Level.L0B, "b", ci * co * isz, depth),
-        QueueSpec(Level.L0C, "acc", m * co * 4, depth),
+    cx = pick(t.fold_taps, g.channel_range(0, co)[1], ci)
+    queues = [
+        (Level.L1, "x", nimg * cx * rows * cols * isz, depth),
+        (Level.L1, "w", co * cx * g.taps * isz, depth),
+        (Level.L0A, "a", m * ci * isz, depth),
+        (Level.L0B, "b", ci * co * isz, depth),
+        (Level.L0C, "acc", m * co * 4, depth),
     ]
     if has_params:
         # Raw per-channel parameters (B and BN's four) and the folded scale and shift.
-        specs.append(QueueSpec(Level.L1, "params", co * (5 * isz + 8), depth))
-    return specs
+        queues.append((Level.L1, "params", co * (5 * isz + 8), depth))
+    return queues
 
 
-def n_items(g: ConvGeometry, t: ConvTiling) -> int:
+def conv_specs(
+    g: ConvGeometry, dtype: np.dtype, has_params: bool, t: ConvTiling
+) -> list[QueueSpec]:
+    """The queues a tiling reserves in L1, L0A, L0B and L0C (`conv_queues` of one tiling)."""
+    return [QueueSpec(*q) for q in conv_queues(g, dtype, has_params, t)]
+
+
+def conv_fits(
+    g: ConvGeometry, dtype: np.dtype, has_params: bool, t: Tilings, machine: Machine
+) -> Any:
+    """Whether each tiling's queues fit the core's buffers (`_budget.fits_each`)."""
+    return fits_each(machine, [(lv, b, d) for lv, _, b, d in conv_queues(g, dtype, has_params, t)])
+
+
+def n_items(g: ConvGeometry, t: Tilings) -> Any:
     """Output blocks of a tiling."""
     th, tw, co, _ = effective(g, t)
     return (
-        math.ceil(g.n / images(g, t)) * math.ceil(g.ho / th) * math.ceil(g.wo / tw)
-        * math.ceil(g.cout / co)
+        ceil_div(g.n, images(g, t)) * ceil_div(g.ho, th) * ceil_div(g.wo, tw)
+        * ceil_div(g.cout, co)
     )  # fmt: skip
 
 

@@ -18,31 +18,41 @@ both ways over HBM, and the reduce pass on the vector cores after a barrier (a l
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .._budget import fits_each
+from .._columns import TilingColumns, first_of_each
 from .._cost_base import (
     LastProblem,
     aligned_sizes,
     ceil_div,
+    copy_in_heads,
     core_counts,
     cube_blocks,
     dma,
     dma_out,
     field_columns,
-    fitting,
     kernel_cycles,
     round_up,
 )
 from ..api import TensorMeta, Tiling
 from ..npu.machine import Machine
 from ..registry import get_kernel
-from .kernel import GemmProblem, MatMulTiling, _CubeGemm
-from .splitk import Block, reduce_cycles, reduce_elems, reduce_items, split_of
+from .kernel import GemmProblem, MatMulTiling, _CubeGemm, gemm_queues
+from .splitk import (
+    Block,
+    cut_slices,
+    reduce_cycles,
+    reduce_elems,
+    reduce_items,
+    slice_k_of,
+    split_of,
+)
 
 
 def gemm_cycles(
@@ -87,9 +97,26 @@ def gemm_cycles(
     gm = (isz * (p.batch_size * (p.m * p.k + p.k * p.n) + out_full) + gm_extra
           + 4 * split.slices * cut * tm * tn)  # fmt: skip
     cube = kernel_cycles(machine, core, gm, tm * tk * isz, cores)
-    blocks = [_block_at(p, tm, tn, i) for i in range(split.full, items)]
-    reduce = reduce_items(blocks, reduce_elems(machine, isz))
-    return cube + reduce_cycles(machine, reduce, split.slices, p.dtype, alpha, beta, p.has_c)
+    return cube + _reduce_pass(machine, p, tm, tn, split.full, items, split.slices, alpha, beta)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduce_pass(
+    machine: Machine,
+    p: GemmProblem,
+    tm: int,
+    tn: int,
+    full: int,
+    items: int,
+    slices: int,
+    alpha: float,
+    beta: float,
+) -> float:
+    """Cycles of split-K's reduce pass over blocks[full:items] (memoized: the tilings a
+    search prices share a few block shapes and splits)."""
+    blocks = [_block_at(p, tm, tn, i) for i in range(full, items)]
+    reduce = reduce_items(blocks, reduce_elems(machine, p.dtype.itemsize))
+    return reduce_cycles(machine, reduce, slices, p.dtype, alpha, beta, p.has_c)
 
 
 def _block_walk(
@@ -155,8 +182,12 @@ SPLIT_K = (2, 3, 4, 8)
 SPLIT_K_MIN = 1024
 
 
-def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> list[MatMulTiling]:
-    """Fitting tilings on aligned steps, deduplicated by what the kernel would run."""
+def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> TilingColumns:
+    """Fitting tilings on aligned steps, deduplicated by what the kernel would run (the first
+    kept), as numpy columns in the order of a loop over tile_m, tile_n, tile_k, tile_k0, the
+    three buffering switches, the core counts and split_k. The fit (`gemm_queues`, the rule
+    `check_tiling` applies) does not depend on the cores or split_k: it filters the sizes
+    first, then the survivors take every core count and split."""
     k0 = machine.cube_k_block(p.dtype)
     ms = sorted({*aligned_sizes(p.m, machine.cube_m, (16, 32, 64, 128, 256)),
                  *even_splits(p.m, machine.cube_m)})  # fmt: skip
@@ -164,27 +195,34 @@ def gemm_space(machine: Machine, p: GemmProblem, kernel: _CubeGemm) -> list[MatM
                  *even_splits(p.n, machine.cube_n)})  # fmt: skip
     ks = aligned_sizes(p.k, k0, (64, 128, 256, 512, 1024))
     k0s = aligned_sizes(p.k, k0, (32, 64, 128, 256))
-    seen: set[tuple[int, ...]] = set()
-    out: list[MatMulTiling] = []
-    splits = (1, *SPLIT_K) if p.k >= SPLIT_K_MIN else (1,)
-    for tm, tn, tk, tk0, l1, l0, l0c, cores, sk in itertools.product(
-        ms, ns, ks, k0s, (1, 0), (1, 0), (0, 1), core_counts(machine.cube_cores), splits
-    ):
-        if tk0 > tk:
-            continue
-        t = MatMulTiling(tm, tn, tk, tk0, l1, l0, l0c, cores, sk)
-        items = p.batch_size * math.ceil(p.m / min(tm, p.m)) * math.ceil(p.n / min(tn, p.n))
-        # split-K only where a wave is partly filled (else it is the same tiling)
-        split = split_of(items, p.k, sk, min(cores, machine.cube_cores), k0).slices
-        if sk > 1 and split == 1:
-            continue
-        key = (min(tm, p.m), min(tn, p.n), min(tk, p.k), min(tk0, tk, p.k), l1, l0, l0c,
-               min(cores, items), split)  # fmt: skip
-        if key in seen or not fitting(machine, kernel._specs(p, t)):
-            continue
-        seen.add(key)
-        out.append(t)
-    return out
+    grid = np.meshgrid(ms, ns, ks, k0s, [1, 0], [1, 0], [0, 1], indexing="ij")
+    names = ("tile_m", "tile_n", "tile_k", "tile_k0", "db_l1", "db_l0", "db_l0c")
+    columns: dict[str, Any] = {n: g.ravel() for n, g in zip(names, grid, strict=True)}
+    sizes = TilingColumns(MatMulTiling, {**columns, "cores": machine.cube_cores})
+    ok = (sizes.tile_k0 <= sizes.tile_k) & fits_each(
+        machine, [(lv, b, d) for lv, _, b, d in gemm_queues(p, sizes)]
+    )
+    sizes = sizes.take(np.flatnonzero(ok))
+    cores = np.array(core_counts(machine.cube_cores), dtype=np.int64)
+    splits = np.array((1, *SPLIT_K) if p.k >= SPLIT_K_MIN else (1,), dtype=np.int64)
+    # Every size row with every (cores, split_k), as a 2-D grid of rows x combinations:
+    # split-K only where a wave is partly filled (else it is the same tiling).
+    combo_cores = np.repeat(cores, len(splits))
+    combo_split = np.tile(splits, len(cores))
+    tm_s, tn_s = np.minimum(sizes.tile_m, p.m), np.minimum(sizes.tile_n, p.n)
+    items_s = p.batch_size * ceil_div(p.m, tm_s) * ceil_div(p.n, tn_s)
+    used = np.minimum(combo_cores, machine.cube_cores)
+    split2 = cut_slices(items_s[:, None], p.k, combo_split[None, :], used[None, :], k0)
+    flat = np.flatnonzero((combo_split == 1)[None, :] | (split2 != 1))
+    row, combo = np.divmod(flat, len(combo_cores))
+    t = sizes.take(row)
+    t.columns["cores"] = combo_cores[combo]
+    t.columns["split_k"] = combo_split[combo]
+    tm, tn, items, split = tm_s[row], tn_s[row], items_s[row], split2.ravel()[flat]
+    tk = np.minimum(t.tile_k, p.k)
+    key = (tm, tn, tk, np.minimum(t.tile_k0, tk), t.db_l1, t.db_l0, t.db_l0c,
+           np.minimum(t.cores, items), split)  # fmt: skip
+    return t.take(first_of_each(*key))
 
 
 def gemm_rule_of_thumb(machine: Machine, p: GemmProblem) -> MatMulTiling:
@@ -208,9 +246,9 @@ class _GemmModel:
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
+    ) -> TilingColumns:
         k = self._kernel()
-        return list(gemm_space(machine, k.problem(metas, attrs), k))
+        return gemm_space(machine, k.problem(metas, attrs), k)
 
     def cost(
         self,
@@ -249,48 +287,115 @@ MODELS = (_GemmModel("MatMul"), _GemmModel("Gemm"))
 
 def gemm_lower_bounds(machine: Machine, p: GemmProblem, tilings: Sequence[Tiling]) -> np.ndarray:
     """A lower bound on `gemm_cycles` of every tiling at once (numpy over the space's fields),
-    for the exact branch and bound of `search.best`. Per block it counts the work every
-    schedule of `gemm_cycles` pays: each K chunk's two panel copies (MTE2), each L0 step's two
-    loads (MTE1) and multiply (Cube); with L1 double-buffered the block takes at least the
-    busier of the copies and the chunk's loads and multiplies (those overlapping when L0 is
-    double-buffered, else in turn), single-buffered their sum; the core at least its blocks
-    (or their FixPipe writes) in turn. Then launch, heads and the HBM floor (`kernel_cycles`)."""
-    tile_m, tile_n, tile_k, tile_k0, db_l1, db_l0, cores_t = field_columns(
-        tilings, ("tile_m", "tile_n", "tile_k", "tile_k0", "db_l1", "db_l0", "cores")
+    for the exact branch and bound of `search.best`.
+
+    Without split-K it follows `gemm_cycles` term by term (one block's K walk: each chunk's
+    two panel copies, each L0 step's loads and multiply, overlapped per level as the
+    buffering says; Gemm's C copy; the FixPipe write, under the next block or not; the L1
+    fill; launch, heads and the HBM floor as `kernel_cycles` adds them), so it is the cost
+    itself up to the order of floating-point operations. With split-K (the blocks of a
+    partly filled last wave cut into K slices) it counts the full waves' blocks and the
+    slices' walks on the same terms, the workspace in the HBM floor, and for the reduce pass
+    only its launch and its HBM traffic."""
+    tile_m, tile_n, tile_k, tile_k0, db_l1, db_l0, db_l0c, cores_t, split_k = field_columns(
+        tilings,
+        ("tile_m", "tile_n", "tile_k", "tile_k0", "db_l1", "db_l0", "db_l0c", "cores", "split_k"),
     )
     isz = p.dtype.itemsize
     k0 = machine.cube_k_block(p.dtype)
+    bw = machine.read_bytes_per_cycle
+    startup = 2 * machine.l1_to_l0_startup_cycles
     tm, tn = np.minimum(tile_m, p.m), np.minimum(tile_n, p.n)
-    tk = np.minimum(tile_k, p.k)
-    tk0 = np.minimum(tile_k0, tk)
     items = p.batch_size * ceil_div(p.m, tm) * ceil_div(p.n, tn)
-    cores = np.maximum(1, np.minimum(cores_t, items))
-    per_core = ceil_div(items, cores)
     per_k = isz * (tm / machine.l1_to_l0a_bytes_per_cycle + tn / machine.l1_to_l0b_bytes_per_cycle)
     blocks_mn = ceil_div(tm, 16) * ceil_div(tn, 16)
 
-    def chunk(kk: np.ndarray) -> np.ndarray:
-        """Lower bound on one K chunk of `kk` (0: no chunk) in the block's walk."""
+    def copies(kk: np.ndarray) -> np.ndarray:
+        """The two panel copies of a K chunk of `kk` (MTE2)."""
+        return 2 * machine.copy_in_transfer(True) + (tm + tn) * kk * isz / bw
+
+    def chunk(kk: np.ndarray, tk0: np.ndarray) -> np.ndarray:
+        """One K chunk of `kk` (0: no chunk) in L0 steps of `tk0`, as `_block_walk` walks it."""
         full, tail = np.divmod(kk, tk0)
         steps = full + (tail > 0)
-        mte1 = steps * 2 * machine.l1_to_l0_startup_cycles + kk * per_k
+        mte1 = steps * startup + kk * per_k
         cube = blocks_mn * (full * ceil_div(tk0, k0) + ceil_div(tail, k0))
-        inner = np.where(db_l0 != 0, np.maximum(mte1, cube), mte1 + cube)
-        mte2 = 2 * machine.copy_in_transfer(True) + (tm + tn) * kk * isz / (
-            machine.read_bytes_per_cycle
-        )
-        return np.where(kk > 0, np.where(db_l1 != 0, np.maximum(mte2, inner), mte2 + inner), 0.0)
+        first = np.where(full > 0, tk0, tail)  # the first L0 step (the pipeline's fill)
+        fill = np.minimum(startup + first * per_k, blocks_mn * ceil_div(first, k0))
+        inner = np.where((db_l0 != 0) & (steps > 1), np.maximum(mte1, cube) + fill, mte1 + cube)
+        m2 = copies(kk)
+        return np.where(kk > 0, np.where(db_l1 != 0, np.maximum(m2, inner), m2 + inner), 0.0)
 
-    n_full, k_tail = np.divmod(p.k, tk)
-    block = n_full * chunk(tk) + chunk(k_tail)
-    fix = machine.copy_out_transfer_cycles + tm * tn * isz / min(
-        machine.write_bytes_per_cycle, machine.l0c_to_gm_bytes_per_cycle
-    )
-    core = per_core * np.maximum(block, fix)
-    heads = np.array(
-        [machine.copy_in_head(int(b), int(c)) for b, c in zip(tm * tk * isz, cores, strict=True)]
-    )
+    def walk(k: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(steady cycles, L1 fill) of one block's walk over `k` of K (`_block_walk`)."""
+        tk = np.minimum(tile_k, k)
+        tk0 = np.minimum(tile_k0, tk)
+        n_full, tail = np.divmod(k, tk)
+        return n_full * chunk(tk, tk0) + chunk(tail, tk0), np.where(db_l1 != 0, copies(tk), 0.0)
+
+    out_bw = min(machine.write_bytes_per_cycle, machine.l0c_to_gm_bytes_per_cycle)
+    fix = machine.copy_out_transfer_cycles + tm * tn * isz / out_bw
+    block, fill = walk(p.k)
+    if p.has_c:
+        block = block + np.where(
+            db_l1 != 0, 0.0, machine.copy_in_transfer(True) + tm * tn * isz / bw
+        )
+    db_c = db_l0c != 0
+    steady = block + np.where(db_c, 0.0, fix)
+    # Unsplit: the slowest core's blocks in turn (or their FixPipe writes), plus the fill and
+    # the last write when it overlaps the next block.
+    cores = np.maximum(1, np.minimum(cores_t, items))
+    per_core = ceil_div(items, cores)
+    core = per_core * np.maximum(steady, fix) + fill + np.where(db_c, fix, 0.0)
     gm = isz * p.batch_size * (p.m * p.k + p.k * p.n + p.m * p.n)
-    return machine.kernel_launch_cycles + np.maximum(
-        core + heads + machine.copy_out_head_cycles, machine.hbm_cycles(gm)
+    first_in = tm * np.minimum(tile_k, p.k) * isz
+    whole = core + copy_in_heads(machine, first_in, cores) + machine.copy_out_head_cycles
+    plain = machine.kernel_launch_cycles + np.maximum(whole, machine.hbm_cycles(gm))
+    # Split-K: the full waves' blocks, then the cut blocks' slices (fp32 partials).
+    used = np.minimum(cores_t, machine.cube_cores)
+    slices = cut_slices(items, p.k, split_k, used, k0)
+    cut_rows = np.flatnonzero(slices > 1)
+    if not len(cut_rows):
+        return plain
+    out = plain.copy()
+
+    def sub(x: Any) -> Any:
+        """`x` on the split tilings only."""
+        return x[cut_rows] if isinstance(x, np.ndarray) else x
+
+    (tile_m, tile_n, tile_k, tile_k0, db_l1, db_l0, db_l0c, split_k, used) = (
+        sub(x) for x in (tile_m, tile_n, tile_k, tile_k0, db_l1, db_l0, db_l0c, split_k, used)
     )
+    tm, tn, items, per_k, blocks_mn = sub(tm), sub(tn), sub(items), sub(per_k), sub(blocks_mn)
+    fix, steady, fill, slices, db_c = sub(fix), sub(steady), sub(fill), sub(slices), sub(db_c)
+    full = (items // used) * used
+    waves, cut = full // used, items - full
+    spc = ceil_div(cut * slices, used)
+    fix_s = machine.copy_out_transfer_cycles + tm * tn * 4 / out_bw
+    block_s, fill_s = walk(slice_k_of(p.k, split_k, k0))
+    steady_s = block_s + np.where(db_c, 0.0, fix_s)
+    core_s = np.maximum(waves * steady + spc * steady_s, waves * fix + spc * fix_s)
+    core_s += np.where(waves > 0, fill, fill_s) + np.where(db_c, np.where(spc > 0, fix_s, fix), 0.0)
+    out_full = p.batch_size * p.m * p.n * full / items
+    gm_s = isz * (p.batch_size * (p.m * p.k + p.k * p.n) + out_full) + 4 * slices * cut * tm * tn
+    first_s = tm * np.minimum(tile_k, p.k) * isz
+    whole_s = core_s + copy_in_heads(machine, first_s, used) + machine.copy_out_head_cycles
+    cube_s = machine.kernel_launch_cycles + np.maximum(whole_s, machine.hbm_cycles(gm_s))
+    # The reduce pass reads every plane and writes the cut blocks (each at least the smallest
+    # block: the last rows and columns).
+    rm, rn = p.m - (ceil_div(p.m, tm) - 1) * tm, p.n - (ceil_div(p.n, tn) - 1) * tn
+    elems = cut * rm * rn
+    reduce_gm = elems * (slices * 4 + isz + (isz if p.has_c else 0))
+    # Its vector cores share at least every cut block's plane copies, adds and write (a
+    # block is at least one item); the slowest core takes at least the mean.
+    k_add, b_add = machine.vector_cost("Add", np.dtype(np.float32))
+    c_in = (machine.copy_in_transfer(False) + isz * rm * rn / bw) if p.has_c else 0.0
+    mte2 = cut * (slices * (machine.copy_in_transfer(False) + 4 * rm * rn / bw) + c_in)
+    vec = (slices - 1) * (cut * b_add + elems * k_add)
+    mte3 = cut * machine.copy_out_transfer_cycles + elems * isz / machine.write_bytes_per_cycle
+    busy = np.maximum.reduce([mte2, vec, mte3]) / max(1, machine.vector_cores)
+    reduce = machine.kernel_launch_cycles + np.maximum(
+        busy + machine.copy_out_head_cycles, machine.hbm_cycles(reduce_gm)
+    )
+    out[cut_rows] = cube_s + reduce
+    return out

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._budget import QueueSpec, check_flag, check_positive, fits, require_fits
+from .._columns import TilingColumns, lesser, pick
 from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
 from ..npu.core import Core
 from ..npu.launch import launch
@@ -115,20 +116,7 @@ class _CubeGemm(Kernel):
         return (TensorMeta(p.out_shape, p.dtype),)
 
     def _specs(self, p: GemmProblem, t: MatMulTiling) -> list[QueueSpec]:
-        tm, tn = min(t.tile_m, p.m), min(t.tile_n, p.n)
-        tk, tk0 = min(t.tile_k, p.k), min(t.tile_k0, t.tile_k, p.k)
-        isz = p.dtype.itemsize
-        l1, l0, l0c = (2 if f else 1 for f in (t.db_l1, t.db_l0, t.db_l0c))
-        specs = [
-            QueueSpec(Level.L1, "a_panel", tm * tk * isz, l1),
-            QueueSpec(Level.L1, "b_panel", tk * tn * isz, l1),
-            QueueSpec(Level.L0A, "a", tm * tk0 * isz, l0),
-            QueueSpec(Level.L0B, "b", tk0 * tn * isz, l0),
-            QueueSpec(Level.L0C, "acc", tm * tn * 4, l0c),
-        ]
-        if p.has_c:
-            specs.append(QueueSpec(Level.L1, "c", tm * tn * isz, l0c))
-        return specs
+        return [QueueSpec(*q) for q in gemm_queues(p, t)]
 
     def check_tiling(
         self,
@@ -293,6 +281,27 @@ class _CubeGemm(Kernel):
         )  # fmt: skip
         # One kernel: the reduce waits at a barrier across the cores (charged as a launch head).
         return dataclasses.replace(sequence([cube, red]), launches=1)
+
+
+def gemm_queues(
+    p: GemmProblem, t: MatMulTiling | TilingColumns
+) -> list[tuple[Level, str, Any, Any]]:
+    """(level, name, slot bytes, depth) of the queues a tiling reserves: ints for one tiling
+    (`check_tiling`, the program), numpy columns for a whole space (its fit filter), one rule."""
+    tm, tn = lesser(t.tile_m, p.m), lesser(t.tile_n, p.n)
+    tk, tk0 = lesser(t.tile_k, p.k), lesser(t.tile_k0, t.tile_k, p.k)
+    isz = p.dtype.itemsize
+    l1, l0, l0c = (pick(f, 2, 1) for f in (t.db_l1, t.db_l0, t.db_l0c))
+    queues = [
+        (Level.L1, "a_panel", tm * tk * isz, l1),
+        (Level.L1, "b_panel", tk * tn * isz, l1),
+        (Level.L0A, "a", tm * tk0 * isz, l0),
+        (Level.L0B, "b", tk0 * tn * isz, l0),
+        (Level.L0C, "acc", tm * tn * 4, l0c),
+    ]
+    if p.has_c:
+        queues.append((Level.L1, "c", tm * tn * isz, l0c))
+    return queues
 
 
 def _flat(

@@ -23,10 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._columns import pick
 from .._cost_base import dma, dma_out, kernel_cycles, round_up
 from ..npu.core import Core
 from ..npu.launch import launch, split_balanced
@@ -63,14 +64,25 @@ class Split:
 def split_of(blocks: int, k: int, split_k: int, cores: int, k_block: int) -> Split:
     """The split of `blocks` output blocks on `cores` cube cores (see the module docstring):
     none when split_k is 1, K is a single slice or every wave is full."""
+    if split_k <= 1:
+        return Split(blocks, 1, k)
+    slices = cut_slices(blocks, k, split_k, cores, k_block)
+    if slices == 1:
+        return Split(blocks, 1, k)
+    return Split((blocks // cores) * cores, slices, slice_k_of(k, split_k, k_block))
+
+
+def slice_k_of(k: Any, split_k: Any, k_block: int) -> Any:
+    """K of each slice: K over `split_k`, rounded up to the Cube's K block."""
+    return round_up(-(-k // split_k), k_block)
+
+
+def cut_slices(blocks: Any, k: Any, split_k: Any, cores: Any, k_block: int) -> Any:
+    """K slices per cut block, 1 when nothing is cut (`split_of`'s rule; ints, or numpy
+    columns over a tiling space with every `split_k` >= 1)."""
     full = (blocks // cores) * cores
-    if split_k <= 1 or full == blocks:
-        return Split(blocks, 1, k)
-    slice_k = round_up(-(-k // split_k), k_block)
-    slices = -(-k // slice_k)
-    if slices <= 1:
-        return Split(blocks, 1, k)
-    return Split(full, slices, slice_k)
+    slices = -(-k // slice_k_of(k, split_k, k_block))
+    return pick((split_k <= 1) | (full == blocks) | (slices <= 1), 1, slices)
 
 
 def core_work(split: Split, n_blocks: int, cores: int) -> list[list[tuple[int, int]]]:

@@ -4,7 +4,9 @@ Over seeded random shapes per kernel (awkward sizes: tails, odd and small channe
 batch 1, strides, dilations, groups, a stem with Cin = 3), every tiling of the space is
 priced and ranked as `search` ranks them; `best` must return the same best tiling and the
 same runner-up (or, where two tilings tie exactly, the same cycles), and every lower bound
-must stay at or below its tiling's cost. `FUSER_SEARCH_SHAPES` raises the shapes per kernel
+must stay at or below its tiling's cost. The spaces are numpy columns filtered by a
+vectorized fit: on random tilings off the aligned steps it must say what the kernel's own
+`check_tiling` says of each. `FUSER_SEARCH_SHAPES` raises the shapes per kernel
 (default 6; the closing note quotes a run at 60).
 """
 
@@ -18,8 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 from fuser.kernels import search as ks
+from fuser.kernels._budget import fits_each
+from fuser.kernels._columns import TilingColumns
 from fuser.kernels.api import TensorMeta, TilingError
+from fuser.kernels.conv_bn_relu.geometry import conv_geometry
+from fuser.kernels.conv_bn_relu.tiling import ConvTiling, conv_fits
+from fuser.kernels.matmul.kernel import Gemm, MatMul, MatMulTiling, gemm_queues
 from fuser.kernels.npu.machine import Machine, load_target
+from fuser.kernels.registry import get_kernel
 
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
 SHAPES = int(os.environ.get("FUSER_SEARCH_SHAPES", "6"))
@@ -93,6 +101,18 @@ def conv_transpose_case(
     return "fuser", "ConvBnRelu", [x, wt, p, p, p, p, p], full
 
 
+def split_k_case(rng: np.random.Generator) -> tuple[str, str, list[Any], dict[str, Any]]:
+    """K from `SPLIT_K_MIN`: the space holds split-K tilings (the blocks of a partly filled
+    last wave cut along K, a reduce pass after), whose cost is not one block walk per block."""
+    rows = int(rng.choice([1, 16, 100, 300]))
+    k = int(rng.choice([1024, 1536, 4096]))
+    n = int(rng.choice([50, 384, 1000]))
+    dtype = F32 if rng.integers(3) == 0 else F16
+    if rng.integers(2):
+        return "", "Gemm", [m(rows, k, dtype=dtype), m(k, n, dtype=dtype), m(n, dtype=dtype)], {}
+    return "", "MatMul", [m(rows, k, dtype=dtype), m(k, n, dtype=dtype)], {}
+
+
 MAKERS = {
     "ConvBnRelu": lambda rng: conv_case(rng, True),
     "ConvBnRelu transposed": lambda rng: conv_transpose_case(rng, True),
@@ -100,6 +120,7 @@ MAKERS = {
     "Conv": lambda rng: conv_case(rng, False),
     "MatMul": lambda rng: gemm_case(rng, False),
     "Gemm": lambda rng: gemm_case(rng, True),
+    "MatMul split-K": split_k_case,
 }
 
 
@@ -218,3 +239,104 @@ def test_best_is_memoized_per_problem(monkeypatch) -> None:  # type: ignore[no-u
     ks.clear_memo()
     ks.best(domain, op, metas, attrs, B910)
     assert len(spaces) == 4
+
+
+# -- the space's vectorized fit is the kernel's own check ---------------------------------------
+
+
+def awkward_conv_tilings(rng: np.random.Generator, grouped: bool, count: int) -> TilingColumns:
+    """Tilings off the space's aligned steps too (odd sizes, past the problem, every switch)."""
+    return TilingColumns(
+        ConvTiling,
+        {
+            "tile_h": rng.integers(1, 40, count),
+            "tile_w": rng.integers(1, 300, count),
+            "tile_co": rng.integers(1, 320, count),
+            "tile_ci": rng.integers(1, 600, count),
+            "double_buffer": rng.integers(0, 2, count),
+            "cores": rng.integers(1, B910.cube_cores + 1, count),
+            "fold_taps": 0 if grouped else rng.integers(0, 2, count),
+            "tile_n": rng.integers(1, 6, count),
+        },
+    )
+
+
+@pytest.mark.parametrize("op", ["ConvBnRelu", "ConvBnRelu transposed", "ConvTranspose", "Conv"])
+def test_conv_space_fit_is_the_kernels_check(op: str) -> None:
+    """`conv_fits` over a space's columns says, for every tiling, what `check_tiling` says
+    of that tiling alone; and every tiling of the space passes `check_tiling`."""
+    rng = np.random.default_rng(7)
+    answers: set[bool] = set()
+    for domain, op_type, metas, attrs in cases(op):
+        kernel = get_kernel(domain, op_type)
+        assert kernel is not None
+        full = {**attrs, "transposed": 1} if op_type == "ConvTranspose" else attrs
+        g = conv_geometry(metas[0], metas[1], full, op_type)
+        has_params = len(metas) > 2
+        cols = awkward_conv_tilings(rng, g.group > 1, 300)
+        vector = conv_fits(g, metas[0].dtype, has_params, cols, B910)
+        scalar = [_passes(kernel, metas, attrs, t) for t in cols]
+        assert vector.tolist() == scalar, (op, [x.shape for x in metas])
+        answers |= set(scalar)
+        _, space = ks.candidate_space(domain, op_type, metas, attrs, B910)
+        assert all(_passes(kernel, metas, attrs, t) for t in space)
+    assert answers == {True, False}  # the tilings probe both sides of the rule
+
+
+@pytest.mark.parametrize("op", ["MatMul", "Gemm", "MatMul split-K"])
+def test_gemm_space_fit_is_the_kernels_check(op: str) -> None:
+    rng = np.random.default_rng(11)
+    answers: set[bool] = set()
+    for domain, op_type, metas, attrs in cases(op):
+        kernel = get_kernel(domain, op_type)
+        assert isinstance(kernel, MatMul | Gemm)
+        count = 300
+        tk = rng.integers(1, 1200, count)
+        cols = TilingColumns(
+            MatMulTiling,
+            {
+                "tile_m": rng.integers(1, 300, count),
+                "tile_n": rng.integers(1, 300, count),
+                "tile_k": tk,
+                "tile_k0": np.maximum(1, (tk * rng.random(count)).astype(np.int64)),
+                "db_l1": rng.integers(0, 2, count),
+                "db_l0": rng.integers(0, 2, count),
+                "db_l0c": rng.integers(0, 2, count),
+                "cores": rng.integers(1, B910.cube_cores + 1, count),
+                "split_k": rng.integers(1, 9, count),
+            },
+        )
+        p = kernel.problem(metas, attrs)
+        queues = [(level, nbytes, depth) for level, _, nbytes, depth in gemm_queues(p, cols)]
+        vector = fits_each(B910, queues)
+        scalar = [_passes(kernel, metas, attrs, t) for t in cols]
+        assert vector.tolist() == scalar, (op, [x.shape for x in metas])
+        answers |= set(scalar)
+        _, space = ks.candidate_space(domain, op_type, metas, attrs, B910)
+        assert all(_passes(kernel, metas, attrs, t) for t in space[:: max(1, len(space) // 500)])
+    assert answers == {True, False}
+
+
+def _passes(kernel: Any, metas: list[Any], attrs: dict[str, Any], t: Any) -> bool:
+    try:
+        kernel.check_tiling(metas, attrs, t, B910)
+    except TilingError:
+        return False
+    return True
+
+
+def test_columns_read_as_the_tilings_they_hold() -> None:
+    """A space's columns make the very tilings a list of them holds: in order, by index,
+    `in` and `index` (what `candidate_space` and the searches read)."""
+    domain, op, metas, attrs = next(cases("ConvBnRelu"))
+    _, space = ks.candidate_space(domain, op, metas, attrs, B910)
+    assert isinstance(space, TilingColumns)
+    listed = list(space)
+    assert [space[i] for i in range(len(space))] == listed
+    assert space[-1] == listed[-1]
+    probe = listed[len(listed) // 2]
+    assert probe in space and space.index(probe) == listed.index(probe)
+    assert dataclasses.replace(probe, tile_h=probe.tile_h + 1000) not in space
+    assert list(space[3:9]) == listed[3:9]
+    more = space.extended([probe])
+    assert len(more) == len(space) + 1 and more[-1] == probe
