@@ -24,7 +24,10 @@ Matched:
   round_before_scale=1 (N rounded to float16 before gamma, as the Cast then Mul round).
   Without Casts the statistics are in the input dtype (stash_type=0).
 - Consumers of N: MatMul(N, W) (+ Add row bias), Gemm, Reshape(N, [-1, D]) -> Gemm/MatMul
-  (`patterns/_linear.py`); all Linears of one N go into one fused node, one output each.
+  (`patterns/_linear.py`); all Linears of one N go into one fused node, one output each. As
+  for LayerNorm, a Cast of N to a narrower float type is looked through (autocast's RMSNorm in
+  float32 -> Cast(float16) -> MatMuls, one Cast per Linear or one for all): the Linears then
+  run in that type (`matmul_type`), N and its statistics stay in X's.
 
 Every constant that carries meaning is checked exactly, never with a tolerance: exponent exactly
 2, ReduceMean keepdims=1 over the last axis only, epsilon a one-element constant kept as read
@@ -524,7 +527,7 @@ class RmsNormMatMulPattern:
         )
         if norm is None:
             return None
-        readers = classify(graph, norm.out, _width(graph, norm))
+        readers = classify(graph, norm.out, _width(graph, norm), narrow=True)
         if not readers.linears and not readers.misses:
             return None  # no Linear after it: not this pattern, whatever its constants
         if norm.problem is not None:
@@ -556,6 +559,8 @@ class RmsNormMatMulPattern:
             "has_bias": [1 if lin.bias else 0 for lin in readers.linears],
             "flatten": [lin.flatten for lin in readers.linears],
         }
+        if readers.cast_to:
+            attributes["matmul_type"] = readers.cast_to
         notes = (*norm.notes, *(f"left unfused: {m.reason}" for m in readers.misses))
         others = [r for r in readers.outside if not r.endswith("(Shape)")]
         if others:

@@ -65,7 +65,7 @@ class RmsNormMatMulKernel(Searched, Kernel):
     ) -> tuple[TensorMeta, ...]:
         p = problem(inputs_meta, attrs)
         lead = p.ln.shape[:-1]
-        outs = [TensorMeta(p.ln.shape, p.dtype)]
+        outs = [TensorMeta(p.ln.shape, p.ln.dtype)]  # N in X's dtype, Y_i in the Cube's
         for lin in p.linears:
             shape = (math.prod(lead), lin.n) if lin.flatten else (*lead, lin.n)
             outs.append(TensorMeta(shape, p.dtype))
@@ -125,8 +125,8 @@ class RmsNormMatMulKernel(Searched, Kernel):
         data = _data(p, inputs) if functional else None
         program = partial(_program, p, round_before_scale(attrs), tiling, data)
         # The GM tensors the program names: their re-reads hit the L2, as LayerNormMatMul's.
-        isz = p.dtype.itemsize
-        sizes = {"X": p.ln.rows * p.ln.width * isz, "scale": p.ln.width * isz}
+        isz, xsz = p.dtype.itemsize, p.x_size
+        sizes = {"X": p.ln.rows * p.ln.width * xsz, "scale": p.ln.width * xsz}
         for i, lin in enumerate(p.linears):
             sizes[f"W{i}"], sizes[f"b{i}"] = p.k * lin.n * isz, lin.n * isz
         stats = launch_groups(
@@ -168,7 +168,7 @@ def _data(p: Problem, inputs: Sequence[np.ndarray | None]) -> _Data:
         scale=flat_param(ins[1], p.ln),
         weights=tuple(weights),
         biases=tuple(biases),
-        normalized=np.empty((p.m, p.k), p.dtype),
+        normalized=np.empty((p.m, p.k), p.ln.dtype),
         ys=tuple(np.empty((p.m, lin.n), p.dtype) for lin in p.linears),
     )
 
@@ -218,7 +218,11 @@ def _program(
         if "scale" in q:
             tile = q["scale"].alloc()
             v.copy_in(
-                tile, p.k * isz, None if data is None else data.scale, label="in scale", gm="scale"
+                tile,
+                p.k * p.x_size,
+                None if data is None else data.scale,
+                label="in scale",
+                gm="scale",
             )
             gammas.append((tile,))
         else:
@@ -235,7 +239,7 @@ def _program(
                 gm=f"b{i}",
             )
             bias_tiles[i] = tile
-    steps = rms_steps(p.ln, rounded)
+    steps = p.handoff(rms_steps(p.ln, rounded))
     parts = min(t.n_split, n_blocks(p))
     block: _Block | None = None
     last: tuple[int, int] | None = None
@@ -289,9 +293,10 @@ def _normalize(
     v = group.vecs[j % len(group.vecs)]
     q = vq[j % len(group.vecs)]
     n_rows, isz = r1 - r0, p.dtype.itemsize
-    nbytes = n_rows * p.k * isz
+    nbytes = n_rows * p.k * isz  # handed to the Cube, in its dtype
+    x_bytes = n_rows * p.k * p.x_size  # X's rows and the normalized output, in X's dtype
     xin = q["x"].alloc()
-    v.copy_in(xin, nbytes, None if data is None else data.x_rows[r0:r1], gm="X")
+    v.copy_in(xin, x_bytes, None if data is None else data.x_rows[r0:r1], gm="X")
     out = q["n"].alloc()
     gamma = gammas[j % len(group.vecs)]
     for s_i, step in enumerate(steps):
@@ -301,9 +306,10 @@ def _normalize(
         v.vector(step.ops, step.dtype, n_rows * step.per_row, ins, (out,), fn, out_bytes=nbytes)
     if data is not None and out.data is not None:
         data.normalized[r0:r1] = out.data
+        out.data = out.data.astype(p.dtype, copy=False)  # the Cast step: the Cube's rows
     fill = partial(_place, r0 - m0)
     if p.emit_normalized:
-        v.copy_out(out, nbytes, None, label="out normalized")
+        v.copy_out(out, x_bytes, None, label="out normalized")
     if l1 is not None and not group.separate:
         ub_to_l1(v, out, l1, nbytes, fill)
         return l1
@@ -312,6 +318,8 @@ def _normalize(
         ws = workspace_tile(f"normalized[{r0}:{r1}]")
         ws.ready = v.pipe_free[Pipe.MTE3]
         ws.data = out.data
+        if p.dtype != p.ln.dtype:  # the Cube reads the cast rows: written besides N
+            to_workspace(v, out, ws, nbytes)
     else:
         ws = workspace_tile(f"ws[{r0}:{r1}]")
         to_workspace(v, out, ws, nbytes)
