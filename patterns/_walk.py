@@ -1,7 +1,8 @@
 """Small graph-walking checks shared by the normalization patterns (RMSNorm; LayerNorm could
 use them too): read a node's attribute or a constant, step through no-op Casts, and check the
 constants that carry meaning exactly (a one-element constant, a reduction over the last axis
-with keepdims=1, a parameter broadcasting along the last axis only).
+with keepdims=1, a parameter broadcasting along the last axis only), and read a norm's epsilon
+exactly (`epsilon`: a double one float32 cannot hold travels as an input of the fused op).
 
 A failed check raises `NearMiss` deep in a walk; the pattern turns it into its `Rejection`, so
 every reason names the node and the value a user sees in `fuser inspect`.
