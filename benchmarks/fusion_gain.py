@@ -840,8 +840,9 @@ def print_layernorm_passthrough(machine: Machine) -> None:
     attrs = {"axis": -1, "epsilon": 1e-5, "stash_type": 1, "has_bias": [0], "flatten": [0]}
     rows.append(_passthrough_row("LN -> Reshape (same shape) -> lm_head [1,128,768]x[768,50257]",
                                  chain, (x, g, g, w), attrs, machine))  # fmt: skip
+    rows.append(_rms_cast_row(machine))
     _table(
-        f"10. LayerNorm through a pass-through op, fp16 Linears, on {machine.name}",
+        f"10. LayerNorm / RMSNorm through a pass-through op, fp16 Linears, on {machine.name}",
         ("form", "unfused us", "fused us", "GM MB unfused", "GM MB fused", "speedup"),
         rows,
     )
@@ -854,14 +855,33 @@ def print_layernorm_passthrough(machine: Machine) -> None:
 
 def _passthrough_row(
     name: str, chain: list[Step], ins: tuple[TensorMeta, ...], attrs: dict[str, Any],
-    machine: Machine,
+    machine: Machine, op: str = "LayerNormMatMul",
 ) -> tuple[str, ...]:  # fmt: skip
     steps = [st for st in chain if st.op != "Reshape"]  # a view: no kernel, no bytes
     total = sequence([_time("", st.op, machine, st.inputs, st.attrs) for st in steps])
-    fused = _time("fuser", "LayerNormMatMul", machine, ins, attrs)
+    fused = _time("fuser", op, machine, ins, attrs)
     gm = (total.gm_read + total.gm_write, fused.gm_read + fused.gm_write)
     return (name, f"{total.us:.1f}", f"{fused.us:.1f}", _mb(gm[0]), _mb(gm[1]),
             f"{total.us / fused.us:.2f}x")  # fmt: skip
+
+
+def _rms_cast_row(machine: Machine) -> tuple[str, ...]:
+    """(f64ln) RMSNorm in float32 -> Cast(float16) -> Q, K, V, as mixed-precision exports write
+    a Llama block: 1024 tokens of 2048 (a 1B-class model), W [2048, 2048] x3; the decomposed
+    RMSNorm's kernels (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul x, Mul gamma), the Cast."""
+    x, g = TensorMeta((1, 1024, 2048), F32), TensorMeta((2048,), F32)
+    row, one = TensorMeta((1, 1024, 1), F32), TensorMeta((), F32)
+    n16, ws = TensorMeta(x.shape, F16), [TensorMeta((2048, 2048), F16)] * 3
+    axes = np.array([-1], np.int64)
+    chain = [Step("Pow", (x, one), {}, 1), Step("ReduceMean", (x, axes), {}, 1),
+             Step("Add", (row, one), {}, 1), Step("Sqrt", (row,), {}, 1),
+             Step("Reciprocal", (row,), {}, 1), Step("Mul", (x, row), {}, 1),
+             Step("Mul", (x, g), {}, 1), Step("Cast", (x,), {"to": 10}, 1),
+             *(Step("MatMul", (n16, w), {}, 1) for w in ws)]  # fmt: skip
+    attrs = {"epsilon": 1e-6, "stash_type": 0, "round_before_scale": 1, "has_bias": [0] * 3,
+             "flatten": [0] * 3, "matmul_type": 10}  # fmt: skip
+    return _passthrough_row("RMSNorm(fp32) -> Cast(fp16) -> Q, K, V [1,1024,2048]", chain,
+                            (x, g, *ws), attrs, machine, "RmsNormMatMul")  # fmt: skip
 
 
 def conv_transpose_rows(batch: int, dtype: np.dtype, machine: Machine) -> list[tuple[str, ...]]:

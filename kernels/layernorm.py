@@ -64,7 +64,13 @@ def layernorm_spec(
     if x is None or len(x.shape) == 0:
         raise KernelError(f"{op}: X must be a tensor of rank >= 1")
     if x.dtype not in (np.float16, np.float32):
-        raise KernelError(f"{op}: the Vector unit takes float16 or float32, got {x.dtype}")
+        raise KernelError(
+            f"{op}: the Vector unit takes float16 or float32, got {x.dtype} (the NPU has no "
+            "float64 unit; run a float64 fused op with --kernel reference or its function body)"
+        )
+    if int(attrs.get("exact_epsilon") or 0):
+        # fuser writes it only for float64 norms (float32 holds every narrower epsilon).
+        raise KernelError(f"{op}: exact_epsilon=1 (epsilon as an input) has no NPU kernel")
     axis = _rows.normalize_axis(op, int(attrs.get("axis", -1)), len(x.shape))
     norm_shape = x.shape[axis:]
     for name, m in (("scale", scale), ("bias", bias)):

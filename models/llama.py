@@ -29,7 +29,8 @@ import onnx
 from onnx import TensorProto
 
 from ._graph import Dim, DType, GraphBuilder
-from .transformer import attention_core, causal_additive_mask, linear, runtime_dims
+from .transformer import attention_core, causal_additive_mask, runtime_dims
+from .transformer import linear as dense
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,13 @@ def llama(
     epsilon: float = 1e-6,
     seed: int = 0,
     dtype: DType = "float32",
+    autocast: bool = False,
 ) -> onnx.ModelProto:
     """Llama-style pre-RMSNorm decoder (``example:llama``, ``llama-fp16``, ``llama-op``).
+
+    ``autocast``: a float32 model exported under mixed precision (torch.autocast): every
+    Linear is ``Cast(x, float16) -> MatMul(float16 weight) -> Cast(float32)``, so each RMSNorm
+    (float32) reaches its Linears through one Cast(float16) per Linear.
 
     Per layer: ``n = RMSNorm1(h)`` feeds the Q, K, V MatMuls and a ``Shape``; residual Add;
     ``n2 = RMSNorm2(h)`` feeds gate and up; SiLU(gate) * up -> down; residual Add. A final
@@ -101,6 +107,15 @@ def llama(
     """
     style = norm or RmsNormStyle()
     b = GraphBuilder("llama", opset=opset, dtype=dtype, seed=seed)
+
+    def linear(b: GraphBuilder, x: str, d_in: int, d_out: int, name: str, **kw: bool) -> str:
+        if not autocast:
+            return dense(b, x, d_in, d_out, name, **kw)
+        with b.scope(name):
+            w = (b.rng.standard_normal((d_in, d_out)) / np.sqrt(d_in)).astype(np.float16)
+            y = b.op("MatMul", b.cast(x, TensorProto.FLOAT16), b.initializer(w, "weight"))
+            return b.cast(y, b.elem)
+
     ids = b.input("input_ids", [batch, seq], TensorProto.INT64)
     h = b.op("Gather", b.weight([vocab, hidden], "embed_tokens", fan_in=1), ids)
     for i in range(layers):

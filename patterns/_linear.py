@@ -5,10 +5,11 @@ of a constant bias broadcasting along the last axis only (either operand order);
 on a 2-D N; or Reshape(N, [-1, K]) (a constant target that only flattens the leading dims) ->
 Gemm or MatMul, whose output is then 2-D (`flatten`). Gemm's transB, alpha and beta are folded
 into new W'/b' initializers:  alpha * A @ op(B) + beta * C  =  A @ (alpha * op(B)) + beta * C.
-No-op Casts, Reshapes that provably keep the shape, and (for LayerNorm) a Cast to a narrower
-float type between N and its Linears are looked through. A reader that is almost a Linear
-(non-constant weight, N as the right operand, a Reshape that does more than flatten) is a
-`NearMiss` with its reason; any other reader is left outside (the fused op then outputs N).
+No-op Casts, Reshapes that provably keep the shape, and (`narrow`: LayerNorm, RMSNorm) a Cast
+to a narrower float type between N and its Linears are looked through. A reader that is almost
+a Linear (non-constant weight, N as the right operand, a Reshape that does more than flatten)
+is a `NearMiss` with its reason; any other reader is left outside (the fused op then outputs
+N).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Small graph-walking checks shared by the normalization patterns (RMSNorm; LayerNorm could
 use them too): read a node's attribute or a constant, step through no-op Casts, and check the
 constants that carry meaning exactly (a one-element constant, a reduction over the last axis
-with keepdims=1, a parameter broadcasting along the last axis only).
+with keepdims=1, a parameter broadcasting along the last axis only), and read a norm's epsilon
+exactly (`epsilon`: a double one float32 cannot hold travels as an input of the fused op).
 
 A failed check raises `NearMiss` deep in a walk; the pattern turns it into its `Rejection`, so
 every reason names the node and the value a user sees in `fuser inspect`.
@@ -10,6 +11,7 @@ every reason names the node and the value a user sees in `fuser inspect`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -192,3 +194,59 @@ def last_axis_problem(shape: Sequence[Dim], x_rank: int | None) -> str | None:
             where = f"axis {axis + x_rank}" if x_rank is not None else f"axis {axis}"
             return f"has shape {list(shape)}: it varies along {where}, not only the last axis"
     return None
+
+
+@dataclass(frozen=True)
+class Epsilon:
+    """A norm's epsilon as read: `value`, and where a float32 attribute cannot hold it (a
+    double epsilon of a double norm) the value the fused op reads it from exactly (`input`,
+    a one-element tensor: the original constant, or `new_initializer` holding it as 0-d)."""
+
+    value: float
+    input: str = ""
+    new_initializer: onnx.TensorProto | None = None
+
+    @property
+    def attributes(self) -> dict[str, float | int]:
+        """The fused node's `epsilon` (rounded to float32 when carried by input) and
+        `exact_epsilon` (only when set: nodes that need none stay as they were)."""
+        if not self.input:
+            return {"epsilon": self.value}
+        return {"epsilon": float(np.float32(self.value)), "exact_epsilon": 1}
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The fused node's trailing epsilon input, if any."""
+        return (self.input,) if self.input else ()
+
+
+def epsilon(
+    graph: GraphIndex,
+    add: int,
+    operand: str,
+    x_type: int | None,
+    op_name: str,
+    max_rank: int | None,
+) -> Epsilon:
+    """The epsilon Add `add` adds to `operand` (the variance or mean square): a one-element
+    constant, kept exactly. One that float32 holds goes in the float attribute; a double one
+    of a double norm (x_type) travels as an input; any other is a near miss."""
+    node = graph.node(add)
+    name = node.input[1] if node.input[0] == operand else node.input[0]
+    value = scalar(graph, name, "epsilon", add, max_rank)
+    if float(np.float32(value)) == value:
+        return Epsilon(value)
+    if x_type != onnx.TensorProto.DOUBLE:
+        raise NearMiss(
+            f"epsilon '{name}' = {value!r} is not exactly representable in {op_name}'s "
+            "float32 epsilon attribute",
+            name,
+            (add,),
+        )
+    found = const(graph, name)
+    if found is not None and found.ndim <= 1 and found.dtype == np.float64:
+        return Epsilon(value, name)  # already the one-element double the op takes
+    tensor = numpy_helper.from_array(
+        np.asarray(value, np.float64), graph.unique_value_name(f"{graph.describe(add)}.epsilon")
+    )
+    return Epsilon(value, tensor.name, tensor)

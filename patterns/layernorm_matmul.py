@@ -49,17 +49,26 @@ import numpy as np
 import onnx
 
 from fuser.bodies import layernorm_matmul as layernorm_matmul_body
-from fuser.fusedop import FLOAT_TYPES, Attr, Dim, FusedOp, Param, TensorInfo
+from fuser.fusedop import Attr, Dim, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
 from fuser.matcher import type_name
 from fuser.pattern import Match, Rejection, rejection
 
 from ._linear import classify
-from ._linear_op import linear_outputs, linear_weights
+from ._linear_op import (
+    EXACT_EPSILON,
+    MATMUL_TYPE,
+    NORM_TYPES,
+    apply_linears,
+    epsilon_value,
+    linear_outputs,
+)
 from ._walk import (
+    Epsilon,
     NearMiss,
     attr,
     const,
+    epsilon,
     follow,
     is_cast_to,
     is_noop_cast,
@@ -76,11 +85,6 @@ PRIORITY = 20
 
 
 # -- the fused op ------------------------------------------------------------------------------
-
-
-def _weights(inputs: Sequence[Any], attrs: Mapping[str, Any]) -> list[tuple[Any, Any, bool]]:
-    """(W_i, b_i or None, flatten_i) per Linear, unpacked from the variadic inputs."""
-    return linear_weights(inputs, attrs, 3)
 
 
 def _infer(
@@ -139,19 +143,9 @@ def reference(
     assert x is not None
     scale = inputs[1] if len(inputs) > 1 else None
     bias = inputs[2] if len(inputs) > 2 else None
-    n = layer_norm(
-        x, scale, bias, int(attrs["axis"]), float(attrs["epsilon"]), int(attrs["stash_type"])
-    )
-    outputs = [n]
-    to = int(attrs.get("matmul_type") or 0)
-    mm = onnx.helper.tensor_dtype_to_np_dtype(to) if to else x.dtype
-    a_all = n.astype(mm)  # autocast's Cast of the normalized value before its MatMuls
-    for w, b, flat in _weights(inputs, attrs):
-        assert w is not None
-        a = a_all.reshape(-1, n.shape[-1]) if flat else a_all
-        y = (a.astype(np.float64) @ w.astype(np.float64)).astype(mm)
-        outputs.append(y if b is None else (y + b).astype(mm))
-    return tuple(outputs)
+    eps = epsilon_value(inputs, attrs)
+    n = layer_norm(x, scale, bias, int(attrs["axis"]), eps, int(attrs["stash_type"]))
+    return (n, *apply_linears(n, inputs, attrs, 3))
 
 
 LAYERNORM_MATMUL = FusedOp(
@@ -161,7 +155,13 @@ LAYERNORM_MATMUL = FusedOp(
         Param("X", "T", "input"),
         Param("scale", "T", "gamma, broadcasting along the normalized axes", "optional"),
         Param("bias", "T", "beta, broadcasting along the normalized axes", "optional"),
-        Param("weights", "U", "W_0 [K, N_0], b_0 [N_0] (iff has_bias[0]), W_1, ...", "variadic"),
+        Param(
+            "weights",
+            "U",
+            "W_0 [K, N_0], b_0 [N_0] (iff has_bias[0]), W_1, ..., then epsilon (T) iff "
+            "exact_epsilon",
+            "variadic",
+        ),
     ),
     outputs=(
         Param("normalized", "T", "the LayerNorm output, when read outside the match", "optional"),
@@ -171,7 +171,7 @@ LAYERNORM_MATMUL = FusedOp(
     ),
     attributes=(
         Attr("axis", "int", "first normalized axis", -1),
-        Attr("epsilon", "float", "added to the variance", 1e-5),
+        Attr("epsilon", "float", "added to the variance (see exact_epsilon)", 1e-5),
         Attr(
             "stash_type",
             "int",
@@ -181,17 +181,12 @@ LAYERNORM_MATMUL = FusedOp(
         ),
         Attr("has_bias", "ints", "per Linear: 1 if b_i follows W_i"),
         Attr("flatten", "ints", "per Linear: 1 if N is flattened to 2-D first (Reshape -> Gemm)"),
-        Attr(
-            "matmul_type",
-            "int",
-            "0: the Linears run in T; else the TensorProto type U that N is cast to before them "
-            "(autocast: LayerNorm in float32, Cast to float16, MatMul)",
-            0,
-        ),
+        MATMUL_TYPE,
+        EXACT_EPSILON,
     ),
     type_constraints=(
-        ("T", FLOAT_TYPES, "X, gamma, beta and the normalized value"),
-        ("U", FLOAT_TYPES, "the Linears' weights, biases and outputs: T, or matmul_type"),
+        ("T", NORM_TYPES, "X, gamma, beta, the normalized value (and the exact epsilon)"),
+        ("U", NORM_TYPES, "the Linears' weights, biases and outputs: T, or matmul_type"),
     ),
     infer=_infer,
     reference=reference,
@@ -212,7 +207,7 @@ class _Norm:
     bias: str
     out: str
     axis: int
-    epsilon: float
+    epsilon: Epsilon
     stash_type: int
     notes: tuple[str, ...] = ()
     problem: NearMiss | None = None  # a failed check, reported if a Linear reads `out`
@@ -371,11 +366,9 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     # the walk goes on to the output.
     rank = value_rank(graph, x)
     problem: NearMiss | None = None
-    k, epsilon = 1, 0.0
+    k, eps = 1, Epsilon(0.0)
     try:
-        k, epsilon = _statistics(
-            graph, anchor, r2[0], var, square, add_eps, rank, widen is not None
-        )
+        k, eps = _statistics(graph, anchor, r2[0], var, square, add_eps, rank, widen is not None)
         root = graph.node(sqrts[0])
         if root.op_type == "Pow":
             half = scalar(graph, root.input[1], "exponent", sqrts[0], rank)
@@ -429,7 +422,7 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         params["Add"],
         out,
         -k,
-        epsilon,
+        eps,
         stash_type,
         notes,
         problem,
@@ -445,7 +438,7 @@ def _statistics(
     add_eps: int,
     rank: int | None,
     widened: bool,
-) -> tuple[int, float]:
+) -> tuple[int, Epsilon]:
     """(normalized axes, epsilon) of a decomposed LayerNorm, or a near miss: both ReduceMeans
     (`mean`, `var`) over the same trailing axes with keepdims=1, exponent exactly 2, epsilon a
     single value added to `variance`."""
@@ -467,19 +460,16 @@ def _statistics(
                 sq_node.input[1],
                 (square,),
             )
-    add_node = graph.node(add_eps)
-    eps_name = add_node.input[1] if add_node.input[0] == variance else add_node.input[0]
-    epsilon = scalar(graph, eps_name, "epsilon", add_eps, rank)
-    if widened:
-        return k, float(np.float32(epsilon))  # far below the float16 output's resolution
-    if float(np.float32(epsilon)) != epsilon:
-        raise NearMiss(
-            f"epsilon '{eps_name}' = {epsilon!r} is not exactly representable in "
-            "LayerNormMatMul's float32 epsilon attribute",
-            eps_name,
-            (add_eps,),
-        )
-    return k, epsilon
+    if widened:  # far below the float16 output's resolution: float32 holds it well enough
+        value = scalar(graph, _other(graph.node(add_eps), variance), "epsilon", add_eps, rank)
+        return k, Epsilon(float(np.float32(value)))
+    x_type = graph.elem_type(graph.node(mean).input[0])
+    return k, epsilon(graph, add_eps, variance, x_type, LAYERNORM_MATMUL.name, rank)
+
+
+def _other(node: onnx.NodeProto, value: str) -> str:
+    """The operand of a binary `node` that is not `value`."""
+    return node.input[1] if node.input[0] == value else node.input[0]
 
 
 def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
@@ -493,7 +483,7 @@ def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
         bias,
         node.output[0],
         int(attr(node, "axis", -1)),
-        float(attr(node, "epsilon", 1e-5)),
+        Epsilon(float(attr(node, "epsilon", 1e-5))),
         int(attr(node, "stash_type", 1)),
     )
 
@@ -594,9 +584,10 @@ class LayerNormMatMulPattern:
         inputs = [norm.x, norm.scale, norm.bias]
         for lin in readers.linears:
             inputs += [lin.weight, lin.bias] if lin.bias else [lin.weight]
+        inputs += norm.epsilon.inputs
         attributes = {
             "axis": norm.axis,
-            "epsilon": norm.epsilon,
+            **norm.epsilon.attributes,
             "stash_type": norm.stash_type,
             "has_bias": [1 if lin.bias else 0 for lin in readers.linears],
             "flatten": [lin.flatten for lin in readers.linears],
@@ -618,7 +609,10 @@ class LayerNormMatMulPattern:
             exportable={norm.out: 0},
             # Shape(N) may read X instead only if gamma and beta provably keep X's shape.
             shape_sources={norm.out: norm.x} if keeps else {},
-            new_initializers=tuple(t for lin in readers.linears for t in lin.new_initializers),
+            new_initializers=(
+                *(t for lin in readers.linears for t in lin.new_initializers),
+                *filter(None, (norm.epsilon.new_initializer,)),
+            ),
             notes=notes,
         )
 

@@ -24,7 +24,10 @@ Matched:
   round_before_scale=1 (N rounded to float16 before gamma, as the Cast then Mul round).
   Without Casts the statistics are in the input dtype (stash_type=0).
 - Consumers of N: MatMul(N, W) (+ Add row bias), Gemm, Reshape(N, [-1, D]) -> Gemm/MatMul
-  (`patterns/_linear.py`); all Linears of one N go into one fused node, one output each.
+  (`patterns/_linear.py`); all Linears of one N go into one fused node, one output each. As
+  for LayerNorm, a Cast of N to a narrower float type is looked through (autocast's RMSNorm in
+  float32 -> Cast(float16) -> MatMuls, one Cast per Linear or one for all): the Linears then
+  run in that type (`matmul_type`), N and its statistics stay in X's.
 
 Every constant that carries meaning is checked exactly, never with a tolerance: exponent exactly
 2, ReduceMean keepdims=1 over the last axis only, epsilon a one-element constant kept as read
@@ -48,17 +51,27 @@ import numpy as np
 import onnx
 
 from fuser.bodies import rmsnorm_matmul as rmsnorm_matmul_body
-from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo
+from fuser.fusedop import Attr, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
 from fuser.matcher import type_name
 from fuser.pattern import Match, Rejection, rejection
 
 from ._linear import Readers, classify
-from ._linear_op import linear_outputs, linear_weights
+from ._linear_op import (
+    EXACT_EPSILON,
+    MATMUL_TYPE,
+    NORM_TYPES,
+    apply_linears,
+    epsilon_value,
+    linear_outputs,
+    linear_weights,
+)
 from ._walk import (
+    Epsilon,
     NearMiss,
     attr,
     const,
+    epsilon,
     follow,
     is_cast_to,
     is_noop_cast,
@@ -119,25 +132,20 @@ def rms_norm(
 def reference(
     inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any]
 ) -> tuple[np.ndarray, ...]:
-    """normalized, then each N @ W_i (+ b_i): products in float64, rounded to the input dtype
-    once before the bias Add, as MatMul then Add round."""
+    """normalized, then each N @ W_i (+ b_i): products in float64, rounded to the Linears'
+    dtype once before the bias Add, as MatMul then Add round (N cast to `matmul_type` first
+    when it is set, as the original's Cast)."""
     x = inputs[0]
     assert x is not None
     scale = inputs[1] if len(inputs) > 1 else None
     n = rms_norm(
         x,
         scale,
-        float(attrs["epsilon"]),
+        epsilon_value(inputs, attrs),
         int(attrs["stash_type"]),
         int(attrs["round_before_scale"]),
     )
-    outputs = [n]
-    for w, b, flat in weights(inputs, attrs):
-        assert w is not None
-        a = n.reshape(-1, n.shape[-1]) if flat else n
-        y = (a.astype(np.float64) @ w.astype(np.float64)).astype(x.dtype)
-        outputs.append(y if b is None else (y + b).astype(x.dtype))
-    return tuple(outputs)
+    return (n, *apply_linears(n, inputs, attrs, WEIGHTS_AT))
 
 
 RMSNORM_MATMUL = FusedOp(
@@ -146,16 +154,22 @@ RMSNORM_MATMUL = FusedOp(
     inputs=(
         Param("X", "T", "input"),
         Param("scale", "T", "gamma, broadcasting along the last axis", "optional"),
-        Param("weights", "T", "W_0 [D, N_0], b_0 [N_0] (iff has_bias[0]), W_1, ...", "variadic"),
+        Param(
+            "weights",
+            "U",
+            "W_0 [D, N_0], b_0 [N_0] (iff has_bias[0]), W_1, ..., then epsilon (T) iff "
+            "exact_epsilon",
+            "variadic",
+        ),
     ),
     outputs=(
         Param("normalized", "T", "the RMSNorm output, when read outside the match", "optional"),
         Param(
-            "Y", "T", "Y_i = N @ W_i (+ b_i); [prod(leading dims), N_i] if flatten[i]", "variadic"
+            "Y", "U", "Y_i = N @ W_i (+ b_i); [prod(leading dims), N_i] if flatten[i]", "variadic"
         ),
     ),
     attributes=(
-        Attr("epsilon", "float", "added to the mean square", 1e-5),
+        Attr("epsilon", "float", "added to the mean square (see exact_epsilon)", 1e-5),
         Attr(
             "stash_type",
             "int",
@@ -171,8 +185,13 @@ RMSNORM_MATMUL = FusedOp(
         ),
         Attr("has_bias", "ints", "per Linear: 1 if b_i follows W_i"),
         Attr("flatten", "ints", "per Linear: 1 if N is flattened to 2-D first (Reshape ->)"),
+        MATMUL_TYPE,
+        EXACT_EPSILON,
     ),
-    type_constraints=(("T", FLOAT_TYPES, "float tensors"),),
+    type_constraints=(
+        ("T", NORM_TYPES, "X, gamma, the normalized value (and the exact epsilon)"),
+        ("U", NORM_TYPES, "the Linears' weights, biases and outputs: T, or matmul_type"),
+    ),
     infer=_infer,
     reference=reference,
     body=rmsnorm_matmul_body.build,
@@ -190,7 +209,7 @@ class _Norm:
     x: str
     scale: str
     out: str
-    epsilon: float
+    epsilon: Epsilon
     stash_type: int
     round_before_scale: int
     notes: tuple[str, ...] = ()
@@ -222,20 +241,6 @@ def _last_axis_only(graph: GraphIndex, node_id: int, x: str) -> None:
             graph.node(node_id).output[0],
             (node_id,),
         )
-
-
-def _epsilon(graph: GraphIndex, add: int, ms: str, x_rank: int | None) -> float:
-    node = graph.node(add)
-    name = node.input[1] if node.input[0] == ms else node.input[0]
-    eps = scalar(graph, name, "epsilon", add, x_rank)
-    if float(np.float32(eps)) != eps:
-        raise NearMiss(
-            f"epsilon '{name}' = {eps!r} is not exactly representable in RmsNormMatMul's "
-            "float32 epsilon attribute",
-            name,
-            (add,),
-        )
-    return eps
 
 
 def _gamma(
@@ -347,7 +352,7 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     # goes on to the output either way (a failed check is reported only if a Linear reads it).
     x_rank = rank(graph, x)
     problem: NearMiss | None = None
-    epsilon = 0.0
+    eps = Epsilon(0.0)
     try:
         sq = graph.node(square)
         if sq.op_type == "Pow":
@@ -360,7 +365,7 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
                     (square,),
                 )
         _last_axis_only(graph, anchor, x)
-        epsilon = _epsilon(graph, adds[0], ms, x_rank)
+        eps = epsilon(graph, adds[0], ms, graph.elem_type(x), RMSNORM_MATMUL.name, x_rank)
         if unit_div is not None:
             one = scalar(graph, graph.node(unit_div).input[0], "numerator", unit_div, x_rank)
             if one != 1.0:
@@ -401,7 +406,7 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
             )
             members += [wide[0], after]
             out = graph.node(after).output[0]
-            return _Norm(tuple(members), source, "", out, epsilon, 1, 0, (), problem)
+            return _Norm(tuple(members), source, "", out, eps, 1, 0, (), problem)
         if back is None:
             return None
         members.insert(0, up)
@@ -430,7 +435,7 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         problem = problem or broadcast
         members.append(reader)
         out = follow(graph, graph.node(reader).output[0], members)
-    return _Norm(tuple(members), x, scale, out, epsilon, stash_type, 1, notes, problem)
+    return _Norm(tuple(members), x, scale, out, eps, stash_type, 1, notes, problem)
 
 
 def _norm_op(graph: GraphIndex, anchor: int) -> _Norm:
@@ -471,7 +476,7 @@ def _norm_op(graph: GraphIndex, anchor: int) -> _Norm:
         x,
         scale,
         node.output[0],
-        float(attr(node, "epsilon", 1e-5)),
+        Epsilon(float(attr(node, "epsilon", 1e-5))),
         1 if stash == 1 else 0,
         0,
         problem=problem,
@@ -522,7 +527,7 @@ class RmsNormMatMulPattern:
         )
         if norm is None:
             return None
-        readers = classify(graph, norm.out, _width(graph, norm))
+        readers = classify(graph, norm.out, _width(graph, norm), narrow=True)
         if not readers.linears and not readers.misses:
             return None  # no Linear after it: not this pattern, whatever its constants
         if norm.problem is not None:
@@ -546,13 +551,16 @@ class RmsNormMatMulPattern:
         inputs = [norm.x, norm.scale]
         for lin in readers.linears:
             inputs += [lin.weight, lin.bias] if lin.bias else [lin.weight]
+        inputs += norm.epsilon.inputs
         attributes = {
-            "epsilon": norm.epsilon,
+            **norm.epsilon.attributes,
             "stash_type": norm.stash_type,
             "round_before_scale": norm.round_before_scale,
             "has_bias": [1 if lin.bias else 0 for lin in readers.linears],
             "flatten": [lin.flatten for lin in readers.linears],
         }
+        if readers.cast_to:
+            attributes["matmul_type"] = readers.cast_to
         notes = (*norm.notes, *(f"left unfused: {m.reason}" for m in readers.misses))
         others = [r for r in readers.outside if not r.endswith("(Shape)")]
         if others:
@@ -566,7 +574,10 @@ class RmsNormMatMulPattern:
             attributes,
             exportable={norm.out: 0},
             shape_sources={norm.out: norm.x},
-            new_initializers=tuple(t for lin in readers.linears for t in lin.new_initializers),
+            new_initializers=(
+                *(t for lin in readers.linears for t in lin.new_initializers),
+                *filter(None, (norm.epsilon.new_initializer,)),
+            ),
             notes=notes,
         )
 

@@ -15,7 +15,8 @@ input dtype before scale and bias, each rounded, as `reference` does. A flattene
 Variants: `<dtype>_stats<dtype>` (the input's, the statistics'), then `scale`/`bias` when the
 affine inputs are present, `to<dtype>` when matmul_type casts N first, then one part per
 MatMul: `mm`, `b` if it has a bias, `f` if flattened (e.g. `mmb_mm_mmbf`). axis and epsilon
-are passed by reference (epsilon through a Constant from opset 12).
+are passed by reference (epsilon through a Constant from opset 12); with `exact_epsilon` the
+epsilon is the node's last input instead (`epsinput` after the dtype parts), added as it is.
 """
 
 from __future__ import annotations
@@ -46,9 +47,7 @@ def build(request: BodyRequest) -> Body:
     y = g.op("Sub", flat, g.op("Gather", flat, g.constant([0]), axis=1))
     d = g.op("Sub", y, g.reduce("ReduceMean", y, [1], since=18))
     var = g.reduce("ReduceMean", g.op("Mul", d, d), [1], since=18)
-    eps = g.scalar("epsilon")
-    if stats != TensorProto.FLOAT:  # the Constant holds a float32
-        eps = g.op("Cast", eps, to=stats)
+    eps, eps_part = epsilon_operand(g, x_type, stats)
     n = g.op("Div", d, g.op("Sqrt", g.op("Add", var, eps)))
     n = g.op("Reshape", n, g.op("Shape", "X"))
     if stats != x_type:
@@ -62,16 +61,42 @@ def build(request: BodyRequest) -> Body:
 
     inputs = ["X", "scale", "bias"]
     outputs = ["normalized"]
-    parts = []
-    to = int(attrs.get("matmul_type") or 0)
-    if to and to != x_type:  # autocast: N cast to the MatMuls' dtype, as the original's Cast
-        n = g.op("Cast", n, to=to)
-        parts.append(f"to{dtype_name(to)}")
+    n, parts = cast_for_linears(g, n, x_type)
     parts += linears(g, n, has_bias, flatten, inputs, outputs)
+    if eps_part:
+        inputs.append(EPSILON_INPUT)
     return g.build(
         inputs,
         outputs,
         f"{dtype_name(x_type)}_stats{dtype_name(stats)}",
+        eps_part,
         *(name for _, name in affine),
         *parts,
     )
+
+
+EPSILON_INPUT = "epsilon"  # the formal input after the weights with exact_epsilon=1
+
+
+def epsilon_operand(g: BodyGraph, x_type: int, stats: int) -> tuple[str, str]:
+    """The epsilon in the statistics dtype, and the variant part naming where it came from:
+    the node's trailing input (exact_epsilon=1, a double float32 cannot hold: `epsinput`), or
+    the float32 attribute through a Constant ("")."""
+    if int(g.request.attributes.get("exact_epsilon") or 0):
+        eps = EPSILON_INPUT
+        if stats != x_type:
+            eps = g.op("Cast", eps, to=stats)
+        return eps, "epsinput"
+    eps = g.scalar("epsilon")
+    if stats != TensorProto.FLOAT:  # the Constant holds a float32
+        eps = g.op("Cast", eps, to=stats)
+    return eps, ""
+
+
+def cast_for_linears(g: BodyGraph, n: str, x_type: int) -> tuple[str, list[str]]:
+    """N cast to `matmul_type` before the Linears (autocast, as the original's Cast), and the
+    variant part `to<dtype>`; N and no part when the Linears run in X's dtype."""
+    to = int(g.request.attributes.get("matmul_type") or 0)
+    if not to or to == x_type:
+        return n, []
+    return g.op("Cast", n, to=to), [f"to{dtype_name(to)}"]

@@ -9,8 +9,9 @@ wider), stash_type=0 in the input dtype. A flattened output (Reshape -> Gemm/Mat
 fuse time) is Flatten(N, -1) before its MatMul.
 
 Variants: `<dtype>_stats<dtype>`, then `scale` or `scale_once` (round_before_scale=0) when gamma
-is present, then one part per MatMul: `mm`, `b` if it has a bias, `f` if flattened. epsilon is
-passed by reference (through a Constant from opset 12).
+is present, then `to<dtype>` when matmul_type casts N first, then one part per MatMul: `mm`, `b`
+if it has a bias, `f` if flattened. epsilon is passed by reference (through a Constant from
+opset 12), or with `exact_epsilon` is the node's last input (`epsinput`), as LayerNormMatMul's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from onnx import TensorProto
 
 from .builder import Body, BodyError, BodyGraph, BodyRequest, dtype_name, linears
+from .layernorm_matmul import EPSILON_INPUT, cast_for_linears, epsilon_operand
 
 
 def build(request: BodyRequest) -> Body:
@@ -37,9 +39,7 @@ def build(request: BodyRequest) -> Body:
 
     xs = g.op("Cast", "X", to=stats) if stats != x_type else "X"
     ms = g.reduce("ReduceMean", g.op("Mul", xs, xs), [-1], since=18)
-    eps = g.scalar("epsilon")
-    if stats != TensorProto.FLOAT:  # the Constant holds a float32
-        eps = g.op("Cast", eps, to=stats)
+    eps, eps_part = epsilon_operand(g, x_type, stats)
     n = g.op("Mul", xs, g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, eps))))
     scaled = request.has_input(1)
     once = scaled and not int(attrs["round_before_scale"])
@@ -55,12 +55,15 @@ def build(request: BodyRequest) -> Body:
 
     inputs = ["X", "scale"]
     outputs = ["normalized"]
-    parts = []
+    n, parts = cast_for_linears(g, n, x_type)
     parts += linears(g, n, has_bias, flatten, inputs, outputs)
+    if eps_part:
+        inputs.append(EPSILON_INPUT)
     return g.build(
         inputs,
         outputs,
         f"{dtype_name(x_type)}_stats{dtype_name(stats)}",
+        eps_part,
         ("scale_once" if once else "scale") if scaled else "",
         *parts,
     )

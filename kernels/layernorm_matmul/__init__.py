@@ -1,5 +1,6 @@
 """The fused LayerNormMatMul: `plan` (problem, tiling type, buffers, default tiling), `kernel`
-(program), `cost` (tiling space and analytical cost)."""
+and `program` (the norm-then-Linears program, shared with RmsNormMatMul), `cost` (tiling space
+and analytical cost)."""
 
 from .cost import MODELS
 from .kernel import KERNELS, LayerNormMatMulKernel

@@ -100,12 +100,15 @@ class Problem:
 
     @property
     def steps(self) -> list[VecStep]:
-        """The vector instructions per row: the LayerNorm's, then the Cast to the Cube's dtype
-        when `matmul_type` asks for one."""
-        steps = layernorm_steps(self.ln)
+        """The vector instructions per row: the LayerNorm's, then `handoff`."""
+        return self.handoff(layernorm_steps(self.ln))
+
+    def handoff(self, norm_steps: list[VecStep]) -> list[VecStep]:
+        """A norm's vector instructions per row, then the Cast to the Cube's dtype when
+        `matmul_type` asks for one (the rows are handed to the Cube in its dtype)."""
         if self.dtype != self.ln.dtype:
-            steps.append(VecStep(("Cast",), self.ln.width, self.ln.dtype))
-        return steps
+            return [*norm_steps, VecStep(("Cast",), self.ln.width, self.ln.dtype)]
+        return norm_steps
 
     @property
     def max_n(self) -> int:

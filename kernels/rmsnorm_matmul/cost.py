@@ -61,7 +61,7 @@ class _RmsnmmModel:
             if key not in self._staged:  # one entry: the search prices one problem at a time
                 self._staged = {key: staged_cycles(machine, p, rounded, metas)}
             return self._staged[key]
-        return lnmm_cycles(machine, p, tiling, rms_steps(p.ln, rounded))
+        return lnmm_cycles(machine, p, tiling, p.handoff(rms_steps(p.ln, rounded)))
 
     def rule_of_thumb(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine

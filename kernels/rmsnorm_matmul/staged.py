@@ -102,8 +102,14 @@ def run_staged(
     src: list[Operand] = [*(inputs if functional else inputs_meta), None, None]
     x = src[0]
     assert x is not None
-    x2 = x.reshape(p.m, p.k) if isinstance(x, np.ndarray) else TensorMeta((p.m, p.k), p.dtype)
-    n, runs = _run_norm(machine, p, rounded, x2, src[1], functional, timeline)
+    x2 = x.reshape(p.m, p.k) if isinstance(x, np.ndarray) else TensorMeta((p.m, p.k), p.ln.dtype)
+    normalized, runs = _run_norm(machine, p, rounded, x2, src[1], functional, timeline)
+    n = normalized
+    if p.dtype != p.ln.dtype:  # autocast's Cast of N to the MatMuls' dtype, its own kernel
+        to = helper.np_dtype_to_tensor_dtype(p.dtype)
+        cast = stage(machine, "Cast", [n], {"to": to}, functional, timeline)
+        runs.append(cast.stats)
+        n = cast.outputs[0] if functional else TensorMeta((p.m, p.k), p.dtype)
     ys: list[np.ndarray] = []
     pos = WEIGHTS_AT
     for lin, meta in zip(p.linears, out_metas[1:], strict=True):
@@ -122,8 +128,8 @@ def run_staged(
     stats = one_launch(runs)
     if not functional:
         return KernelRun((), stats)
-    assert isinstance(n, np.ndarray)
-    return KernelRun((n.reshape(out_metas[0].shape), *ys), stats)
+    assert isinstance(normalized, np.ndarray)
+    return KernelRun((normalized.reshape(out_metas[0].shape), *ys), stats)
 
 
 def staged_cycles(
@@ -132,7 +138,7 @@ def staged_cycles(
     """Predicted cycles of the staged schedule, each stage priced as `fuse` prices it."""
     s = p.ln
     values: dict[str, TensorMeta | None] = {
-        "x": TensorMeta((p.m, p.k), p.dtype),
+        "x": TensorMeta((p.m, p.k), p.ln.dtype),
         "scale": inputs_meta[1] if len(inputs_meta) > 1 else None,
         "eps": TensorMeta((), s.stats),
     }
@@ -144,6 +150,11 @@ def staged_cycles(
         total += stage_cycles(machine, op, ins, attrs)
         values[f"s{i}"] = _meta_after(op, ins, attrs)
     n2 = TensorMeta((p.m, p.k), p.dtype)
+    if p.dtype != p.ln.dtype:
+        wide = TensorMeta((p.m, p.k), p.ln.dtype)
+        total += stage_cycles(
+            machine, "Cast", [wide], {"to": helper.np_dtype_to_tensor_dtype(p.dtype)}
+        )
     pos = WEIGHTS_AT
     for lin in p.linears:
         total += stage_cycles(machine, "MatMul", [n2, inputs_meta[pos]], {})

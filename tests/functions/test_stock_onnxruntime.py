@@ -270,13 +270,27 @@ def test_fused_nodes_in_if_branches_run_stock_and_unfuse() -> None:
     assert fuser.validate(model, plain).ok
 
 
-def test_layernorm_matmul_double_is_refused_with_a_reason(graph: Any) -> None:
-    """The NPU kernels take float16 and float32 only, so a double LayerNorm is not fused (and
-    needs no double body): a near-miss names the value and its dtype (issue 14 item 6)."""
-    model = ln_model(graph, "float64", "op", 17, True, -1, "mmb", False)
-    assert not fused_nodes(fuse_all(model).model, "LayerNormMatMul")
-    reasons = [m.reason for m in fuser.inspect(model).near_misses]
-    assert "'x' is float64, which LayerNormMatMul does not support" in reasons
+@pytest.mark.parametrize(
+    ("form", "opset", "variant"),
+    [
+        ("op", 17, "float64_statsfloat64_scale_bias_mmb"),
+        # a double epsilon 1e-5 that float32 cannot hold travels as the node's last input
+        ("decomposed", 13, "float64_statsfloat64_epsinput_scale_bias_mmb"),
+        ("decomposed", 18, "float64_statsfloat64_epsinput_scale_bias_mmb"),
+    ],
+)
+def test_layernorm_matmul_double_runs_stock_in_double(
+    graph: Any, form: str, opset: int, variant: str
+) -> None:
+    """A double LayerNorm fuses (issue 8: its NPU kernel refuses double, so it is fused
+    unpriced) and its body computes in double, the epsilon exactly as the original holds it."""
+    model = ln_model(graph, "float64", form, opset, True, -1, "mmb", False)
+    fused = check(model, "LayerNormMatMul", variant)
+    (node,) = fused_nodes(fused, "LayerNormMatMul")
+    if "epsinput" in variant:
+        eps = next(t for t in fused.graph.initializer if t.name == node.input[-1])
+        assert onnx.numpy_helper.to_array(eps).dtype == np.float64
+        assert float(onnx.numpy_helper.to_array(eps).reshape(-1)[0]) == 1e-5
 
 
 @pytest.mark.parametrize(("form", "opset"), [("decomposed", 13), ("decomposed", 18), ("op", 17)])

@@ -681,23 +681,6 @@ def test_refuses_statistics_over_different_axes() -> None:
     assert reason == "ReduceMeans 'mean' and 'var' average over different axes"
 
 
-def test_float64_epsilon_float32_cannot_hold_is_refused() -> None:
-    g = Graph(dtype=np.float64)
-    n = decomposed_ln(g, g.input("x", ["batch", "seq", HIDDEN]), eps=1e-12)
-    (reason,) = refused(one_linear(g, n))
-    assert reason.startswith("epsilon 'eps_")
-    assert "= 1e-12 is not exactly representable in LayerNormMatMul's float32 epsilon" in reason
-
-
-def test_float64_is_refused_the_npu_kernel_takes_no_double() -> None:
-    g = Graph(dtype=np.float64)
-    x = g.input("x", ["batch", "seq", HIDDEN])
-    qkv_block(g, decomposed_ln(g, x, eps=2.0**-20), x)
-    result = fuse(g.model())
-    assert result.report.summary == {PATTERN: 0}
-    assert "'x' is float64, which LayerNormMatMul does not support" in reasons(result)
-
-
 def test_refuses_non_constant_weight() -> None:
     g = Graph()
     n = decomposed_ln(g, g.input("x", ["batch", "seq", HIDDEN]))
