@@ -28,8 +28,9 @@ values or nodes named as fuser names what it creates (`<conv>.W_bn_folded`, ...)
 graph, an enclosing one or a subgraph.
 
 Traps added after the seeds' cases were fixed (a group split written [0, g, -1], a float32
-bias on float16 scores) draw from a side stream: `make_case(seed, later_traps=False)` is the
-case a seed gave before them.
+bias on float16 scores) draw from a side stream, and families added after them (`dense_gate`)
+join the pool only with the later traps: `make_case(seed, later_traps=False)` is the case a
+seed gave before them.
 
 The generator writes what it planted into `Case.planted`; what fuser actually fuses may be less
 (refusals are expected on many traps). The checks are in `fuzz_check.py`.
@@ -860,6 +861,9 @@ def dense_gate(b: Builder) -> None:
 
 
 FAMILIES += ("dense_gate",)
+#: Families added after the seeds' cases were fixed: `make_case(seed, later_traps=False)`
+#: leaves them out of the pool, so that a seed keeps the case it gave before them.
+LATER_FAMILIES = frozenset({"dense_gate"})
 PATTERN_OF["dense_gate"] = "softmax_topk"
 BUILDERS["dense_gate"] = dense_gate
 
@@ -966,7 +970,9 @@ def make_case(seed: int, later_traps: bool = True) -> Case:
     if b.chance(0.12):
         families = [b.pick(GATHERING)]
     else:
-        pool = [f for f in FAMILIES if f not in GATHERING]
+        pool = [
+            f for f in FAMILIES if f not in GATHERING and (later_traps or f not in LATER_FAMILIES)
+        ]
         if b.opset < 17:
             pool.remove("ln_op")
         if b.dtype == np.float64:  # onnxruntime's CPU provider has no double Conv
