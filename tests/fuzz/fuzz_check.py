@@ -36,6 +36,7 @@ from fuzz_graphs import Case, InputSpec
 from fuzz_ties import has_topk, replays
 from onnx import numpy_helper
 
+from fuser import functions
 from fuser.api import FusionResult
 from fuser.collective import Communicator
 from fuser.ort import session
@@ -249,16 +250,17 @@ def differences(
 
 
 def _double_fused(model: onnx.ModelProto) -> bool:
-    """Whether a fused node of `model` computes in float64 (its X is double)."""
+    """Whether a fused node of `model`, in its graph or a subgraph (If, Loop), computes in
+    float64 (its X is double)."""
     typed = onnx.shape_inference.infer_shapes(model)
-    types = {
-        v.name: v.type.tensor_type.elem_type
-        for v in (*typed.graph.input, *typed.graph.value_info, *typed.graph.output)
-    }
-    types |= {t.name: t.data_type for t in typed.graph.initializer}
+    types: dict[str, int] = {}
+    for graph in functions.graphs(typed.graph):
+        values = (*graph.input, *graph.value_info, *graph.output)
+        types |= {v.name: v.type.tensor_type.elem_type for v in values}
+        types |= {t.name: t.data_type for t in graph.initializer}
     return any(
-        n.domain == "fuser" and n.input and types.get(n.input[0]) == onnx.TensorProto.DOUBLE
-        for n in typed.graph.node
+        n.input and types.get(n.input[0]) == onnx.TensorProto.DOUBLE
+        for n in functions.fused_nodes(typed)
     )
 
 
