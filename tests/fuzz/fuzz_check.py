@@ -56,19 +56,27 @@ Feeds = list[dict[str, np.ndarray]]  # one feed dict per rank
 Runner = Callable[[onnx.ModelProto, Feeds], list[dict[str, np.ndarray]]]
 
 
-def stock_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def stock_run(
+    model: onnx.ModelProto, feeds: dict[str, np.ndarray], optimize: bool = True
+) -> dict[str, np.ndarray]:
     """The fused model in a plain onnxruntime session, nothing of fuser's registered: its
-    fused ops run their ONNX function bodies."""
+    fused ops run their ONNX function bodies. Unoptimized when the original had to be (see
+    `check_case`): onnxruntime's optimizer breaks what fuser leaves of such a model too."""
+    options = onnxruntime.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = onnxruntime.InferenceSession(
-        model.SerializeToString(), providers=["CPUExecutionProvider"]
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds), strict=True))
 
 
-# Called with (fused model, feeds of one rank); returns the outputs by name, or raises.
-# None turns the stock-onnxruntime check off.
-STOCK_ONNXRUNTIME_CHECK: Callable[[onnx.ModelProto, dict[str, np.ndarray]], dict] | None = stock_run
+# Called with (fused model, feeds of one rank, optimize); returns the outputs by name, or
+# raises. None turns the stock-onnxruntime check off.
+STOCK_ONNXRUNTIME_CHECK: Callable[[onnx.ModelProto, dict[str, np.ndarray], bool], dict] | None = (
+    stock_run
+)
 
 onnxruntime.set_default_logger_severity(3)
 
@@ -362,7 +370,7 @@ def check_case(
             if kind not in kinds:
                 continue
             try:
-                stock = STOCK_ONNXRUNTIME_CHECK(model, feeds[0])
+                stock = STOCK_ONNXRUNTIME_CHECK(model, feeds[0], optimize)
             except Exception as exc:
                 return Result(seed, "invalid", fused, f"stock onnxruntime: {_line(exc)}")
             diffs, _ = beyond_noise(i, 0, stock)

@@ -86,3 +86,12 @@ def test_a_float64_norm_fused_in_a_subgraph_runs_on_the_reference(seed: int) -> 
     assert any(i.dtype == np.float64 for i in case.inputs), case.inputs
     result = check_case(case)
     assert result.fused and result.outcome == "ok", result.detail
+
+
+def test_the_stock_check_runs_unoptimized_when_the_original_had_to() -> None:
+    """Seed 1919: onnxruntime's LayerNormFusion breaks the original (a scale that broadcasts
+    up), so the judge runs it unoptimized; the stock-onnxruntime run of the fused model must
+    be unoptimized too, or the same onnxruntime bug in what fuser left unfused reads as an
+    invalid fused model."""
+    result = check_case(make_case(1919))
+    assert result.fused and result.outcome == "ok", result.detail
