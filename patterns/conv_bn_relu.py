@@ -413,18 +413,21 @@ def _fold(
         values[name] = value
     w = values[conv_node.input[1]]
     scale, bias, mean, var = (values[n].astype(np.float64) for n in bn.input[1:5])
-    a = scale / np.sqrt(var + epsilon)
-    if transposed_group:
-        g = transposed_group
-        # [G, Cin/G, Cout/G, *k] scaled by a[G, 1, Cout/G]
-        wg = w.astype(np.float64).reshape(g, w.shape[0] // g, *w.shape[1:])
-        w_new = (wg * a.reshape(g, 1, -1, *([1] * (w.ndim - 2)))).reshape(w.shape)
-    else:
-        w_new = w.astype(np.float64) * a.reshape(-1, *([1] * (w.ndim - 1)))
-    b0 = values[conv_b].astype(np.float64) if conv_b else np.zeros(a.shape[0])
-    b_new = (b0 - mean) * a + bias
-    dtype = w.dtype
-    w_cast, b_cast = w_new.astype(dtype, copy=False), b_new.astype(dtype, copy=False)
+    # A negative variance or a weight float16 cannot hold is refused below with its reason,
+    # not reported as a numpy warning on the user's terminal.
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        a = scale / np.sqrt(var + epsilon)
+        if transposed_group:
+            g = transposed_group
+            # [G, Cin/G, Cout/G, *k] scaled by a[G, 1, Cout/G]
+            wg = w.astype(np.float64).reshape(g, w.shape[0] // g, *w.shape[1:])
+            w_new = (wg * a.reshape(g, 1, -1, *([1] * (w.ndim - 2)))).reshape(w.shape)
+        else:
+            w_new = w.astype(np.float64) * a.reshape(-1, *([1] * (w.ndim - 1)))
+        b0 = values[conv_b].astype(np.float64) if conv_b else np.zeros(a.shape[0])
+        b_new = (b0 - mean) * a + bias
+        dtype = w.dtype
+        w_cast, b_cast = w_new.astype(dtype, copy=False), b_new.astype(dtype, copy=False)
     # A non-finite float64 value stays non-finite when cast: all finite after the cast means
     # both checks pass, and only a failure needs the float64 values to say which one failed.
     if not (np.isfinite(w_cast).all() and np.isfinite(b_cast).all()):

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fuser.testing import assert_equivalent, fuse_all
+
+# A refused fold says why in the report; numpy must not also warn on the user's terminal.
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 
 def _model(

@@ -232,6 +232,7 @@ def test_a_scattered_row_read_elsewhere_is_refused() -> None:
     ]
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # validate on an output holding -inf
 def test_a_shared_fill_stays_for_its_other_reader() -> None:
     """The -inf row also read elsewhere: fused without it (it stays for its reader)."""
     model = parse(
