@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import onnx
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from onnx import defs, helper
 
@@ -182,16 +183,21 @@ def _heavy_initializers(graph: onnx.GraphProto) -> set[str]:
     }
 
 
+def copy_field(fd: FieldDescriptor, value: object, target: Message) -> None:
+    """Set field `fd` of `target` to `value` (as `source.ListFields()` gives it) without
+    copying the rest of the source message."""
+    if fd.is_repeated:
+        getattr(target, fd.name).extend(value)
+    elif fd.message_type is not None:
+        getattr(target, fd.name).CopyFrom(value)
+    else:
+        setattr(target, fd.name, value)
+
+
 def _copy_fields(source: Message, target: Message, skip: str) -> None:
     for fd, value in source.ListFields():
-        if fd.name == skip:
-            continue
-        if fd.is_repeated:
-            getattr(target, fd.name).extend(value)
-        elif fd.message_type is not None:
-            getattr(target, fd.name).CopyFrom(value)
-        else:
-            setattr(target, fd.name, value)
+        if fd.name != skip:
+            copy_field(fd, value, target)
 
 
 def _copy_hiding(model: onnx.ModelProto, hidden: set[str]) -> onnx.ModelProto:

@@ -18,9 +18,9 @@ from typing import BinaryIO
 
 import onnx
 from google.protobuf import unknown_fields
-from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from .checkview import copy_field
 from .modelio import EXTERNAL_THRESHOLD_BYTES, node_tensors
 
 _LEN = 2  # wire type of a length-delimited field
@@ -76,7 +76,7 @@ def _staged_tensor(
     staged = onnx.TensorProto()
     for fd, value in tensor.ListFields():
         if fd.name not in ("raw_data", "external_data", "data_location"):
-            _copy_field(fd, value, staged)
+            copy_field(fd, value, staged)
     _point_at(staged, location, offset, length)
     return staged
 
@@ -139,7 +139,7 @@ def write_external(
                     yield key, element.ByteSize(), None if sizes_only else element
             else:
                 single = onnx.GraphProto()
-                _copy_field(fd, value, single)
+                copy_field(fd, value, single)
                 data = single.SerializeToString(deterministic=True)
                 yield b"", len(data), None if sizes_only else _Raw(data)
 
@@ -150,7 +150,7 @@ def write_external(
     for fd, value in model.ListFields():
         if fd.name != "graph":
             single = onnx.ModelProto()
-            _copy_field(fd, value, single)
+            copy_field(fd, value, single)
             model_file.write(single.SerializeToString(deterministic=True))
             continue
         model_file.write(_key(fd.number) + _varint(graph_size))
@@ -167,15 +167,6 @@ class _Raw:
 
     def __init__(self, data: bytes) -> None:
         self.data = data
-
-
-def _copy_field(fd: FieldDescriptor, value: object, target: Message) -> None:
-    if fd.is_repeated:
-        getattr(target, fd.name).extend(value)
-    elif fd.message_type is not None:
-        getattr(target, fd.name).CopyFrom(value)
-    else:
-        setattr(target, fd.name, value)
 
 
 def streamable(model: onnx.ModelProto) -> bool:
