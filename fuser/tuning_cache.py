@@ -126,18 +126,41 @@ class TuningCache:
     def _connect(self) -> sqlite3.Connection | None:
         if self._conn is not None or self.disabled_reason is not None:
             return self._conn
+        deadline = time.monotonic() + self.timeout
+        attempt = 0
+        while True:
+            try:
+                conn = self._open()
+                break
+            except sqlite3.OperationalError as e:
+                # Two processes creating the file at once: switching a new database to WAL
+                # takes an exclusive lock, and SQLite reports "database is locked" at once
+                # instead of calling the busy handler. Waiting and retrying is the remedy.
+                attempt += 1
+                if not _is_busy(e) or time.monotonic() >= deadline:
+                    self.disabled_reason = f"tuning cache {self.path} unusable: {e}"
+                    return None
+                time.sleep(min(0.01 * attempt, 0.2))
+            except (sqlite3.Error, OSError) as e:
+                self.disabled_reason = f"tuning cache {self.path} unusable: {e}"
+                return None
+        self._conn = conn
+        return conn
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Autocommit mode: transactions are opened explicitly (BEGIN IMMEDIATE) for writes.
+        conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # Autocommit mode: transactions are opened explicitly (BEGIN IMMEDIATE) for writes.
-            conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
+            # Reading the mode takes no lock; only a database not yet in WAL is switched.
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
             conn.execute(_SCHEMA)
-        except (sqlite3.Error, OSError) as e:
-            self.disabled_reason = f"tuning cache {self.path} unusable: {e}"
-            return None
-        self._conn = conn
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def get(self, key: CacheKey) -> CacheEntry | None:
@@ -202,6 +225,11 @@ class TuningCache:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def _is_busy(error: sqlite3.OperationalError) -> bool:
+    text = str(error).lower()
+    return "locked" in text or "busy" in text
 
 
 def _rollback(conn: sqlite3.Connection) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from fuser.models import get_example
@@ -51,6 +52,7 @@ def test_an_unusable_cache_degrades_to_none(tmp_path: Path) -> None:
 # (pytest's importlib mode), and a separate interpreter is what concurrent users are anyway.
 WRITER = """
 import sys
+import time
 from fuser.tuning_cache import CacheKey, TuningCache
 path, start, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cache = TuningCache(path)
@@ -95,3 +97,56 @@ def test_fuse_twice_gets_the_same_tiling_from_the_cache(tmp_path: Path) -> None:
     second = tilings(cache_path)
     assert first == second
     assert tilings(False) == first  # no cache: the same search, the same answer
+
+
+# Each opener waits for the same moment, then opens a new file and writes one entry.
+OPENER = """
+import sys, time
+from fuser.tuning_cache import CacheKey, TuningCache
+path, at, i = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+while time.time() < at:
+    pass
+cache = TuningCache(path)
+key = CacheKey.make("MatMul", [(i, 64), (64, 32)], "float16", "ascend910b", {"k": i})
+if not cache.put(key, {"tile_m": i}, float(i)):
+    sys.exit(cache.disabled_reason)
+"""
+
+
+def test_processes_creating_the_file_at_once_all_use_it(tmp_path: Path) -> None:
+    # What a CI run hit: two processes opening a new file in the same instant; the one that
+    # lost the race to switch it to WAL got "database is locked" at once (no busy wait in
+    # that path) and ran without a cache. Before the fix about a quarter of openers lost.
+    for round_ in range(6):
+        path = str(tmp_path / f"new{round_}.sqlite")
+        at = time.time() + 1.5  # after every interpreter has started
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", OPENER, path, str(at), str(i)],
+                cwd=tmp_path,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(4)
+        ]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+        assert len(TuningCache(path)) == 4
+
+
+def test_opening_gives_up_after_the_timeout(tmp_path: Path) -> None:
+    path = tmp_path / "held.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN")
+    holder.execute("SELECT * FROM t").fetchall()
+    try:
+        start = time.monotonic()
+        cache = TuningCache(path, timeout=0.3)
+        assert not cache.put(key(1), {"tile_m": 1}, 1.0)
+        assert cache.disabled_reason is not None and "locked" in cache.disabled_reason
+        assert 0.3 <= time.monotonic() - start < 5.0
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
