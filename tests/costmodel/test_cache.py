@@ -146,7 +146,7 @@ def test_opening_gives_up_after_the_timeout(tmp_path: Path) -> None:
         cache = TuningCache(path, timeout=0.3)
         assert not cache.put(key(1), {"tile_m": 1}, 1.0)
         assert cache.disabled_reason is not None and "locked" in cache.disabled_reason
-        assert 0.3 <= time.monotonic() - start < 5.0
+        assert 0.3 <= time.monotonic() - start < 25.0  # its own timeout, not the default 30 s
     finally:
         holder.execute("ROLLBACK")
         holder.close()
