@@ -5,7 +5,8 @@ unit)", and is compared against the original like every other node (issue 8).
 The fallback must not hide anything: every mutant of a float64 node (weight, bias, epsilon,
 two weights swapped) is still caught and named, in a float64 model and in a mixed model whose
 float32 node keeps running on the NPU kernel; a refusal that is not a machine limit still stops
-validation.
+validation. A target without chip-to-chip links is the other machine limit: it cannot host a
+tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fuser.kernels.api import NO_FLOAT64_UNIT, KernelError, MachineLimitError, T
 from fuser.kernels.layernorm import layernorm_spec
 from fuser.kernels.rmsnorm_matmul.plan import problem as rms_problem
 from fuser.kernels.softmax import check_float
+from fuser.models import get_example
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
@@ -29,6 +31,7 @@ from fuser.cli import app
 from fuser.errors import ValidationRunError
 from fuser.modelio import load_model
 from fuser.mutants import mutants
+from fuser.testing import fuse_all
 
 D = 13  # odd: no lane-aligned shortcut
 FALLBACK = f"reference (npu: {NO_FLOAT64_UNIT})"
@@ -267,3 +270,20 @@ def test_cli_shows_how_many_nodes_ran_on_which_kernel(
     assert data["kernel_counts"] == {"npu": 1, FALLBACK: 1}
     assert data["node_kernels"][f64.name] == FALLBACK
     assert any(f"'{f64.name}'" in line and FALLBACK in line for line in data["failures"])
+
+
+@pytest.mark.slow
+def test_a_target_without_chip_links_runs_gathering_nodes_on_their_reference() -> None:
+    """The other machine limit: ascend310p has no chip-to-chip links, so it cannot host the
+    tensor-parallel group; every rank's AllGatherMatMul runs on its reference (the gather
+    itself still runs), is compared, and is reported so."""
+    original = get_example("tp-mlp")
+    result = fuse_all(original)
+    (node,) = fused_nodes(result.model)
+    checked = fuser.validate(original, result, target="ascend310p", runs=1)
+    assert checked.ok and checked.ranks == 2
+    assert checked.node_kernels == {node.name: "reference (npu: no chip-to-chip links)"}
+    assert {(c.kernel, c.fallback) for c in checked.nodes if c.node == node.name} == {
+        ("reference", "no chip-to-chip links")
+    }
+    assert fuser.validate(original, result, runs=1).node_kernels == {node.name: "npu"}
