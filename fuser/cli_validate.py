@@ -32,6 +32,7 @@ from .cli_common import (
 from .errors import FuserError
 
 SHOWN_FAILURES = 10  # failure lines printed; --json has all
+SHOWN_FALLBACKS = 20  # rows of fused nodes run on their reference instead; --json has all
 PROGRESS_AFTER_S = 1.0  # a progress bar appears only on validations that take longer
 
 
@@ -164,9 +165,32 @@ def print_validation(result: Any) -> None:
         f"run alone on the original's values",
         highlight=False,
     )
+    print_kernels(result)
     out.print(f"stock onnxruntime (function bodies): {result.stock}", highlight=False)
     failures = result.failures
     for c in failures[:SHOWN_FAILURES]:
         out.print(f"[red]mismatch:[/] {c.message()}", highlight=False, soft_wrap=True)
     if len(failures) > SHOWN_FAILURES:
         out.print(f"... and {len(failures) - SHOWN_FAILURES} more (--json lists all)")
+
+
+def print_kernels(result: Any) -> None:
+    """How many fused nodes ran on which kernel, and a row per node that did not run on the
+    kernel asked for (the NPU has no unit for it: its reference ran, compared like the rest)."""
+    counts = result.kernel_counts
+    if not counts:
+        return
+    shown = ", ".join(f"{n} on {label}" for label, n in counts.items())
+    out.print(f"fused nodes by kernel: {shown}", highlight=False)
+    moved = [(n, k) for n, k in result.node_kernels.items() if k != result.kernel]
+    if not moved:
+        return
+    ops = {c.node: c.op for c in result.nodes}
+    bad = {c.node for c in result.nodes if not c.ok}
+    rows = table("fused node", "op", "kernel", "ok")
+    for name, label in moved[:SHOWN_FALLBACKS]:
+        ok = Text("NO", style="red") if name in bad else Text("yes", style="green")
+        rows.add_row(name, ops.get(name, ""), label, ok)
+    print_table(f"fused nodes not run on kernel {result.kernel}", rows)
+    if len(moved) > SHOWN_FALLBACKS:
+        out.print(f"... and {len(moved) - SHOWN_FALLBACKS} more (--json lists all)")

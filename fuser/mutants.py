@@ -3,7 +3,8 @@
 Each mutant changes one fused node and nothing else, in one family:
 - `weight`: its first constant input of rank >= 2 (a Conv or MatMul weight) times 1.02;
 - `bias`: its first constant rank-1 bias (Conv `B`, LayerNorm `bias`, a MatMul's `b_i`) + 0.05;
-- `epsilon`: its `epsilon` where the node uses it (LayerNorm; BN not folded) times 10 plus 0.01;
+- `epsilon`: its `epsilon` where the node uses it (LayerNorm; BN not folded) times 10 plus 0.01
+  (with `exact_epsilon=1`, the epsilon input the node reads instead of the attribute);
 - `attribute`: a 0/1 switch of its semantics flipped (`relu`, `renormalize`).
 A family that does not apply to a node makes no mutant of it.
 """
@@ -87,6 +88,15 @@ def _mutate(
             "renormalize" not in attrs or not attrs["renormalize"].i
         ):
             return None  # epsilon is the renormalization's: unused without it
+        if "exact_epsilon" in attrs and attrs["exact_epsilon"].i and node.input[-1] in inits:
+            # epsilon is the trailing input (a double float32 cannot hold): that is changed
+            value = read_tensor(fused, inits[node.input[-1]])
+            changed = value * 10 + 0.01
+            model = _with_tensor(fused, index, len(node.input) - 1, changed)
+            return (
+                model,
+                f"epsilon {float(value.reshape(-1)[0]):g} -> {float(changed.reshape(-1)[0]):g}",
+            )
         old = attrs["epsilon"].f if "epsilon" in attrs else 1e-5
         new = old * 10 + 0.01
         model = _copy(fused)

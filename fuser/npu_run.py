@@ -38,6 +38,18 @@ class NpuKernelError(FuserError):
     """A fused node cannot run on its NPU kernel (no kernel, bad tiling, unsupported inputs)."""
 
 
+class NpuLimitError(NpuKernelError):
+    """The kernel refused valid inputs the machine has no unit for (float64): `limit` names the
+    limit ("no float64 unit"). Not a fault of the node: validation may run its reference."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+    def __reduce__(self) -> tuple[type[NpuLimitError], tuple[str, str]]:
+        return type(self), (str(self), self.limit)
+
+
 @cache
 def machine(target: str) -> Machine:
     """The target's machine, loaded once per process (`target` is a name or a JSON path)."""
@@ -85,7 +97,7 @@ def run_fused_on_npu(
     Raises `NpuKernelError` naming the op, the target and the kernel's reason when the node's
     tiling or inputs cannot run.
     """
-    from .kernels.api import KernelError, meta_of
+    from .kernels.api import KernelError, MachineLimitError, meta_of
     from .kernels.npu.clock import ARITHMETIC
     from .kernels.npu.errors import NpuError
 
@@ -107,6 +119,8 @@ def run_fused_on_npu(
         plugin_clock.add(plugin_clock.SEARCH, searched - start)
         plugin_clock.add(plugin_clock.ARITHMETIC, tile_seconds)
         plugin_clock.add(plugin_clock.SIMULATE, time.perf_counter() - searched - tile_seconds)
+    except MachineLimitError as exc:
+        raise NpuLimitError(f"{op_name} on {target.name}: {exc}", exc.limit) from exc
     except (KernelError, NpuError) as exc:
         raise NpuKernelError(f"{op_name} on {target.name}: {exc}") from exc
     fixed = sum(1 for p in op.outputs if p.option != "variadic")

@@ -59,6 +59,10 @@ class RunContext:
     target: str
     rank: int
     communicator: Communicator | None
+    # With kernel "npu": where a fused node's kernel refuses because the machine has no unit
+    # for its inputs (float64), the node runs its reference instead and its name -> that
+    # limit is recorded here. None: such a refusal fails the node, as every other refusal does.
+    fallbacks: dict[str, str] | None = None
 
 
 Handler = Callable[
@@ -89,9 +93,14 @@ def _fused_handler(
         inputs = [stacked if i == op.collective_input else x for i, x in enumerate(inputs)]
         full["rank"] = ctx.rank
     if ctx.kernel == "npu":
-        from .npu_run import run_fused_on_npu
+        from .npu_run import NpuLimitError, run_fused_on_npu
 
-        return run_fused_on_npu(op.name, inputs, full, ctx)
+        try:
+            return run_fused_on_npu(op.name, inputs, full, ctx)
+        except NpuLimitError as exc:
+            if ctx.fallbacks is None:
+                raise
+            ctx.fallbacks[str(attrs.get("__name__") or op.name)] = exc.limit
     start = time.perf_counter()
     outputs = op.reference(inputs, full)
     plugin_clock.add(plugin_clock.REFERENCE, time.perf_counter() - start)
@@ -108,13 +117,15 @@ def session(
     options: onnxruntime.SessionOptions | None = None,
     fused_ops: bool = True,
     extra_outputs: Sequence[str] = (),
+    fallback: bool = False,
 ) -> onnxruntime.InferenceSession:
     """An onnxruntime session that runs `model`, fused ops and collectives included.
 
     `fused_ops=False` leaves fused nodes to onnxruntime itself (their ONNX function bodies, when
     the model has them) and runs only the collectives onnxruntime's CPU package lacks.
     `extra_outputs` names values of the main graph the session also returns (validation
-    compares them).
+    compares them). `fallback=True` (with kernel "npu") runs a fused node the machine has no
+    unit for (float64) on its reference instead of failing; `fallbacks(sess)` says which.
 
     >>> sess = session("model.fused.onnx")              # doctest: +SKIP
     >>> sess.run(None, {"x": x})                        # doctest: +SKIP
@@ -137,7 +148,7 @@ def session(
         from .functions import inline
 
         copy = inline(copy, _typed(copy))
-    context = RunContext(kernel, target, rank, communicator)
+    context = RunContext(kernel, target, rank, communicator, {} if fallback else None)
     context_id = f"ctx{next(_CONTEXT_IDS)}"
     _CONTEXTS[context_id] = context
     types = _typed(copy)
@@ -405,6 +416,13 @@ _EXACT_ON_WIRE = {
 }
 
 
+def fallbacks(sess: Any) -> Mapping[str, str]:
+    """The fused nodes a `session(..., fallback=True)` ran on their reference because the
+    machine has no unit for their inputs: node name -> the limit ("no float64 unit")."""
+    ctx = _CONTEXTS.get(getattr(sess, "fuser_context", ""))
+    return dict(ctx.fallbacks or {}) if ctx is not None else {}
+
+
 def held_constants(sess: Any) -> Mapping[str, np.ndarray]:
     """The constant inputs of plugin nodes a `session` holds on the Python side (weights)."""
     return _CONSTANTS.get(getattr(sess, "fuser_context", ""), {})
@@ -429,18 +447,21 @@ def run_node(
     target: str = "ascend910b",
     rank: int = 0,
     communicator: Communicator | None = None,
+    fallbacks: dict[str, str] | None = None,
 ) -> list[np.ndarray | None]:
     """One fused node (or handled collective) run alone, as a plugin session would run it.
 
     `inputs` follow `node.input` (None where the name is empty); the result follows
     `node.output` (None where the name is empty). Validation feeds a fused node the original
-    model's own values this way, so a broken node shows whatever lies around it.
+    model's own values this way, so a broken node shows whatever lies around it. Given
+    `fallbacks`, a node the machine has no unit for runs on its reference and is recorded
+    there, as in `session(..., fallback=True)`.
     """
     if kernel not in KERNELS:
         raise UsageError(f"unknown kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
     ensure_fused_ops_registered()
     _ensure_builtin_handlers()
-    ctx = RunContext(kernel, target, rank, communicator)
+    ctx = RunContext(kernel, target, rank, communicator, fallbacks)
     attrs = {"__op__": node.op_type, "__name__": node.name, **node_attributes(node)}
     if node.domain == fusedop.DOMAIN:
         results = _fused_handler(inputs, attrs, ctx)

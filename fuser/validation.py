@@ -156,6 +156,7 @@ def _session(
     rank: int,
     communicator: Any | None,
     fused_ops: bool = True,
+    fallback: bool = False,
 ) -> Any:
     from .modelio import has_external_data
     from .ort import session
@@ -176,6 +177,7 @@ def _session(
         options=_options(),
         fused_ops=fused_ops,
         extra_outputs=names,
+        fallback=fallback,
     )
 
 
@@ -204,6 +206,8 @@ def open_sessions(
             f"{plan.original.label}: onnxruntime cannot load the original: {_first_line(exc)}"
         ) from exc
     try:
+        # A fused node the NPU has no unit for (float64) runs on its reference, reported per
+        # node (`OutputComparison.fallback`) and compared like every other.
         fused = _session(
             plan.fused,
             plan.expose_fused,
@@ -211,6 +215,7 @@ def open_sessions(
             target=target,
             rank=rank,
             communicator=communicator,
+            fallback=True,
         )
         stock = (
             _session(
@@ -332,7 +337,7 @@ def validate_rank(
     models' collectives (and isolated runs of gathering fused nodes) meet in `sessions`'
     communicator.
     """
-    from .ort import held_constants, run_node
+    from .ort import fallbacks, held_constants, run_node
 
     worst: dict[tuple[str, str, str], OutputComparison] = {}
     init_f = {t.name: t for t in plan.fused.model.graph.initializer}
@@ -383,6 +388,7 @@ def validate_rank(
         tick("fused")
         values = {**held_constants(sessions.fused), **feeds, **expected}
         alone: dict[str, dict[str, np.ndarray]] = {}
+        alone_limits: dict[str, str] = {}  # nodes run alone on their reference, and why
         for info in plan.nodes:
             args = [
                 None
@@ -402,6 +408,7 @@ def validate_rank(
                     target=target,
                     rank=rank,
                     communicator=sessions.communicator,
+                    fallbacks=alone_limits,
                 )
             except FuserError:
                 raise
@@ -427,7 +434,9 @@ def validate_rank(
         together = plan.ranks > 1
         truth = sessions.float64_values(feeds) if together else {}
         judging = time.perf_counter()
-        found = _judge_run(plan, _Judge(plan, *run_values, truth, rtol, atol, run, rank), *computed)
+        limits = {"model": fallbacks(sessions.fused), "isolated": alone_limits}
+        judge = _Judge(plan, *run_values, truth, rtol, atol, run, rank, kernel, limits)
+        found = _judge_run(plan, judge, *computed)
         clock["at"] = time.perf_counter()
         spent["compare"] = spent.get("compare", 0.0) + clock["at"] - judging
         if not together and any(not c.ok for c in found):
@@ -435,7 +444,7 @@ def validate_rank(
             # far from real arithmetic there? Ask its float64 copy (made on first need).
             truth = sessions.float64_values(feeds)
             if truth:
-                judge = _Judge(plan, *run_values, truth, rtol, atol, run, rank)
+                judge = _Judge(plan, *run_values, truth, rtol, atol, run, rank, kernel, limits)
                 found = _judge_run(plan, judge, *computed)
             tick("original float64")
         for c in found:
@@ -512,10 +521,15 @@ class _Judge:
         atol: float | None,
         run: int,
         rank: int,
+        kernel: str = "",
+        limits: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.plan, self.expected, self.moved, self.noise = plan, expected, moved, noise
         self.truth = truth
         self.rtol, self.atol, self.run, self.rank = rtol, atol, run, rank
+        # how the fused side of a node was computed: the kernel asked for, or per mode the
+        # nodes that ran on their reference instead (node -> the machine's limit)
+        self.kernel, self.limits = kernel, limits or {}
 
     def value(
         self, name: str, actual: Mapping[str, np.ndarray], *, mode: str, **where: Any
@@ -561,6 +575,8 @@ class _Judge:
         self, info: FusedNodeInfo, actual: Mapping[str, np.ndarray], *, mode: str
     ) -> list[OutputComparison]:
         found: list[OutputComparison] = []
+        limit = self.limits.get(mode, {}).get(info.name, "")
+        kernel = "" if mode == "stock" else "reference" if limit else self.kernel
         for name in info.node.output:
             if name:
                 found.extend(
@@ -573,6 +589,8 @@ class _Judge:
                         op=info.op,
                         pattern=info.pattern,
                         replaced=info.replaced,
+                        kernel=kernel,
+                        fallback=limit,
                     )
                 )
         return found
@@ -588,9 +606,17 @@ def merge_ranks(
 ) -> ValidationResult:
     """One result from every rank's comparisons: the worst case per compared value."""
     worst: dict[tuple[str, str, str], OutputComparison] = {}
+    labels: dict[str, set[str]] = {}  # fused node -> what computed it, on any rank and mode
     for comparisons in per_rank:
         for c in comparisons:
             keep_worst(worst, c)
+            if c.where == "node" and c.kernel:
+                labels.setdefault(c.node, set()).add(c.kernel_label)
+    node_kernels = {
+        info.name: " / ".join(sorted(labels[info.name]))
+        for info in plan.nodes
+        if info.name in labels
+    }
     every = list(worst.values())
     outputs = tuple(worst[("model", "", n)] for n in plan.outputs if ("model", "", n) in worst)
     nodes = tuple(c for c in every if c.where == "node" and c.mode != "stock")
@@ -601,7 +627,16 @@ def merge_ranks(
         stock = "ok" if all(c.ok for c in stock_outputs) else "failed"
     ok = all(c.ok for c in every)
     return ValidationResult(
-        ok, outputs, runs, plan.ranks, seed, kernel, nodes, stock, stock_outputs
+        ok,
+        outputs,
+        runs,
+        plan.ranks,
+        seed,
+        kernel,
+        nodes,
+        stock,
+        stock_outputs,
+        node_kernels=node_kernels,
     )
 
 

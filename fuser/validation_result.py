@@ -23,6 +23,9 @@ class OutputComparison:
     `where` is "output" (a graph output) or "node" (an output of fused node `node`); `mode` is
     how the fused side was computed: "model" (the fused model run whole), "isolated" (the node
     alone, fed the original's values) or "stock" (plain onnxruntime, function bodies).
+    `kernel` is what computed a fused node there ("npu", "reference"; "" for stock and graph
+    outputs); `fallback` the machine's limit when the NPU kernel refused the node and its
+    reference ran instead ("no float64 unit"), else "".
     """
 
     name: str
@@ -43,6 +46,14 @@ class OutputComparison:
     worst_index: tuple[int, ...] = ()
     expected: float = 0.0
     actual: float = 0.0
+    kernel: str = ""
+    fallback: str = ""
+
+    @property
+    def kernel_label(self) -> str:
+        """How the fused side was computed, as reports show it: "npu", "reference", or
+        "reference (npu: no float64 unit)" where the NPU kernel refused the node."""
+        return f"{self.kernel} (npu: {self.fallback})" if self.fallback else self.kernel
 
     def message(self) -> str:
         """One line naming what differs, where it came from, the run and the worst element."""
@@ -50,6 +61,7 @@ class OutputComparison:
             what = f"fused node '{self.node}' ({self.op}"
             what += f", pattern {self.pattern}" if self.pattern else ""
             what += f", replaced {', '.join(self.replaced)}" if self.replaced else ""
+            what += f", on {self.kernel_label}" if self.fallback else ""
             what += f") output '{self.name}'"
         else:
             what = f"output '{self.name}'"
@@ -86,6 +98,7 @@ class OutputComparison:
             "worst_index": list(self.worst_index),
             "expected": self.expected,
             "actual": self.actual,
+            "kernel": self.kernel_label,
         }
 
 
@@ -103,6 +116,17 @@ class ValidationResult:
     stock: str = "not applicable: the fused model has no function bodies"
     stock_outputs: tuple[OutputComparison, ...] = ()
     seconds: Mapping[str, float] = field(default_factory=dict)  # where the time went
+    # fused node -> what computed it ("npu"; "reference (npu: no float64 unit)" where the NPU
+    # kernel refused it and its reference ran instead), in the fused model's node order
+    node_kernels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def kernel_counts(self) -> dict[str, int]:
+        """How many fused nodes ran on each kernel (`node_kernels` counted), most first."""
+        counts: dict[str, int] = {}
+        for label in self.node_kernels.values():
+            counts[label] = counts.get(label, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
     @property
     def failures(self) -> tuple[OutputComparison, ...]:
@@ -125,6 +149,8 @@ class ValidationResult:
             "stock_outputs": [o.to_dict() for o in self.stock_outputs],
             "failures": [c.message() for c in self.failures],
             "seconds": dict(self.seconds),
+            "node_kernels": dict(self.node_kernels),
+            "kernel_counts": self.kernel_counts,
         }
 
 

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 from types import MappingProxyType
 
-from .api import KernelError
+from .api import KernelError, MachineLimitError
 from .npu.machine import Machine
 from .npu.stats import RunStats
 from .npu.timeline import Interval, Timeline
@@ -35,12 +35,16 @@ def check_group(op: str, machine: Machine, group_size: int) -> None:
         raise KernelError(f"{op}: group_size must be at least 1, got {group_size}")
     if group_size == 1:
         return
+    # the machine cannot host the group: a limit of the target, not a fault of the node
     if machine.link_peers < 1 or machine.link_bytes_per_s <= 0:
-        raise KernelError(f"{op}: {machine.name} has no chip-to-chip links for a group")
+        raise MachineLimitError(
+            f"{op}: {machine.name} has no chip-to-chip links for a group", "no chip-to-chip links"
+        )
     if group_size > machine.link_peers + 1:
-        raise KernelError(
+        raise MachineLimitError(
             f"{op}: group of {group_size} ranks but {machine.name} links {machine.link_peers + 1} "
-            "chips"
+            "chips",
+            f"links {machine.link_peers + 1} chips, not {group_size}",
         )
 
 

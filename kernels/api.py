@@ -99,6 +99,23 @@ class TilingError(KernelError):
     """A tiling is malformed or does not fit the core's buffers (the message says which)."""
 
 
+NO_FLOAT64_UNIT = "no float64 unit"
+
+
+class MachineLimitError(KernelError):
+    """Valid inputs that the machine has no unit for (float64: neither the Cube nor the Vector
+    unit of the 910B computes in double). A limit of the hardware, never a fault of the node:
+    `fuser validate` runs such a node on its reference instead and says so. `limit` is the
+    short reason it reports ("no float64 unit")."""
+
+    def __init__(self, message: str, limit: str = NO_FLOAT64_UNIT) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+    def __reduce__(self) -> tuple[type[MachineLimitError], tuple[str, str]]:
+        return type(self), (str(self), self.limit)
+
+
 @dataclass(frozen=True)
 class Tiling:
     """Base of every kernel's tiling: a frozen dataclass of int fields."""

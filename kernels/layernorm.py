@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _rows
 from ._rows import RowOut, RowPlan, RowTiling, VecStep
-from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling
+from .api import Kernel, KernelError, KernelRun, MachineLimitError, TensorMeta, Tiling
 from .npu.machine import Machine
 
 
@@ -64,7 +64,8 @@ def layernorm_spec(
     if x is None or len(x.shape) == 0:
         raise KernelError(f"{op}: X must be a tensor of rank >= 1")
     if x.dtype not in (np.float16, np.float32):
-        raise KernelError(
+        error = MachineLimitError if x.dtype == np.float64 else KernelError
+        raise error(
             f"{op}: the Vector unit takes float16 or float32, got {x.dtype} (the NPU has no "
             "float64 unit; run a float64 fused op with --kernel reference or its function body)"
         )

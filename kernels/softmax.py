@@ -17,7 +17,7 @@ from fuser.patterns.conv_activation import VECTOR_OPS
 
 from . import _rows
 from ._rows import RowOut, RowPlan, RowTiling, VecStep
-from .api import Kernel, KernelError, KernelRun, TensorMeta, Tiling
+from .api import Kernel, KernelError, KernelRun, MachineLimitError, TensorMeta, Tiling
 from .npu.machine import Machine
 
 F32 = np.dtype(np.float32)
@@ -65,7 +65,8 @@ def log_softmax_rows(x32: np.ndarray) -> np.ndarray:
 def check_float(op: str, dtype: np.dtype) -> None:
     """Softmax-like kernels take float16 and float32 (the Vector unit has no float64)."""
     if dtype not in (np.float16, np.float32):
-        raise KernelError(f"{op}: takes float16 or float32 input, got {dtype}")
+        error = MachineLimitError if dtype == np.float64 else KernelError
+        raise error(f"{op}: takes float16 or float32 input, got {dtype}")
 
 
 class SoftmaxKernel(Kernel):

@@ -28,7 +28,6 @@ from ._walk import (
     const,
     constant_why,
     is_cast_to,
-    is_noop_cast,
     only_reader,
     operand_const,
     rank,
@@ -342,10 +341,10 @@ _NARROWER: dict[int, tuple[int, ...]] = {
 }
 
 
-def _narrowing_to(graph: GraphIndex, node: onnx.NodeProto) -> int | None:
-    """The float type a Cast narrows its input to (autocast's float32 -> float16), or None."""
-    source = graph.elem_type(node.input[0]) if node.input else None
-    targets = _NARROWER.get(source or 0, ())
+def _narrowing_to(source: int, node: onnx.NodeProto) -> int | None:
+    """The float type a Cast of a `source`-typed value narrows it to (autocast's float32 ->
+    float16), or None."""
+    targets = _NARROWER.get(source, ())
     return next((t for t in targets if is_cast_to(node, t)), None)
 
 
@@ -393,8 +392,30 @@ def _selected_for_linear(graph: GraphIndex, node_id: int, value: str) -> NearMis
     return None
 
 
+def _untyped_cast(
+    graph: GraphIndex, r: int, value: str, width: int | None, narrow: bool, selects: bool
+) -> None:
+    """A near miss if Cast `r` of `value`, whose element type nothing declares, leads to a
+    Linear: whether it narrows, widens or does nothing cannot be known."""
+    inner = classify(graph, graph.node(r).output[0], width, narrow, selects)
+    if inner.linears:
+        raise NearMiss(
+            f"Cast '{graph.describe(r)}' of the normalized value '{value}' feeds a Linear "
+            f"(output '{inner.linears[0].output}'), but the element type of '{value}' is "
+            "unknown (no value_info, no schema to infer it), so the Cast cannot be checked to "
+            "narrow it or to be a no-op",
+            value,
+            (r,),
+        )
+
+
 def classify(
-    graph: GraphIndex, value: str, width: int | None, narrow: bool = False, selects: bool = False
+    graph: GraphIndex,
+    value: str,
+    width: int | None,
+    narrow: bool = False,
+    selects: bool = False,
+    value_type: int = 0,
 ) -> Readers:
     """Sort the readers of `value` (whose last axis has `width` elements, if known).
 
@@ -402,7 +423,12 @@ def classify(
     provably keep the shape, and with `narrow` Casts to a narrower float type (autocast's
     float32 LayerNorm -> Cast(float16) -> MatMul): `Readers.cast_to` then names that type.
     All Linears of one match run in one dtype: the others are near misses. With `selects`, a
-    Gather/Slice/Transpose feeding a Linear or Conv is a near miss too (LayerNorm's heads)."""
+    Gather/Slice/Transpose feeding a Linear or Conv is a near miss too (LayerNorm's heads).
+    `value_type` is `value`'s element type where shape inference does not know it (the output
+    of an op onnx has no schema for, as com.microsoft SimplifiedLayerNormalization, worked out
+    by the pattern from the op's schema); a Cast of a value of unknown type on the way to a
+    Linear is a near miss: it cannot be checked to narrow or to be a no-op."""
+    known = graph.elem_type(value) or value_type
     groups: list[_Group] = []
     misses: list[NearMiss] = []
     outside: list[str] = ["the graph output"] if graph.is_graph_output(value) else []
@@ -411,14 +437,17 @@ def classify(
         left_out = f"'{graph.describe(r)}' ({node.op_type})"
         try:
             found: list[Linear] | None = None
-            to = _narrowing_to(graph, node) if narrow and node.op_type == "Cast" else None
+            cast = node.op_type == "Cast" and node.domain == ""
+            to = _narrowing_to(known, node) if narrow and cast else None
             through = node.domain == "" and (
-                is_noop_cast(graph, node)
+                (cast and bool(known) and is_cast_to(node, known))  # a no-op Cast
                 or to is not None
                 or (node.op_type == "Reshape" and _is_identity_reshape(graph, node))
             )
             if node.domain != "":
                 pass
+            elif cast and not known:
+                _untyped_cast(graph, r, value, width, narrow, selects)
             elif through:
                 inner = classify(graph, node.output[0], width, narrow and to is None, selects)
                 misses.extend(inner.misses)

@@ -214,6 +214,7 @@ class _Norm:
     round_before_scale: int
     notes: tuple[str, ...] = ()
     problem: NearMiss | None = None  # a failed check, reported if a Linear reads `out`
+    out_type: int = 0  # `out`'s element type where shape inference cannot know it (0: it does)
 
 
 _WIDER: dict[int, tuple[int, ...]] = {
@@ -471,6 +472,18 @@ def _norm_op(graph: GraphIndex, anchor: int) -> _Norm:
             problem = NearMiss(
                 f"scale '{scale}' of {node.op_type} '{name}' {why}", scale, (anchor,)
             )
+    # Y's type is the scale's (onnxruntime's contrib schema: X T, scale V, Y V; so is opset 23's
+    # RMSNormalization); onnx has no schema for the contrib op, so no value_info says it.
+    out_type = _scale_type(graph, scale)
+    x_type = graph.elem_type(x)
+    if problem is None and out_type and x_type and out_type != x_type:
+        problem = NearMiss(
+            f"{node.op_type} '{name}' takes a {type_name(out_type)} scale '{scale}' on a "
+            f"{type_name(x_type)} input, so its output is {type_name(out_type)}; RmsNormMatMul "
+            "takes X and gamma in one dtype",
+            scale,
+            (anchor,),
+        )
     return _Norm(
         (anchor,),
         x,
@@ -480,7 +493,19 @@ def _norm_op(graph: GraphIndex, anchor: int) -> _Norm:
         1 if stash == 1 else 0,
         0,
         problem=problem,
+        out_type=out_type,
     )
+
+
+def _scale_type(graph: GraphIndex, scale: str) -> int:
+    """The element type of a norm op's scale (what inference says, else a constant's dtype); 0
+    if unknown or absent."""
+    if not scale:
+        return 0
+    if graph.elem_type(scale):
+        return int(graph.elem_type(scale) or 0)
+    c = operand_const(graph, scale)
+    return int(onnx.helper.np_dtype_to_tensor_dtype(c.dtype)) if c is not None else 0
 
 
 def _width(graph: GraphIndex, norm: _Norm) -> int | None:
@@ -527,7 +552,9 @@ class RmsNormMatMulPattern:
         )
         if norm is None:
             return None
-        readers = classify(graph, norm.out, _width(graph, norm), narrow=True)
+        readers = classify(
+            graph, norm.out, _width(graph, norm), narrow=True, value_type=norm.out_type
+        )
         if not readers.linears and not readers.misses:
             return None  # no Linear after it: not this pattern, whatever its constants
         if norm.problem is not None:

@@ -48,7 +48,15 @@ from .._budget import QueueSpec, check_flag, check_positive, require_fits
 from .._levels import overflow
 from .._link import arrival_order, ring_arrivals, with_link
 from ..allgather import Gather, concat_shards, gather_spec
-from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
+from ..api import (
+    Kernel,
+    KernelError,
+    KernelRun,
+    MachineLimitError,
+    TensorMeta,
+    Tiling,
+    TilingError,
+)
 from ..matmul.pipeline import L0Queues, k_walk
 from ..npu.core import Core
 from ..npu.launch import launch, split_balanced
@@ -153,7 +161,8 @@ def _problem(
             )
         assert w is not None
         if g.dtype not in (np.float16, np.float32) or w.dtype != g.dtype:
-            raise KernelError(
+            error = MachineLimitError if g.dtype == w.dtype == np.float64 else KernelError
+            raise error(
                 f"{op}: the Cube takes float16 or float32 X and W alike, got {g.dtype}, {w.dtype}"
             )
         n = shape[1]

@@ -38,7 +38,15 @@ from fuser.patterns.conv_activation import Activation, from_attributes
 
 from .._budget import QueueSpec, check_flag, check_positive, require_fits
 from .._groups import Group, launch_groups
-from ..api import Kernel, KernelError, KernelRun, TensorMeta, Tiling, TilingError
+from ..api import (
+    Kernel,
+    KernelError,
+    KernelRun,
+    MachineLimitError,
+    TensorMeta,
+    Tiling,
+    TilingError,
+)
 from ..npu.core import Core
 from ..npu.launch import launch
 from ..npu.machine import Machine
@@ -81,7 +89,8 @@ class _ConvKernel(Kernel):
         if any(present) and not all(present):
             raise KernelError(f"{self.op_type}: BN inputs scale, bias, mean, var: all four or none")
         if x.dtype not in (np.float16, np.float32):
-            raise KernelError(f"{self.op_type}: the Cube takes float16 or float32, got {x.dtype}")
+            error = MachineLimitError if x.dtype == np.float64 else KernelError
+            raise error(f"{self.op_type}: the Cube takes float16 or float32, got {x.dtype}")
         if w.dtype != x.dtype:
             raise KernelError(f"{self.op_type}: W dtype {w.dtype} differs from X dtype {x.dtype}")
         return x, w, b, all(present) and bool(bn)

@@ -32,7 +32,9 @@ def problem(inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) 
     try:
         return norm_matmul_problem(as_norm, {**attrs, "axis": -1})
     except KernelError as exc:
-        raise KernelError(str(exc).replace("LayerNormMatMul", OP)) from None
+        # the same refusal (its class too: a machine limit stays one), named after this op
+        exc.args = (str(exc).replace("LayerNormMatMul", OP), *exc.args[1:])
+        raise
 
 
 def round_before_scale(attrs: Mapping[str, Any]) -> bool:
