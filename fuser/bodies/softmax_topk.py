@@ -7,12 +7,20 @@ Dense (Llama-4, `dense=1`, topk_softmax order): the k values scattered (ScatterE
 11+) into a row of X's shape filled with `fill` (Expand of the attribute, by reference from
 opset 12) before the Sigmoid; variant `_dense`.
 
-Variants: the order (`softmax_topk` or `topk_softmax`), the score when not softmax, then `_f32`
-(the Cast), `_bias`, `_group` (with the mask value: `maskninf`, `mask0`, ...), `_renorm`,
-`_eps`, `_scale`. axis, sorted, k, epsilon and scale are passed by reference (through a
-Constant from opset 12; written in below), n_group and topk_group are written in (they shape
-a Reshape) and name the variant. TopK always selects the largest (the pattern refuses
-largest=0). Outputs: values, indices, and probs in `softmax_topk` order only.
+Selection on 16-bit scores (a bias or a group limit on float16/bfloat16 X) is computed in
+float32, as the reference and the kernel compute it and onnxruntime runs the original (it has
+no float16 Sigmoid/TopK/ReduceSum and drops the float16 round trips between them): X is cast to
+float32 once, the values back once at the end, `probs` is the float32 score rounded. Left to
+onnxruntime the body would round the scores before the group sums (its group limit reads their
+shapes, which keeps the Reshape in float16) and keep other groups (fuzz seeds 561, 1982).
+
+Variants: the order (`softmax_topk` or `topk_softmax`), the score when not softmax, then
+`<dtype>infloat` (the float32 selection above), `_f32` (the Cast), `_bias`, `_group` (with the
+mask value: `maskninf`, `mask0`, ...), `_renorm`, `_eps`, `_scale`. axis, sorted, k, epsilon and
+scale are passed by reference (through a Constant from opset 12; written in below), n_group and
+topk_group are written in (they shape a Reshape) and name the variant. TopK always selects the
+largest (the pattern refuses largest=0). Outputs: values, indices, and probs in `softmax_topk`
+order only.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from .builder import Body, BodyError, BodyGraph, BodyRequest
+from .builder import Body, BodyError, BodyGraph, BodyRequest, dtype_name
 
 SOFTMAX_FIRST = "softmax_topk"
 TOPK_FIRST = "topk_softmax"
 _SCORE_OPS = {"softmax": "Softmax", "sigmoid": "Sigmoid", "log_softmax": "LogSoftmax"}
+_HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 def build(request: BodyRequest) -> Body:
@@ -43,8 +52,11 @@ def build(request: BodyRequest) -> Body:
     bias = request.has_input(1)
     n_group = int(attrs.get("n_group", 1))
     x_type = request.input_types[0] if request.input_types else 0
-    values_type = TensorProto.FLOAT if to_float32 else x_type
-    finishing = renormalize or scale != 1.0
+    selects = order == SOFTMAX_FIRST and (bias or n_group > 1)
+    in_float = selects and x_type in _HALF_TYPES  # see the module docstring
+    values_type = TensorProto.FLOAT if to_float32 or in_float else x_type
+    narrowing = in_float and not to_float32  # the float32 values back to X's type
+    finishing = renormalize or scale != 1.0 or narrowing
     last = "values" if not finishing else None
 
     def cast(x: str, out: str | None = None) -> str:
@@ -55,10 +67,16 @@ def build(request: BodyRequest) -> Body:
         return g.op(_SCORE_OPS[score], x, out=out, refs=refs)
 
     if order == SOFTMAX_FIRST:
-        probs = scored("X", "probs")
-        scores = cast(probs)
-        if bias or n_group > 1:
-            choice = g.op("Add", scores, "selection_bias") if bias else scores
+        if in_float:
+            scores = scored(g.op("Cast", "X", to=TensorProto.FLOAT), None)
+            g.op("Cast", scores, to=x_type, out="probs")
+        else:
+            scores = cast(scored("X", "probs"))
+        if selects:
+            choice = scores
+            if bias:
+                b = g.op("Cast", "selection_bias", to=TensorProto.FLOAT) if in_float else None
+                choice = g.op("Add", scores, b or "selection_bias")
             if n_group > 1:
                 choice = _group_limit(g, choice, values_type)
             if g.opset < 11:
@@ -84,9 +102,13 @@ def build(request: BodyRequest) -> Body:
             g.variant.append(f"axis{int(attrs['axis'])}")
         if epsilon:
             total = g.op("Add", total, _typed(g, "epsilon", values_type))
-        values = g.op("Div", values, total, out=None if scale != 1.0 else "values")
+        values = g.op("Div", values, total, out=None if scale != 1.0 or narrowing else "values")
     if scale != 1.0:
-        g.op("Mul", values, _typed(g, "scale", values_type), out="values")
+        values = g.op(
+            "Mul", values, _typed(g, "scale", values_type), out=None if narrowing else "values"
+        )
+    if narrowing:
+        g.op("Cast", values, to=x_type, out="values")
     mask = str(float(attrs.get("mask_value", float("-inf")))).replace("-", "n").replace(".", "p")
     return g.build(
         ("X", "selection_bias") if bias else ("X",),
@@ -94,6 +116,7 @@ def build(request: BodyRequest) -> Body:
         order,
         "" if score == "softmax" else score,
         "dense" if int(attrs.get("dense", 0)) else "",
+        f"{dtype_name(x_type)}infloat" if in_float else "",
         "f32" if to_float32 else "",
         "bias" if bias else "",
         f"group{n_group}of{int(attrs['topk_group'])}mask{mask.replace('-', 'n')}"

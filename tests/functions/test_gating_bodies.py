@@ -47,6 +47,8 @@ def test_gating_body_runs_stock(case: str, dtype: str, opset: int) -> None:
     gate, variant = CASES[case]
     if dtype == "float16" and gate.renorm == "eps" and not np.float16(gate.epsilon):
         variant = variant.replace("_eps", "")  # 1e-20 is 0 in float16: no Add
+    if dtype == "float16" and (gate.bias or gate.groups):  # the selection runs in float32
+        variant = variant.replace("_sigmoid_", "_sigmoid_float16infloat_", 1)
     model = gate_model(dataclasses.replace(gate, dtype=dtype, sorted=1), opset=opset)
     fused, node = _fused(model)
     assert node.overload == f"{variant}_noprobs"

@@ -243,9 +243,10 @@ def differences(
             same_nonfinite = np.array_equal(np.isnan(w), np.isnan(g)) and np.array_equal(
                 w[np.isinf(w)], g[np.isinf(w)]
             )
-            close = np.abs(g - w) <= rtol * np.abs(w) + atol * max(1.0, scale)
-            if not same_nonfinite or not bool(np.all(close | ~finite)):
+            with np.errstate(invalid="ignore"):  # inf - inf where both are inf: judged above
                 gap = np.abs(g - w)
+            close = gap <= rtol * np.abs(w) + atol * max(1.0, scale)
+            if not same_nonfinite or not bool(np.all(close | ~finite)):
                 err = float(gap[~np.isnan(gap)].max()) if (~np.isnan(gap)).any() else np.nan
                 diffs.append(_Diff(name, f"max abs diff {err:.3g} (scale {scale:.3g})"))
         elif not np.array_equal(got, want):

@@ -9,6 +9,7 @@ prints the table); `FUSER_FUZZ_SEED` moves the first seed.
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -76,6 +77,20 @@ def test_the_judge_catches_a_wrong_result() -> None:
     assert diff.why == "integer output differs on exact ties"
 
 
+def test_the_judge_compares_infinities_quietly() -> None:
+    """Equal infinities agree and opposite ones differ, without numpy's inf - inf warning
+    (it filled benchmarks/fuzz.py's output)."""
+    from fuzz_check import compare
+
+    want = {"v": np.array([np.inf, 1.0, -np.inf], np.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compare(want, {"v": want["v"].copy()}, exact_indices=False) == (None, 0)
+        flipped = {"v": np.array([-np.inf, 1.0, -np.inf], np.float32)}
+        diff, _ = compare(want, flipped, exact_indices=False)
+    assert diff is not None and diff.output == "v"
+
+
 @pytest.mark.parametrize("seed", [333, 440])
 def test_a_float64_norm_fused_in_a_subgraph_runs_on_the_reference(seed: int) -> None:
     """Seeds whose float64 LayerNorm fuses inside an If or Loop body: the NPU has no float64
@@ -95,3 +110,16 @@ def test_the_stock_check_runs_unoptimized_when_the_original_had_to() -> None:
     invalid fused model."""
     result = check_case(make_case(1919))
     assert result.fused and result.outcome == "ok", result.detail
+
+
+@pytest.mark.parametrize("seed", [561, 1982])
+def test_a_float16_grouped_gate_body_selects_in_float32(seed: int) -> None:
+    """Seeds 561 and 1982: float16 sigmoid gates with a group limit, wrong only through the
+    stock body on the tiny inputs (sigmoids of 0.5 +- a float16 step). onnxruntime runs the
+    original's chain in float32; the body's group limit kept its Reshape in float16, so the
+    group sums were of rounded sigmoids and other groups were kept. The body now selects in
+    float32 (bodies/softmax_topk.py; tests/functions/test_group_limit_float16.py)."""
+    case = make_case(seed)
+    assert any(i.dtype == np.float16 for i in case.inputs), case.inputs
+    result = check_case(case, kinds=("tiny",))
+    assert result.fused.get("softmax_topk") and result.outcome == "ok", result.detail
