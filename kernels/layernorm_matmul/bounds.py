@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._bounds import VecStream, as_column, k_chunk, kernel_floor, space_columns
-from .._cost_base import ceil_div, dma, dma_out, l2_spill
+from .._bounds import VecStream, as_column, k_chunk, kernel_floor
+from .._cost_base import ceil_div, dma, dma_out, field_columns, l2_spill
 from .._groups import vector_cores_per_group
 from .._rows import VecStep
 from ..api import Tiling
@@ -42,7 +42,7 @@ def lnmm_lower_bounds(
 ) -> np.ndarray:
     """For each tiling, cycles `lnmm_cycles(machine, p, t, vector_steps)` never goes below
     (see the module docstring)."""
-    rows_t, ns_t, vr_t, tn_t, tk_t, tk0_t, res, db, cores_t, staged, l0c_single = space_columns(
+    rows_t, ns_t, vr_t, tn_t, tk_t, tk0_t, res, db, cores_t, staged, l0c_single = field_columns(
         tilings, FIELDS
     )
     n = len(tilings)

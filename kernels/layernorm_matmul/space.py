@@ -6,8 +6,8 @@ calls per space, most of a search's time. Here the candidates of each (rows, buf
 are a numpy grid in the same order, the L1 / L0A / L0B / L0C reservations of `plan.specs` are
 columns (`level_bytes`; the UB queues depend on `vec_rows` only, found per row block as
 `lnmm_space` finds them), the dedup keeps each key's first candidate, as the walk does, and the
-result is a `ColumnSpace` (its columns feed the bound). `tests/costmodel/test_lnmm_bounds.py`
-checks it equals `lnmm_space` on awkward shapes.
+result is a `TilingColumns` (its columns feed the bound; a tiling is made only where read).
+`tests/costmodel/test_search_bounds.py` checks it equals `lnmm_space` on awkward shapes.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import math
 
 import numpy as np
 
-from .._bounds import ColumnSpace, first_of_keys
 from .._budget import capacity
+from .._columns import TilingColumns, first_of_each
 from .._cost_base import aligned_sizes, ceil_div
 from .._groups import vector_cores_per_group
 from ..api import TilingError
@@ -68,7 +68,7 @@ def _fit(machine: Machine, used: dict[Level, np.ndarray]) -> np.ndarray:
     return ok
 
 
-def lnmm_space_fast(machine: Machine, p: Problem) -> ColumnSpace[LayerNormMatMulTiling]:
+def lnmm_space_fast(machine: Machine, p: Problem) -> TilingColumns:
     """`lnmm_space(machine, p)`, the same list (see the module docstring)."""
     unit = math.lcm(machine.cube_m, p.q)
     top = round_up(max(1, p.m), unit)
@@ -107,7 +107,7 @@ def lnmm_space_fast(machine: Machine, p: Problem) -> ColumnSpace[LayerNormMatMul
             block[4:7] = np.tile(inner, len(tns))
             grids.append(block)
     if not grids:
-        return ColumnSpace.from_columns(LayerNormMatMulTiling, FIELDS, [np.zeros(0)] * len(FIELDS))
+        return TilingColumns(LayerNormMatMulTiling, {f: np.zeros(0) for f in FIELDS})
     grid = np.concatenate(grids, axis=1)
     grid = grid[:, grid[5] <= grid[4]]  # tile_k0 <= tile_k
     names = ("rows", "n_split", "vec_rows", "tile_n", "tile_k", "tile_k0", "a_resident",
@@ -126,13 +126,13 @@ def lnmm_space_fast(machine: Machine, p: Problem) -> ColumnSpace[LayerNormMatMul
         cols["n_split"], cols["a_resident"], db, l0c_single,
     ])  # fmt: skip
     keep = np.zeros(grid.shape[1], dtype=bool)
-    keep[first_of_keys(key)] = True
+    keep[first_of_each(*key)] = True
     keep &= _fit(machine, level_bytes(p, cols, l0c_single))
     n = int(keep.sum())
     out = {**{k: v[keep] for k, v in cols.items()}, "l0c_single": l0c_single[keep]}
     out["cores"] = np.full(n, cores)
     out["staged"] = np.zeros(n, dtype=np.int64)
-    return ColumnSpace.from_columns(LayerNormMatMulTiling, FIELDS, [out[f] for f in FIELDS])
+    return TilingColumns(LayerNormMatMulTiling, {f: out[f] for f in FIELDS})
 
 
 def ub_bytes(p: Problem, rows: np.ndarray, vec_rows: np.ndarray, db: np.ndarray) -> np.ndarray:
@@ -155,7 +155,8 @@ def default_tiling_fast(p: Problem, machine: Machine) -> LayerNormMatMulTiling:
     """`plan.default_tiling(p, machine)`, its `fit` shrink loops run over numpy columns: every
     (rows, split, placement) start shrinks, step by step, what fills the first level that
     overflows (`_levels.LEVELS` order) by `fit`'s rules, until it fits or nothing is left to
-    shrink; the survivors are ranked by `plan.estimate`, the first cheapest kept."""
+    shrink; the survivors are ranked by `plan.estimate` (over their columns), the first
+    cheapest kept."""
     unit = math.lcm(machine.cube_m, p.q)
     top = round_up(max(1, p.m), p.q)
     rows_options = sorted({min(top, unit * 2**i) for i in range(5)})
@@ -197,16 +198,15 @@ def default_tiling_fast(p: Problem, machine: Machine) -> LayerNormMatMulTiling:
         tk0 = np.where(r3, half, tk0)
         tn = np.where(r4, ceil_div(tn // 2, cn) * cn, tn)
         db = np.where(r5, 0, db)
-    best: tuple[float, LayerNormMatMulTiling] | None = None
-    priced: dict[LayerNormMatMulTiling, float] = {}
-    for i in np.flatnonzero(alive).tolist():
-        fields = (rows[i], ns[i], vr[i], tn[i], tk[i], tk0[i], res[i], db[i], machine.cube_cores)
-        t = LayerNormMatMulTiling(*(int(f) for f in fields))
-        if t in priced:  # starts that shrank to the same tiling: the first one counts
-            continue
-        est = priced[t] = estimate(p, t, machine)
-        if best is None or est < best[0]:
-            best = (est, t)
-    if best is None:
+    fitted = TilingColumns(
+        LayerNormMatMulTiling,
+        {"rows": rows, "n_split": ns, "vec_rows": vr, "tile_n": tn, "tile_k": tk, "tile_k0": tk0,
+         "a_resident": res, "double_buffer": db, "cores": machine.cube_cores},
+    ).take(np.flatnonzero(alive))  # fmt: skip
+    if not fitted:
         raise TilingError(f"{OP}: no tiling fits {machine.name}")
-    return best[1]
+    # Every fitted start priced at once; the first cheapest wins, as `default_tiling`'s loop
+    # keeps it (starts that shrank to the same tiling price the same).
+    best = fitted[int(np.argmin(estimate(p, fitted, machine)))]
+    assert isinstance(best, LayerNormMatMulTiling)
+    return best

@@ -37,7 +37,7 @@ class _RmsnmmModel:
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
+    ) -> Sequence[Tiling]:
         p = problem(metas, attrs)
         space: list[Tiling] = list(lnmm_space(machine, p))
         # The unfused chain's schedule is always a candidate: fused is never priced slower.
@@ -88,6 +88,7 @@ MODELS = (_RmsnmmModel(),)
 # vector instructions.
 import numpy as np  # noqa: E402
 
+from .._columns import TilingColumns  # noqa: E402
 from ..layernorm_matmul.bounds import lnmm_lower_bounds  # noqa: E402
 from ..layernorm_matmul.space import lnmm_space_fast  # noqa: E402
 
@@ -100,14 +101,14 @@ class _BoundedRmsnmmModel(_RmsnmmModel):
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
-        """`_RmsnmmModel.space`, the fused tilings from `lnmm_space_fast`."""
+    ) -> TilingColumns:
+        """`_RmsnmmModel.space`, the fused tilings from `lnmm_space_fast` (numpy columns: a
+        tiling is made only where read)."""
         p = problem(metas, attrs)
-        space: list[Tiling] = lnmm_space_fast(machine, p)  # type: ignore[assignment]
-        base = space[0] if space else default_tiling(p, machine)
+        fused = lnmm_space_fast(machine, p)
+        base = fused[0] if fused else default_tiling(p, machine)
         assert isinstance(base, LayerNormMatMulTiling)
-        space.append(dataclasses.replace(base, staged=1))
-        return space
+        return fused.extended([dataclasses.replace(base, staged=1)])
 
     def lower_bounds(
         self,
