@@ -123,14 +123,17 @@ def candidate_space(
     if kernel is not None:
         with contextlib.suppress(TilingError):
             extra.append(kernel.default_tiling(metas, attrs, machine))
+    added: list[Tiling] = []
     for t in extra:
-        if t is None or t in space or kernel is None:
+        if t is None or t in added or t in space or kernel is None:
             continue
         try:
             kernel.check_tiling(metas, attrs, t, machine)
         except TilingError:
             continue
-        space = space.extended([t]) if isinstance(space, TilingColumns) else [*space, t]
+        added.append(t)
+    if added:  # appended at once (columns are copied on each append)
+        space = space.extended(added) if isinstance(space, TilingColumns) else [*space, *added]
     if not space:
         raise TilingError(f"{op_type}: no tiling fits {machine.name}")
     return model, space

@@ -12,7 +12,7 @@ result is a `TilingColumns` (its columns feed the bound; a tiling is made only w
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import itertools
 import math
 
@@ -29,11 +29,6 @@ from ..npu.memory import align
 from ..npu.pipes import Level
 from .bounds import FIELDS
 from .plan import OP, LayerNormMatMulTiling, Problem, estimate, n_blocks, round_up, specs
-
-
-def ub_fits(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> bool:
-    """True when the tiling's UB queues (`plan.specs`) fit a vector core's UB."""
-    return sum(s.reserved for s in specs(p, t) if s.level is Level.UB) <= machine.ub_bytes
 
 
 def level_bytes(
@@ -80,36 +75,48 @@ def lnmm_space_fast(machine: Machine, p: Problem) -> TilingColumns:
     tk0s = aligned_sizes(p.k, k0, (64, 128, 256))
     vecs = max(1, vector_cores_per_group(machine))
     cores = machine.cube_cores
-    # (tile_k, tile_k0, a_resident) in the walk's order, the inner loops of every block.
+    # Per split, in the walk's order (itertools.product(tns, tks, tk0s, (1, 0)): tile_n
+    # slowest): ns, part, tile_n, tile_k, tile_k0, a_resident. The same for every row block.
     inner = np.array(list(itertools.product(tks, tk0s, (1, 0))), dtype=np.int64).T
-    grids: list[np.ndarray] = []  # per (rows, db, split): rows, ns, vr, tn, tk, tk0, res, db, part
-    for rows, db in itertools.product(rows_options, (1, 0)):
+    per_split: list[np.ndarray] = []
+    for ns in splits:
+        part = min(round_up(math.ceil(p.max_n / ns), machine.cube_n), round_up(p.max_n, 16))
+        tns = sorted(
+            {w for w in (64, 128, 256) if w < part}
+            | ({part} if part <= 512 else set())
+            | even_splits(part, machine.cube_n)
+        )
+        block = np.empty((6, len(tns) * inner.shape[1]), dtype=np.int64)
+        block[:2] = np.array([[ns], [part]])
+        block[2] = np.repeat(tns, inner.shape[1])
+        block[3:] = np.tile(inner, len(tns))
+        per_split.append(block)
+    splits_block = np.concatenate(per_split, axis=1)
+    splits_block = splits_block[:, splits_block[4] <= splits_block[3]]  # tile_k0 <= tile_k
+    # Per row block (rows, db): the most rows per vector step that fit UB, halved until they
+    # do (the UB queues depend on vec_rows only), every halving's UB bytes at once.
+    probes = []  # (row block, rows, vec_rows, db), the halvings of a block in order
+    for h, (rows, db) in enumerate(itertools.product(rows_options, (1, 0))):
         if rows % p.q:
             continue
         vr = max(1, math.ceil(rows // p.q / vecs))
-        probe = LayerNormMatMulTiling(rows, 1, vr, 16, k0, k0, 0, db, cores)
-        while vr > 1 and not ub_fits(machine, p, probe):
+        probes.append((h, rows, vr, db))
+        while vr > 1:
             vr //= 2
-            probe = dataclasses.replace(probe, vec_rows=vr)
-        if not ub_fits(machine, p, probe):
-            continue
-        for ns in splits:
-            part = min(round_up(math.ceil(p.max_n / ns), machine.cube_n), round_up(p.max_n, 16))
-            tns = sorted(
-                {w for w in (64, 128, 256) if w < part}
-                | ({part} if part <= 512 else set())
-                | even_splits(part, machine.cube_n)
-            )
-            # itertools.product(tns, tks, tk0s, (1, 0)): tile_n slowest.
-            block = np.empty((9, len(tns) * inner.shape[1]), dtype=np.int64)
-            block[[0, 1, 2, 7, 8]] = np.array([[rows], [ns], [vr], [db], [part]])
-            block[3] = np.repeat(tns, inner.shape[1])
-            block[4:7] = np.tile(inner, len(tns))
-            grids.append(block)
-    if not grids:
+            probes.append((h, rows, vr, db))
+    heads: list[tuple[int, int, int]] = []  # (rows, vec_rows, db) of each row block, in order
+    if probes:
+        block, prows, pvr, pdb = np.array(probes, dtype=np.int64).T
+        fit = np.flatnonzero(ub_bytes(p, prows, pvr, pdb) <= machine.ub_bytes)
+        first = fit[np.unique(block[fit], return_index=True)[1]]  # a block's first that fits
+        heads = [(int(prows[i]), int(pvr[i]), int(pdb[i])) for i in first.tolist()]
+    if not heads:
         return TilingColumns(LayerNormMatMulTiling, {f: np.zeros(0) for f in FIELDS})
-    grid = np.concatenate(grids, axis=1)
-    grid = grid[:, grid[5] <= grid[4]]  # tile_k0 <= tile_k
+    # Every row block followed by every split's candidates: rows, db slowest, as the walk.
+    width = splits_block.shape[1]
+    grid = np.empty((9, width * len(heads)), dtype=np.int64)
+    grid[[0, 2, 7]] = np.repeat(np.array(heads, dtype=np.int64).T, width, axis=1)
+    grid[[1, 8, 3, 4, 5, 6]] = np.tile(splits_block, len(heads))
     names = ("rows", "n_split", "vec_rows", "tile_n", "tile_k", "tile_k0", "a_resident",
              "double_buffer", "part")  # fmt: skip
     cols = dict(zip(names, grid, strict=True))
@@ -177,14 +184,14 @@ def default_tiling_fast(p: Problem, machine: Machine) -> LayerNormMatMulTiling:
         cols = {"rows": rows, "tile_n": tn, "tile_k": tk, "tile_k0": tk0, "a_resident": res,
                 "double_buffer": db}  # fmt: skip
         used = {Level.UB: ub_bytes(p, rows, vr, db), **level_bytes(p, cols, np.zeros_like(db))}
-        over = np.full(len(rows), -1)
-        for i, level in reversed(list(enumerate(levels))):  # the first level that overflows
-            over = np.where(used[level] > capacity(machine, level), i, over)
-        todo = alive & (over >= 0)
+        over = [used[level] > capacity(machine, level) for level in levels]
+        todo = alive & functools.reduce(np.logical_or, over)
         if not todo.any():
             break
-        lv = np.array(levels, dtype=object)[np.maximum(over, 0)]
-        is_ = {level: todo & (lv == level) for level in levels}
+        is_, earlier = {}, ~todo  # the first level that overflows
+        for level, o in zip(levels, over, strict=True):
+            is_[level] = o & ~earlier
+            earlier = earlier | o
         r1 = is_[Level.UB] & (vr > 1)
         r2 = ~r1 & is_[Level.L1] & (tk > tk0)
         r3 = ~r1 & ~r2 & (is_[Level.L0A] | is_[Level.L0B]) & (tk0 > 2 * k0)
