@@ -28,13 +28,13 @@ FIELDS = ("rows", "n_split", "vec_rows", "tile_n", "tile_k", "tile_k0", "a_resid
 
 
 def _per_parts(parts: np.ndarray, n: int, end: bool) -> np.ndarray:
-    """`part_columns(n, 0, parts)` (its end, or its width) per tiling, once per distinct parts."""
-    keys, back = np.unique(parts, return_inverse=True)
-    vals = []
-    for k in keys.tolist():
-        c0, c1 = part_columns(n, 0, int(k))
-        vals.append(c1 if end else max(1, c1 - c0))
-    return np.array(vals, dtype=np.int64)[back.reshape(-1)]
+    """`part_columns(n, 0, parts)` (its end, or its width) per tiling, once per distinct parts
+    (a space has a few split counts: a lookup table indexed by them, no sort)."""
+    table = np.zeros(int(parts.max()) + 1 if len(parts) else 1, dtype=np.int64)
+    for k in np.flatnonzero(np.bincount(parts)).tolist():
+        c0, c1 = part_columns(n, 0, k)
+        table[k] = c1 if end else max(1, c1 - c0)
+    return table[parts]
 
 
 def lnmm_lower_bounds(

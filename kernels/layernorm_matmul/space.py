@@ -28,7 +28,7 @@ from ..npu.machine import Machine
 from ..npu.memory import align
 from ..npu.pipes import Level
 from .bounds import FIELDS
-from .plan import OP, LayerNormMatMulTiling, Problem, estimate, n_blocks, round_up, specs
+from .plan import OP, LayerNormMatMulTiling, Problem, estimate, n_blocks, round_up
 
 
 def level_bytes(
@@ -179,11 +179,21 @@ def default_tiling_fast(p: Problem, machine: Machine) -> LayerNormMatMulTiling:
     tk0 = np.full(len(rows), min(round_up(max(1, p.k), k0), 512 // p.dtype.itemsize))
     db = np.ones(len(rows), dtype=np.int64)
     alive = np.ones(len(rows), dtype=bool)
-    levels = (Level.UB, Level.L1, Level.L0A, Level.L0B, Level.L0C)  # `_levels.LEVELS`
+    # UB is the first level `fit` looks at and holds only the vector rows: while it overflows
+    # `fit` halves vec_rows, then turns double buffering off, then gives up; and what it
+    # shrinks later (the cube's tiles, double buffering) never grows UB. So the first steps
+    # of every start are these, found on the UB bytes alone.
+    while (over_ub := alive & (ub_bytes(p, rows, vr, db) > capacity(machine, Level.UB))).any():
+        halve = over_ub & (vr > 1)
+        single = over_ub & ~halve & (db != 0)
+        alive &= ~(over_ub & ~halve & ~single)
+        vr = np.where(halve, vr // 2, vr)
+        db = np.where(single, 0, db)
+    levels = (Level.L1, Level.L0A, Level.L0B, Level.L0C)  # `_levels.LEVELS` after UB
     while True:
         cols = {"rows": rows, "tile_n": tn, "tile_k": tk, "tile_k0": tk0, "a_resident": res,
                 "double_buffer": db}  # fmt: skip
-        used = {Level.UB: ub_bytes(p, rows, vr, db), **level_bytes(p, cols, np.zeros_like(db))}
+        used = level_bytes(p, cols, np.zeros_like(db))
         over = [used[level] > capacity(machine, level) for level in levels]
         todo = alive & functools.reduce(np.logical_or, over)
         if not todo.any():
@@ -192,13 +202,11 @@ def default_tiling_fast(p: Problem, machine: Machine) -> LayerNormMatMulTiling:
         for level, o in zip(levels, over, strict=True):
             is_[level] = o & ~earlier
             earlier = earlier | o
-        r1 = is_[Level.UB] & (vr > 1)
-        r2 = ~r1 & is_[Level.L1] & (tk > tk0)
-        r3 = ~r1 & ~r2 & (is_[Level.L0A] | is_[Level.L0B]) & (tk0 > 2 * k0)
-        r4 = ~r1 & ~r2 & ~r3 & (is_[Level.L0B] | is_[Level.L0C] | is_[Level.L1]) & (tn > 2 * cn)
-        r5 = todo & ~r1 & ~r2 & ~r3 & ~r4 & (db != 0)
-        alive &= ~(todo & ~(r1 | r2 | r3 | r4 | r5))  # nothing left to shrink: no tiling
-        vr = np.where(r1, vr // 2, vr)
+        r2 = is_[Level.L1] & (tk > tk0)
+        r3 = ~r2 & (is_[Level.L0A] | is_[Level.L0B]) & (tk0 > 2 * k0)
+        r4 = ~r2 & ~r3 & (is_[Level.L0B] | is_[Level.L0C] | is_[Level.L1]) & (tn > 2 * cn)
+        r5 = todo & ~r2 & ~r3 & ~r4 & (db != 0)
+        alive &= ~(todo & ~(r2 | r3 | r4 | r5))  # nothing left to shrink: no tiling
         tk = np.where(r2, np.maximum(tk0, ceil_div(tk // 2, tk0) * tk0), tk)
         half = np.maximum(1, tk0 // 2)
         tk = np.where(r3, ceil_div(tk, half) * half, tk)
