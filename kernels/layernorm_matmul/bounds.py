@@ -11,6 +11,7 @@ is bounded by 0: it is priced first, once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -96,16 +97,25 @@ def lnmm_lower_bounds(
         resident = dma(machine, sub_bytes, groups, True)
         item.add({"MTE2": resident}, np.where(res != 0, subs / parts, 0.0))
     full_k, tail_k = np.divmod(p.k, tk)
+    # K chunks: the full ones, then the tail where there is one (a chunk of count 0 adds
+    # nothing to a stream, so a space without tails skips it).
+    chunks = [(tk, full_k)] + ([(tail_k, (tail_k > 0).astype(np.int64))] if tail_k.any() else [])
+    steps: dict[int, tuple[Any, ...]] = {}  # per N: Linears of one width cost the same
     for lin in p.linears:
-        cols = _per_parts(parts, lin.n, end=False)
-        n_tiles = ceil_div(cols, tn)
-        width = np.minimum(tn, cols)
-        for kk, count in ((tk, full_k), (tail_k, (tail_k > 0).astype(np.int64))):
-            mte1, cube = k_chunk(machine, tm, width, kk, tk0, isz, k0)
-            mte2 = dma(machine, kk * width * isz, groups, True) + np.where(
-                res != 0, 0.0, dma(machine, tm * kk * isz, groups, True)
-            )
-            item.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * n_tiles)
+        if lin.n not in steps:
+            cols = _per_parts(parts, lin.n, end=False)
+            width = np.minimum(tn, cols)
+            per_chunk = []
+            for kk, count in chunks:
+                mte1, cube = k_chunk(machine, tm, width, kk, tk0, isz, k0)
+                mte2 = dma(machine, kk * width * isz, groups, True) + np.where(
+                    res != 0, 0.0, dma(machine, tm * kk * isz, groups, True)
+                )
+                per_chunk.append(({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count))
+            steps[lin.n] = (ceil_div(cols, tn), width, per_chunk)
+        n_tiles, width, per_chunk = steps[lin.n]
+        for pipes, count in per_chunk:
+            item.add(pipes, count * n_tiles)
         fix = dma_out(machine, tm * width * isz, groups, machine.l0c_to_gm_bytes_per_cycle)
         item.add_busy("FIXP", fix * n_tiles)
         item.add_busy("CUBE", np.where((l0c_single != 0) & (db != 0), fix * n_tiles, 0.0))
