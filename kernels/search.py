@@ -29,10 +29,11 @@ Two searches share that space and ranking (`candidate_space`, `ranked`):
   the space holds at most `EXHAUSTIVE_LIMIT`; beyond it a two-level beam (every distinct tile
   shape priced once by its first variant, then every variant of the best `BEAM` shapes).
 
-Pricing a tiling takes tens of microseconds. The Conv and MatMul spaces (tens of thousands
-of candidates) are built as numpy columns (`TilingColumns`), filtered by the kernels' own fit
-rule written once for a tiling or a column, and a `Tiling` is made only for a row the search
-reads: a decision takes a few milliseconds.
+Pricing a tiling takes tens of microseconds. The big spaces (Conv's and MatMul's, tens of
+thousands of candidates; LayerNormMatMul's, RmsNormMatMul's and AllGatherMatMul's, thousands)
+are built as numpy columns (`TilingColumns`), filtered by the kernels' fit rules over columns,
+bounded over the same columns, and a `Tiling` is made only for a row the search reads (the
+few it prices): a decision takes a few milliseconds.
 """
 
 from __future__ import annotations

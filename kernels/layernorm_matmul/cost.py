@@ -290,7 +290,7 @@ class _LnmmModel:
         """The MatMul rule: 128-row blocks, 128-column W tiles, tile_k 256, L0 steps of 128,
         the block resident in L1, no N split, double-buffered on every core; vec_rows halved
         until UB fits."""
-        p = problem(metas, attrs)
+        p = self._problem(metas, attrs)
         unit = math.lcm(machine.cube_m, p.q)
         rows = max(unit, round_up(128, unit))
         vecs = max(1, vector_cores_per_group(machine))
@@ -320,7 +320,7 @@ class _BoundedLnmmModel(_LnmmModel):
     ) -> TilingColumns:
         """`_LnmmModel.space`, the fused tilings built in numpy (`space.lnmm_space_fast`): a
         tiling is made only where read."""
-        p = problem(metas, attrs)
+        p = self._problem(metas, attrs)
         fused = lnmm_space_fast(machine, p)
         if fused:  # the staged tiling takes the biggest tiles (see `_LnmmModel.space`)
             c = fused.columns

@@ -122,8 +122,12 @@ def lnmm_space_fast(machine: Machine, p: Problem) -> TilingColumns:
     cols = dict(zip(names, grid, strict=True))
     db = cols["double_buffer"]
     # MatMul's per-level choice: L0C single when two blocks do not fit it.
-    doubled = _fit(machine, level_bytes(p, cols, np.zeros_like(db)))
+    used = level_bytes(p, cols, np.zeros_like(db))
+    doubled = _fit(machine, used)
     l0c_single = ((db != 0) & ~doubled).astype(np.int64)
+    # `level_bytes(p, cols, l0c_single)`: a single L0C slot (only where double-buffered) is
+    # half the two slots' bytes, the other levels unchanged.
+    used[Level.L0C] = np.where(l0c_single != 0, used[Level.L0C] // 2, used[Level.L0C])
     # The walk's dedup key (`effective` fields, the part's tile width, the flags): first wins.
     tm = np.minimum(cols["rows"], max(p.q, p.m))
     tk = np.minimum(cols["tile_k"], p.k)
@@ -134,7 +138,7 @@ def lnmm_space_fast(machine: Machine, p: Problem) -> TilingColumns:
     ])  # fmt: skip
     keep = np.zeros(grid.shape[1], dtype=bool)
     keep[first_of_each(*key)] = True
-    keep &= _fit(machine, level_bytes(p, cols, l0c_single))
+    keep &= _fit(machine, used)
     n = int(keep.sum())
     out = {**{k: v[keep] for k, v in cols.items()}, "l0c_single": l0c_single[keep]}
     out["cores"] = np.full(n, cores)

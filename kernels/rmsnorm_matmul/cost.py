@@ -69,7 +69,7 @@ class _RmsnmmModel:
         """The MatMul rule: 128-row blocks, 128-column W tiles, tile_k 256, L0 steps of 128,
         the block resident in L1, no N split, double-buffered on every core; vec_rows halved
         until UB fits."""
-        p = problem(metas, attrs)
+        p = self._problem(metas, attrs)
         vr = max(1, math.ceil(128 / max(1, vector_cores_per_group(machine))))
         while True:
             t = LayerNormMatMulTiling(128, 1, vr, 128, 256, 128, 1, 1, machine.cube_cores)
@@ -104,7 +104,7 @@ class _BoundedRmsnmmModel(_RmsnmmModel):
     ) -> TilingColumns:
         """`_RmsnmmModel.space`, the fused tilings from `lnmm_space_fast` (numpy columns: a
         tiling is made only where read)."""
-        p = problem(metas, attrs)
+        p = self._problem(metas, attrs)
         fused = lnmm_space_fast(machine, p)
         base = fused[0] if fused else default_tiling(p, machine)
         assert isinstance(base, LayerNormMatMulTiling)
