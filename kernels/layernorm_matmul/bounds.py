@@ -72,11 +72,17 @@ def lnmm_lower_bounds(
     sub_bytes = vr * d * isz
     x_sub = vr * d * p.x_size
     active_vec = groups * vecs if separate else groups
-    vec_ops = np.zeros(n)
-    for step in vector_steps or p.steps:
-        for op in step.ops:
-            k, b = machine.vector_cost(op, step.dtype)
-            vec_ops = vec_ops + (k * vr * step.per_row + b)
+    # The vector instructions of a sub-block depend on vec_rows alone, which takes a few
+    # values in a space: summed per value (the model's sum, in its order), then looked up.
+    ops = [(*machine.vector_cost(op, step.dtype), step.per_row)
+           for step in vector_steps or p.steps for op in step.ops]  # fmt: skip
+    per_vr = np.zeros(int(vr.max()) + 1 if n else 1)
+    for v in np.flatnonzero(np.bincount(vr)).tolist():
+        total = 0.0
+        for k, b, per_row in ops:
+            total = total + (k * v * per_row + b)
+        per_vr[v] = total
+    vec_ops = per_vr[vr]
     hand = (
         dma_out(machine, sub_bytes, active_vec)
         if separate
