@@ -300,10 +300,11 @@ def estimate(p: Problem, t: LayerNormMatMulTiling | TilingColumns, machine: Mach
         mte2 = mte2 + pick(streamed, 0.0, subs * (head + sub_bytes / bw))
     vecs = max(1, vector_cores_per_group(machine))
     vec = subs / vecs * (machine.copy_in_transfer(False) + sub_bytes / bw)
+    slices = tm // p.q
     for step in p.steps:
         for op in step.ops:
             k, b = machine.vector_cost(op, step.dtype)
-            vec = vec + (k * (tm // p.q) * step.per_row + b * ceil_div(tm // p.q, vr))
+            vec = vec + (k * slices * step.per_row + b * subs)
     vec = vec / max(1, vector_cores_per_group(machine))
     waves = ceil_div(items, groups)
     gm = (
