@@ -71,7 +71,8 @@ class Case:
     link_cycles: float = 0.0  # ring AllGather time: no tiling hides the gather itself
 
 
-def _m(shape: Sequence[int], dtype: np.dtype = F16) -> TensorMeta:
+def meta(shape: Sequence[int], dtype: np.dtype = F16) -> TensorMeta:
+    """A tensor of `shape` and `dtype` (float16 unless told), as the cases' inputs are."""
     return TensorMeta(tuple(shape), dtype)
 
 
@@ -94,9 +95,9 @@ def conv_cases() -> list[Case]:
     out = []
     for n, ci, h, w, co, k, s, g in shapes:
         one_d = h == 1
-        x = _m((n, ci, w) if one_d else (n, ci, h, w))
-        wt = _m((co, ci // g, k) if one_d else (co, ci // g, k, k))
-        p = _m((co,))
+        x = meta((n, ci, w) if one_d else (n, ci, h, w))
+        wt = meta((co, ci // g, k) if one_d else (co, ci // g, k, k))
+        p = meta((co,))
         kh = 1 if one_d else k
         attrs = {
             "kernel_shape": [k] if one_d else [k, k], "strides": [s] if one_d else [s, s],
@@ -137,9 +138,9 @@ def lnmm_cases() -> list[Case]:
     out = []
     for x, ns, bias in shapes:
         d = x[-1]
-        metas: list[TensorMeta | None] = [_m(x), _m((d,)), _m((d,))]
+        metas: list[TensorMeta | None] = [meta(x), meta((d,)), meta((d,))]
         for n in ns:
-            metas += [_m((d, n))] + ([_m((n,))] if bias else [])
+            metas += [meta((d, n))] + ([meta((n,))] if bias else [])
         rows = math.prod(x[:-1])
         flops = 2.0 * rows * d * sum(ns)
         gm = 2.0 * (rows * d + d * sum(ns) + rows * sum(ns))
@@ -174,7 +175,7 @@ def softmax_topk_cases() -> list[Case]:
         attrs = {"k": k, "axis": -1, "order": order, "renormalize": renorm}
         label = f"{'x'.join(map(str, pts))}x{e} k{k} {dt.name} {order}"
         out.append(
-            Case("SoftmaxTopK", label, (_m((*pts, e), dt),), attrs, 0.0, gm, rows * e >= 2**19)
+            Case("SoftmaxTopK", label, (meta((*pts, e), dt),), attrs, 0.0, gm, rows * e >= 2**19)
         )
     return out
 
@@ -197,14 +198,14 @@ def allgather_cases() -> list[Case]:
     out = []
     for p, (m, ks), n, axis in shapes:
         k = ks * p if axis == 1 else ks
-        x = _m((p, m, ks))
+        x = meta((p, m, ks))
         rows = m * (p if axis == 0 else 1)
         flops = 2.0 * rows * k * n
         gm = 2.0 * (p * m * ks + k * n + rows * n)
         attrs = {"group_size": p, "rank": 0, "axis": axis}
         label = f"p{p} shard {m}x{ks} N{n} {'K' if axis else 'M'}-gather"
         link = (p - 1) * step_cycles(MACHINE, m * ks * 2)
-        ins = (x, _m((k, n)), _m((n,)))
+        ins = (x, meta((k, n)), meta((n,)))
         out.append(Case("AllGatherMatMul", label, ins, attrs, flops, gm, flops > 5e8, link))
     return out
 

@@ -1,8 +1,8 @@
 """Tiling-search speed: milliseconds per decision, per kernel, exhaustive against the fast search.
 
 For every kernel with a cost model and the shapes of `cost_model_accuracy.py` (ConvBnRelu,
-LayerNormMatMul, SoftmaxTopK, AllGatherMatMul; the unfused Conv, MatMul and Gemm with its bias
-at the same shapes),
+LayerNormMatMul, SoftmaxTopK, AllGatherMatMul; RmsNormMatMul at LayerNormMatMul's shapes, the
+norm without its beta; the unfused Conv, MatMul and Gemm with its bias at the same shapes),
 each search runs on a cold memo (`kernel_search.clear_memo()` before each):
 
 - `exhaustive`: `search(...)`, every tiling of the space priced (what `fuse` ran before);
@@ -62,6 +62,9 @@ def cases() -> list[tuple[str, str, str, tuple[Any, ...], dict[str, Any]]]:
     lnmm = acc.lnmm_cases()
     for c in lnmm:
         out.append(("fuser", c.op, c.label, c.metas, c.attrs))
+    for c in lnmm:  # the same shapes as an RMSNorm (LLaMA's): X, gamma, the Linears
+        rms = {"has_bias": c.attrs["has_bias"], "flatten": c.attrs["flatten"]}
+        out.append(("fuser", "RmsNormMatMul", c.label, (*c.metas[:2], *c.metas[3:]), rms))
     for c in lnmm:  # the unfused MatMul of the first Linear
         x, w = c.metas[0], c.metas[3]
         assert x is not None
@@ -69,14 +72,14 @@ def cases() -> list[tuple[str, str, str, tuple[Any, ...], dict[str, Any]]]:
         rows = 1
         for d in x.shape[:-1]:
             rows *= d
-        out.append(("", "MatMul", c.label, (acc._m((rows, x.shape[-1])), w), {}))
+        out.append(("", "MatMul", c.label, (acc.meta((rows, x.shape[-1])), w), {}))
     for c in lnmm:  # the same Linear as an ONNX Gemm with its bias (C)
         x, w = c.metas[0], c.metas[3]
         assert x is not None
         assert w is not None
         rows = math.prod(x.shape[:-1])
-        bias = acc._m((w.shape[-1],))
-        out.append(("", "Gemm", c.label, (acc._m((rows, x.shape[-1])), w, bias), {}))
+        bias = acc.meta((w.shape[-1],))
+        out.append(("", "Gemm", c.label, (acc.meta((rows, x.shape[-1])), w, bias), {}))
     for c in (*acc.softmax_topk_cases(), *acc.allgather_cases()):
         out.append(("fuser", c.op, c.label, c.metas, c.attrs))
     return out

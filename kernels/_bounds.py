@@ -9,8 +9,9 @@ are the pieces every such formula shares:
   stage kept as the first, `time` pipelined or summed per tiling). Where two pipes tie for the
   busiest (to rounding), the cheaper of their makespans is taken, so that a bound computed in
   another order of operations than the model's never lands above it;
-- `copy_in_heads` and `kernel_floor`: `kernel_cycles` (launch, pipe heads, the HBM floor) per
-  tiling, the heads asked of `Machine.copy_in_head` once per distinct (first copy, cores).
+- `kernel_floor`: `kernel_cycles` (launch, pipe heads, the HBM floor) per tiling, the heads
+  asked of `Machine.copy_in_head` once per distinct (first copy, cores)
+  (`_cost_base.copy_in_heads`).
 
 A bound built from them is the model's price up to rounding, so `best` prices a handful of a
 space's tilings: the cheapest few and those within `TIE` of them.
@@ -18,14 +19,12 @@ space's tilings: the cheapest few and those within `TIE` of them.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from ._cost_base import FLOW, ceil_div, field_columns
-from .api import Tiling
+from ._cost_base import FLOW, ceil_div, copy_in_heads
 from .npu.machine import Machine
 
 #: Relative margin within which two pipes count as tied for the busiest (see the docstring).
@@ -108,16 +107,6 @@ class VecStream:
         return np.where(double_buffer != 0, self.pipelined(), self.single())
 
 
-def copy_in_heads(machine: Machine, first_in: np.ndarray, active: np.ndarray) -> np.ndarray:
-    """`Machine.copy_in_head(int(first_in), active)` per tiling, asked once per distinct pair."""
-    n = len(first_in)
-    pairs = np.stack([as_column(first_in, n).astype(np.int64), as_column(active, n)
-                      .astype(np.int64)], axis=1)  # fmt: skip
-    keys, back = np.unique(pairs, axis=0, return_inverse=True)
-    heads = np.array([machine.copy_in_head(int(b), int(c)) for b, c in keys])
-    return heads[back.reshape(-1)]
-
-
 def kernel_floor(
     machine: Machine,
     core_cycles: np.ndarray,
@@ -127,88 +116,11 @@ def kernel_floor(
     out_head: Any = True,
 ) -> np.ndarray:
     """`_cost_base.kernel_cycles` per tiling (`out_head` may differ per tiling)."""
-    heads = copy_in_heads(machine, first_in, active)
+    first, cores, _ = np.broadcast_arrays(first_in, active, core_cycles)
+    heads = copy_in_heads(machine, first, cores)
     heads = heads + np.where(np.asarray(out_head), machine.copy_out_head_cycles, 0.0)
     hbm = machine.hbm_cycles(as_column(gm_bytes, len(heads)))  # type: ignore[arg-type]
     return machine.kernel_launch_cycles + np.maximum(core_cycles + heads, hbm)
-
-
-T = TypeVar("T", bound=Tiling)
-
-
-class ColumnSpace(list[T]):
-    """A tiling space built in numpy (`from_columns`): the tilings, and their fields as int64
-    columns for the bounds (`columns`), so a bound does not read the fields back one tiling at
-    a time. Tilings appended later (the search's extra candidates) are read when asked for."""
-
-    names: tuple[str, ...] = ()
-    table: np.ndarray = np.zeros((0, 0), dtype=np.int64)
-
-    @classmethod
-    def from_columns(
-        cls, kind: type[T], names: Sequence[str], columns: Sequence[np.ndarray]
-    ) -> ColumnSpace[T]:
-        """Tilings of `kind` whose fields `names` (every field of `kind`) take `columns`."""
-        table = np.stack([np.asarray(c, dtype=np.int64) for c in columns], axis=1)
-        space: ColumnSpace[T] = cls(_make(kind, names, table))
-        space.names, space.table = tuple(names), table
-        return space
-
-    def columns(self, names: Sequence[str]) -> list[np.ndarray]:
-        """The named fields of every tiling as int64 columns (`field_columns`)."""
-        if tuple(names) != self.names:
-            return field_columns(self, names)
-        rest = self[len(self.table) :]
-        table = (
-            self.table
-            if not rest
-            else np.concatenate([self.table, np.stack(field_columns(rest, names), axis=1)])
-        )
-        return list(table.T)
-
-    def __contains__(self, item: object) -> bool:
-        if not self.names or not isinstance(item, Tiling) or len(self.table) != len(self):
-            return super().__contains__(item)
-        if not self or type(item) is not type(self[0]):
-            return False
-        row = np.array([getattr(item, n) for n in self.names], dtype=np.int64)
-        same = np.flatnonzero(self.table[:, 0] == row[0])  # then the few rows that share it
-        return bool((self.table[same] == row).all(axis=1).any())
-
-
-def _make(kind: type[T], names: Sequence[str], table: np.ndarray) -> list[T]:
-    """`kind(**row)` per row, without the frozen dataclass's per-field `__setattr__` guard
-    (a space holds thousands of tilings; the guard cost more than the rest of the build)."""
-    out = []
-    new = object.__new__
-    for row in table.tolist():
-        t = new(kind)
-        t.__dict__.update(zip(names, row, strict=True))
-        out.append(t)
-    return out
-
-
-def space_columns(tilings: Sequence[Tiling], names: Sequence[str]) -> list[np.ndarray]:
-    """The named fields of the tilings as int64 columns: a `ColumnSpace`'s own, else read."""
-    if isinstance(tilings, ColumnSpace):
-        return tilings.columns(names)
-    return field_columns(tilings, names)
-
-
-def first_of_keys(key: np.ndarray) -> np.ndarray:
-    """Indices of the first column of each distinct column of `key` (rows are fields, values
-    non-negative ints), ascending: a walk's `if key in seen: continue` over a numpy grid."""
-    if key.shape[1] == 0:
-        return np.zeros(0, dtype=np.int64)
-    radix = [int(r.max()) + 1 for r in key]
-    if math.prod(radix) < 2**62:  # one int64 per column (mixed radix), else the columns
-        flat = np.zeros(key.shape[1], dtype=np.int64)
-        for r, col in zip(radix, key, strict=True):
-            flat = flat * r + col
-        _, first = np.unique(flat, return_index=True)
-    else:
-        _, first = np.unique(key, axis=1, return_index=True)
-    return np.sort(first)
 
 
 def k_chunk(

@@ -29,10 +29,11 @@ Two searches share that space and ranking (`candidate_space`, `ranked`):
   the space holds at most `EXHAUSTIVE_LIMIT`; beyond it a two-level beam (every distinct tile
   shape priced once by its first variant, then every variant of the best `BEAM` shapes).
 
-Pricing a tiling takes tens of microseconds. The Conv and MatMul spaces (tens of thousands
-of candidates) are built as numpy columns (`TilingColumns`), filtered by the kernels' own fit
-rule written once for a tiling or a column, and a `Tiling` is made only for a row the search
-reads: a decision takes a few milliseconds.
+Pricing a tiling takes tens of microseconds. The big spaces (Conv's and MatMul's, tens of
+thousands of candidates; LayerNormMatMul's, RmsNormMatMul's and AllGatherMatMul's, thousands)
+are built as numpy columns (`TilingColumns`), filtered by the kernels' fit rules over columns,
+bounded over the same columns, and a `Tiling` is made only for a row the search reads (the
+few it prices): a decision takes a few milliseconds.
 """
 
 from __future__ import annotations
@@ -123,14 +124,17 @@ def candidate_space(
     if kernel is not None:
         with contextlib.suppress(TilingError):
             extra.append(kernel.default_tiling(metas, attrs, machine))
+    added: list[Tiling] = []
     for t in extra:
-        if t is None or t in space or kernel is None:
+        if t is None or t in added or t in space or kernel is None:
             continue
         try:
             kernel.check_tiling(metas, attrs, t, machine)
         except TilingError:
             continue
-        space = space.extended([t]) if isinstance(space, TilingColumns) else [*space, t]
+        added.append(t)
+    if added:  # appended at once (columns are copied on each append)
+        space = space.extended(added) if isinstance(space, TilingColumns) else [*space, *added]
     if not space:
         raise TilingError(f"{op_type}: no tiling fits {machine.name}")
     return model, space

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._bounds import VecStream, k_chunk, kernel_floor, space_columns
-from .._cost_base import ceil_div, dma, dma_out
+from .._bounds import VecStream, k_chunk, kernel_floor
+from .._cost_base import ceil_div, dma, dma_out, field_columns
 from .._link import ring_arrivals
 from ..api import Tiling
 from ..npu.machine import Machine
@@ -29,7 +29,7 @@ FIELDS = ("tile_m", "tile_n", "tile_k", "tile_k0", "acc_tiles", "double_buffer",
 def agmm_lower_bounds(machine: Machine, p: _Problem, tilings: Sequence[Tiling]) -> np.ndarray:
     """For each tiling, cycles `agmm_cycles(machine, p, t)` never goes below (see the module
     docstring); `tilings` carry `FIELDS`."""
-    tile_m, tile_n, tile_k, tile_k0, acc, db, cores_t, staged = space_columns(tilings, FIELDS)
+    tile_m, tile_n, tile_k, tile_k0, acc, db, cores_t, staged = field_columns(tilings, FIELDS)
     count = len(tilings)
     tm = np.minimum(tile_m, p.m)
     tk = np.minimum(tile_k, p.ks)

@@ -152,7 +152,7 @@ class _AgmmModel:
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
+    ) -> Sequence[Tiling]:
         p = _problem(OP, metas, attrs, machine)
         space: list[Tiling] = list(agmm_space(machine, p))
         # The unfused chain's schedule (one chunk) is always a candidate: never priced slower.
@@ -192,6 +192,7 @@ MODELS = (_AgmmModel(),)
 # The lower bound of the exact search (`search.Bounded`): `bounds.agmm_lower_bounds`.
 import numpy as np  # noqa: E402
 
+from .._columns import TilingColumns  # noqa: E402
 from .bounds import agmm_lower_bounds  # noqa: E402
 from .space import agmm_space_fast  # noqa: E402
 
@@ -202,14 +203,14 @@ class _BoundedAgmmModel(_AgmmModel):
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
-        """`_AgmmModel.space`, the tilings from `agmm_space_fast`."""
+    ) -> TilingColumns:
+        """`_AgmmModel.space`, the tilings from `agmm_space_fast` (numpy columns: a tiling is
+        made only where read)."""
         p = _problem(OP, metas, attrs, machine)
-        space: list[Tiling] = agmm_space_fast(machine, p)  # type: ignore[assignment]
+        space = agmm_space_fast(machine, p)
         base = space[0] if space else AllGatherMatMulTiling(16, 16, 16, 16, 1, 0, 1)
         assert isinstance(base, AllGatherMatMulTiling)
-        space.append(dataclasses.replace(base, staged=1))
-        return space
+        return space.extended([dataclasses.replace(base, staged=1)])
 
     #: The tiling fields `lower_bounds` understands (`search.Bounded`).
     bound_fields = frozenset(f.name for f in dataclasses.fields(AllGatherMatMulTiling))

@@ -5,16 +5,16 @@ the kernel's buffer specs (`kernel._specs`) of each candidate: tens of thousands
 per space. Here the candidates are one numpy grid in the walk's order, the L1 / L0A / L0B /
 L0C reservations of `_specs` are columns (`level_bytes`), a candidate that fits claims its
 dedup key unless an earlier fitting one did (as the walk does), and the result is a
-`ColumnSpace` whose columns feed the bound. `tests/costmodel/test_search_bounds.py` checks it
-equals `agmm_space` on awkward shapes.
+`TilingColumns` whose columns feed the bound (a tiling is made only where read).
+`tests/costmodel/test_search_bounds.py` checks it equals `agmm_space` on awkward shapes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .._bounds import ColumnSpace, first_of_keys
 from .._budget import capacity
+from .._columns import TilingColumns, first_of_each
 from .._cost_base import aligned_sizes, ceil_div, core_counts
 from ..matmul.cost import even_splits
 from ..npu.machine import Machine
@@ -43,7 +43,7 @@ def level_bytes(p: _Problem, cols: dict[str, np.ndarray]) -> dict[Level, np.ndar
     }
 
 
-def agmm_space_fast(machine: Machine, p: _Problem) -> ColumnSpace[AllGatherMatMulTiling]:
+def agmm_space_fast(machine: Machine, p: _Problem) -> TilingColumns:
     """`agmm_space(machine, p)`, the same list (see the module docstring)."""
     k0 = machine.cube_k_block(p.dtype)
     ms = sorted({*aligned_sizes(p.m, machine.cube_m, (16, 32, 64, 128, 256)),
@@ -75,7 +75,7 @@ def agmm_space_fast(machine: Machine, p: _Problem) -> ColumnSpace[AllGatherMatMu
         np.minimum(acc, per_core) if p.k_gather else np.minimum(acc, 2),
         cols["double_buffer"], cols["cores"],
     ])  # fmt: skip
-    keep = first_of_keys(key)
+    keep = first_of_each(*key)
     out = {k: v[keep] for k, v in cols.items()}
     out["staged"] = np.zeros(len(keep), dtype=np.int64)
-    return ColumnSpace.from_columns(AllGatherMatMulTiling, FIELDS, [out[f] for f in FIELDS])
+    return TilingColumns(AllGatherMatMulTiling, {f: out[f] for f in FIELDS})

@@ -11,11 +11,12 @@ is bounded by 0: it is priced first, once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from .._bounds import VecStream, as_column, k_chunk, kernel_floor, space_columns
-from .._cost_base import ceil_div, dma, dma_out, l2_spill
+from .._bounds import VecStream, as_column, k_chunk, kernel_floor
+from .._cost_base import ceil_div, dma, dma_out, field_columns, l2_spill
 from .._groups import vector_cores_per_group
 from .._rows import VecStep
 from ..api import Tiling
@@ -28,13 +29,13 @@ FIELDS = ("rows", "n_split", "vec_rows", "tile_n", "tile_k", "tile_k0", "a_resid
 
 
 def _per_parts(parts: np.ndarray, n: int, end: bool) -> np.ndarray:
-    """`part_columns(n, 0, parts)` (its end, or its width) per tiling, once per distinct parts."""
-    keys, back = np.unique(parts, return_inverse=True)
-    vals = []
-    for k in keys.tolist():
-        c0, c1 = part_columns(n, 0, int(k))
-        vals.append(c1 if end else max(1, c1 - c0))
-    return np.array(vals, dtype=np.int64)[back.reshape(-1)]
+    """`part_columns(n, 0, parts)` (its end, or its width) per tiling, once per distinct parts
+    (a space has a few split counts: a lookup table indexed by them, no sort)."""
+    table = np.zeros(int(parts.max()) + 1 if len(parts) else 1, dtype=np.int64)
+    for k in np.flatnonzero(np.bincount(parts)).tolist():
+        c0, c1 = part_columns(n, 0, k)
+        table[k] = c1 if end else max(1, c1 - c0)
+    return table[parts]
 
 
 def lnmm_lower_bounds(
@@ -42,7 +43,7 @@ def lnmm_lower_bounds(
 ) -> np.ndarray:
     """For each tiling, cycles `lnmm_cycles(machine, p, t, vector_steps)` never goes below
     (see the module docstring)."""
-    rows_t, ns_t, vr_t, tn_t, tk_t, tk0_t, res, db, cores_t, staged, l0c_single = space_columns(
+    rows_t, ns_t, vr_t, tn_t, tk_t, tk0_t, res, db, cores_t, staged, l0c_single = field_columns(
         tilings, FIELDS
     )
     n = len(tilings)
@@ -71,11 +72,17 @@ def lnmm_lower_bounds(
     sub_bytes = vr * d * isz
     x_sub = vr * d * p.x_size
     active_vec = groups * vecs if separate else groups
-    vec_ops = np.zeros(n)
-    for step in vector_steps or p.steps:
-        for op in step.ops:
-            k, b = machine.vector_cost(op, step.dtype)
-            vec_ops = vec_ops + (k * vr * step.per_row + b)
+    # The vector instructions of a sub-block depend on vec_rows alone, which takes a few
+    # values in a space: summed per value (the model's sum, in its order), then looked up.
+    ops = [(*machine.vector_cost(op, step.dtype), step.per_row)
+           for step in vector_steps or p.steps for op in step.ops]  # fmt: skip
+    per_vr = np.zeros(int(vr.max()) + 1 if n else 1)
+    for v in np.flatnonzero(np.bincount(vr)).tolist():
+        total = 0.0
+        for k, b, per_row in ops:
+            total = total + (k * v * per_row + b)
+        per_vr[v] = total
+    vec_ops = per_vr[vr]
     hand = (
         dma_out(machine, sub_bytes, active_vec)
         if separate
@@ -96,16 +103,25 @@ def lnmm_lower_bounds(
         resident = dma(machine, sub_bytes, groups, True)
         item.add({"MTE2": resident}, np.where(res != 0, subs / parts, 0.0))
     full_k, tail_k = np.divmod(p.k, tk)
+    # K chunks: the full ones, then the tail where there is one (a chunk of count 0 adds
+    # nothing to a stream, so a space without tails skips it).
+    chunks = [(tk, full_k)] + ([(tail_k, (tail_k > 0).astype(np.int64))] if tail_k.any() else [])
+    steps: dict[int, tuple[Any, ...]] = {}  # per N: Linears of one width cost the same
     for lin in p.linears:
-        cols = _per_parts(parts, lin.n, end=False)
-        n_tiles = ceil_div(cols, tn)
-        width = np.minimum(tn, cols)
-        for kk, count in ((tk, full_k), (tail_k, (tail_k > 0).astype(np.int64))):
-            mte1, cube = k_chunk(machine, tm, width, kk, tk0, isz, k0)
-            mte2 = dma(machine, kk * width * isz, groups, True) + np.where(
-                res != 0, 0.0, dma(machine, tm * kk * isz, groups, True)
-            )
-            item.add({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count * n_tiles)
+        if lin.n not in steps:
+            cols = _per_parts(parts, lin.n, end=False)
+            width = np.minimum(tn, cols)
+            per_chunk = []
+            for kk, count in chunks:
+                mte1, cube = k_chunk(machine, tm, width, kk, tk0, isz, k0)
+                mte2 = dma(machine, kk * width * isz, groups, True) + np.where(
+                    res != 0, 0.0, dma(machine, tm * kk * isz, groups, True)
+                )
+                per_chunk.append(({"MTE2": mte2, "MTE1": mte1, "CUBE": cube}, count))
+            steps[lin.n] = (ceil_div(cols, tn), width, per_chunk)
+        n_tiles, width, per_chunk = steps[lin.n]
+        for pipes, count in per_chunk:
+            item.add(pipes, count * n_tiles)
         fix = dma_out(machine, tm * width * isz, groups, machine.l0c_to_gm_bytes_per_cycle)
         item.add_busy("FIXP", fix * n_tiles)
         item.add_busy("CUBE", np.where((l0c_single != 0) & (db != 0), fix * n_tiles, 0.0))

@@ -257,7 +257,7 @@ class _LnmmModel:
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
+    ) -> Sequence[Tiling]:
         p = problem(metas, attrs)
         fused = lnmm_space(machine, p)
         space: list[Tiling] = list(fused)
@@ -290,7 +290,7 @@ class _LnmmModel:
         """The MatMul rule: 128-row blocks, 128-column W tiles, tile_k 256, L0 steps of 128,
         the block resident in L1, no N split, double-buffered on every core; vec_rows halved
         until UB fits."""
-        p = problem(metas, attrs)
+        p = self._problem(metas, attrs)
         unit = math.lcm(machine.cube_m, p.q)
         rows = max(unit, round_up(128, unit))
         vecs = max(1, vector_cores_per_group(machine))
@@ -307,8 +307,8 @@ MODELS = (_LnmmModel(),)
 # Lower bounds for the exact search (`search.Bounded`): `bounds.lnmm_lower_bounds`.
 import numpy as np  # noqa: E402
 
-from .._bounds import ColumnSpace  # noqa: E402
-from .bounds import FIELDS, lnmm_lower_bounds  # noqa: E402
+from .._columns import TilingColumns  # noqa: E402
+from .bounds import lnmm_lower_bounds  # noqa: E402
 from .space import lnmm_space_fast  # noqa: E402
 
 
@@ -317,18 +317,19 @@ class _BoundedLnmmModel(_LnmmModel):
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
-        """`_LnmmModel.space`, the fused tilings built in numpy (`space.lnmm_space_fast`)."""
-        p = problem(metas, attrs)
+    ) -> TilingColumns:
+        """`_LnmmModel.space`, the fused tilings built in numpy (`space.lnmm_space_fast`): a
+        tiling is made only where read."""
+        p = self._problem(metas, attrs)
         fused = lnmm_space_fast(machine, p)
-        space: ColumnSpace[Tiling] = fused  # type: ignore[assignment]
         if fused:  # the staged tiling takes the biggest tiles (see `_LnmmModel.space`)
-            rows, ns, vr, tn, tk, tk0 = fused.columns(FIELDS)[:6]
-            base = fused[int(np.argmax(rows * ns * vr * tn * tk * tk0))]  # `_volume`
+            c = fused.columns
+            volume = c["rows"] * c["n_split"] * c["vec_rows"] * c["tile_n"] * c["tile_k"]
+            base = fused[int(np.argmax(volume * c["tile_k0"]))]  # `_volume`, its first biggest
+            assert isinstance(base, LayerNormMatMulTiling)
         else:
             base = default_tiling(p, machine)
-        space.append(dataclasses.replace(base, staged=1))
-        return space
+        return fused.extended([dataclasses.replace(base, staged=1)])
 
     #: The tiling fields `lower_bounds` understands (`search.Bounded`).
     bound_fields = frozenset(f.name for f in dataclasses.fields(LayerNormMatMulTiling))

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._budget import QueueSpec
+from .._columns import TilingColumns, greater, lesser, pick
+from .._cost_base import ceil_div
 from .._groups import vector_cores_per_group
 from .._levels import overflow
 from .._rows import VecStep
@@ -171,13 +173,14 @@ def problem(inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]) 
 _MATMUL_TYPES: dict[int, np.dtype] = {1: np.dtype(np.float32), 10: np.dtype(np.float16)}
 
 
-def effective(p: Problem, t: LayerNormMatMulTiling) -> tuple[int, int, int, int, int]:
-    """(rows, vec_rows, tile_n, tile_k, tile_k0) clipped to the problem."""
-    rows = min(t.rows, max(p.q, p.m))
-    tk = min(t.tile_k, p.k)
+def effective(p: Problem, t: LayerNormMatMulTiling | TilingColumns) -> tuple[Any, ...]:
+    """(rows, vec_rows, tile_n, tile_k, tile_k0) clipped to the problem (ints of one tiling,
+    or columns of a space's)."""
+    rows = lesser(t.rows, max(p.q, p.m))
+    tk = lesser(t.tile_k, p.k)
     return (
-        rows, min(t.vec_rows, max(1, rows // p.q)), min(t.tile_n, p.max_n), tk,
-        min(t.tile_k0, tk),
+        rows, lesser(t.vec_rows, greater(1, rows // p.q)), lesser(t.tile_n, p.max_n), tk,
+        lesser(t.tile_k0, tk),
     )  # fmt: skip
 
 
@@ -265,47 +268,51 @@ def fit(
     return t
 
 
-def estimate(p: Problem, t: LayerNormMatMulTiling, machine: Machine) -> float:
+def estimate(p: Problem, t: LayerNormMatMulTiling | TilingColumns, machine: Machine) -> Any:
     """Rough cycles of a tiling: waves of items, each bounded by its slowest pipe (W copies
-    with their DMA heads, Cube blocks, vector work), or by HBM traffic."""
+    with their DMA heads, Cube blocks, vector work), or by HBM traffic. Of one tiling, or of
+    every row of a space at once (a column; the same arithmetic in the same order)."""
     tm, vr, tn, tk, _ = effective(p, t)
-    blocks = math.ceil(p.m / tm)
-    parts = min(t.n_split, n_blocks(p))
+    blocks = ceil_div(p.m, tm)
+    parts = lesser(t.n_split, n_blocks(p))
     items = blocks * parts
-    groups = min(t.cores, machine.cube_cores, items)
+    groups = lesser(t.cores, machine.cube_cores, items)
     isz = p.dtype.itemsize
     bw = machine.read_bytes_per_cycle
     k0 = machine.cube_k_block(p.dtype)
-    mte2 = cube = 0.0
+    head = machine.copy_in_transfer(True)
+    mte2: Any = 0.0
+    cube: Any = 0.0
     for lin in p.linears:
-        cols = math.ceil(lin.n / parts)
-        tiles = math.ceil(cols / tn) * math.ceil(p.k / tk)
-        mte2 += tiles * machine.copy_in_transfer(True) + p.k * cols * isz / bw
-        cube += math.ceil(tm / 16) * math.ceil(p.k / k0) * math.ceil(cols / 16)
-    subs = math.ceil(tm // p.q / vr)
+        cols = ceil_div(lin.n, parts)
+        tiles = ceil_div(cols, tn) * ceil_div(p.k, tk)
+        mte2 = mte2 + (tiles * head + p.k * cols * isz / bw)
+        cube = cube + ceil_div(tm, 16) * ceil_div(p.k, k0) * ceil_div(cols, 16)
+    subs = ceil_div(tm // p.q, vr)
     sub_bytes = vr * p.ln.width * isz
-    if not t.a_resident:
-        # A panels from the L2 workspace, once per W tile.
-        for lin in p.linears:
-            tiles = math.ceil(math.ceil(lin.n / parts) / tn) * math.ceil(p.k / tk)
-            mte2 += tiles * (machine.copy_in_transfer(True) + tm * tk * isz / bw)
-    elif vector_cores_per_group(machine):
-        # The normalized block reaches L1 in sub-blocks, each with its own copy (and head).
-        mte2 += subs * (machine.copy_in_transfer(True) + sub_bytes / bw)
+    streamed = t.a_resident == 0
+    # Streamed: A panels from the L2 workspace, once per W tile.
+    for lin in p.linears:
+        tiles = ceil_div(ceil_div(lin.n, parts), tn) * ceil_div(p.k, tk)
+        mte2 = mte2 + pick(streamed, tiles * (head + tm * tk * isz / bw), 0.0)
+    if vector_cores_per_group(machine):
+        # Resident: the normalized block reaches L1 in sub-blocks, each with its own copy.
+        mte2 = mte2 + pick(streamed, 0.0, subs * (head + sub_bytes / bw))
     vecs = max(1, vector_cores_per_group(machine))
     vec = subs / vecs * (machine.copy_in_transfer(False) + sub_bytes / bw)
+    slices = tm // p.q
     for step in p.steps:
         for op in step.ops:
             k, b = machine.vector_cost(op, step.dtype)
-            vec += k * (tm // p.q) * step.per_row + b * math.ceil(tm // p.q / vr)
-    vec /= max(1, vector_cores_per_group(machine))
-    waves = math.ceil(items / groups)
+            vec = vec + (k * slices * step.per_row + b * subs)
+    vec = vec / max(1, vector_cores_per_group(machine))
+    waves = ceil_div(items, groups)
     gm = (
-        p.ln.rows * p.ln.width * p.x_size * min(parts, groups)
+        p.ln.rows * p.ln.width * p.x_size * lesser(parts, groups)
         + blocks * p.k * sum(lin.n for lin in p.linears) * isz
         + p.m * sum(lin.n for lin in p.linears) * isz
     )
-    return max(waves * max(mte2, cube, vec), gm / machine.hbm_bytes_per_cycle)
+    return greater(waves * greater(mte2, cube, vec), gm / machine.hbm_bytes_per_cycle)
 
 
 def default_tiling(p: Problem, machine: Machine) -> LayerNormMatMulTiling:

@@ -6,20 +6,20 @@ calls per space, most of a search's time. Here the candidates of each (rows, buf
 are a numpy grid in the same order, the L1 / L0A / L0B / L0C reservations of `plan.specs` are
 columns (`level_bytes`; the UB queues depend on `vec_rows` only, found per row block as
 `lnmm_space` finds them), the dedup keeps each key's first candidate, as the walk does, and the
-result is a `ColumnSpace` (its columns feed the bound). `tests/costmodel/test_lnmm_bounds.py`
-checks it equals `lnmm_space` on awkward shapes.
+result is a `TilingColumns` (its columns feed the bound; a tiling is made only where read).
+`tests/costmodel/test_search_bounds.py` checks it equals `lnmm_space` on awkward shapes.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import itertools
 import math
 
 import numpy as np
 
-from .._bounds import ColumnSpace, first_of_keys
 from .._budget import capacity
+from .._columns import TilingColumns, first_of_each
 from .._cost_base import aligned_sizes, ceil_div
 from .._groups import vector_cores_per_group
 from ..api import TilingError
@@ -28,12 +28,7 @@ from ..npu.machine import Machine
 from ..npu.memory import align
 from ..npu.pipes import Level
 from .bounds import FIELDS
-from .plan import OP, LayerNormMatMulTiling, Problem, estimate, n_blocks, round_up, specs
-
-
-def ub_fits(machine: Machine, p: Problem, t: LayerNormMatMulTiling) -> bool:
-    """True when the tiling's UB queues (`plan.specs`) fit a vector core's UB."""
-    return sum(s.reserved for s in specs(p, t) if s.level is Level.UB) <= machine.ub_bytes
+from .plan import OP, LayerNormMatMulTiling, Problem, estimate, n_blocks, round_up
 
 
 def level_bytes(
@@ -68,7 +63,7 @@ def _fit(machine: Machine, used: dict[Level, np.ndarray]) -> np.ndarray:
     return ok
 
 
-def lnmm_space_fast(machine: Machine, p: Problem) -> ColumnSpace[LayerNormMatMulTiling]:
+def lnmm_space_fast(machine: Machine, p: Problem) -> TilingColumns:
     """`lnmm_space(machine, p)`, the same list (see the module docstring)."""
     unit = math.lcm(machine.cube_m, p.q)
     top = round_up(max(1, p.m), unit)
@@ -80,43 +75,59 @@ def lnmm_space_fast(machine: Machine, p: Problem) -> ColumnSpace[LayerNormMatMul
     tk0s = aligned_sizes(p.k, k0, (64, 128, 256))
     vecs = max(1, vector_cores_per_group(machine))
     cores = machine.cube_cores
-    # (tile_k, tile_k0, a_resident) in the walk's order, the inner loops of every block.
+    # Per split, in the walk's order (itertools.product(tns, tks, tk0s, (1, 0)): tile_n
+    # slowest): ns, part, tile_n, tile_k, tile_k0, a_resident. The same for every row block.
     inner = np.array(list(itertools.product(tks, tk0s, (1, 0))), dtype=np.int64).T
-    grids: list[np.ndarray] = []  # per (rows, db, split): rows, ns, vr, tn, tk, tk0, res, db, part
-    for rows, db in itertools.product(rows_options, (1, 0)):
+    per_split: list[np.ndarray] = []
+    for ns in splits:
+        part = min(round_up(math.ceil(p.max_n / ns), machine.cube_n), round_up(p.max_n, 16))
+        tns = sorted(
+            {w for w in (64, 128, 256) if w < part}
+            | ({part} if part <= 512 else set())
+            | even_splits(part, machine.cube_n)
+        )
+        block = np.empty((6, len(tns) * inner.shape[1]), dtype=np.int64)
+        block[:2] = np.array([[ns], [part]])
+        block[2] = np.repeat(tns, inner.shape[1])
+        block[3:] = np.tile(inner, len(tns))
+        per_split.append(block)
+    splits_block = np.concatenate(per_split, axis=1)
+    splits_block = splits_block[:, splits_block[4] <= splits_block[3]]  # tile_k0 <= tile_k
+    # Per row block (rows, db): the most rows per vector step that fit UB, halved until they
+    # do (the UB queues depend on vec_rows only), every halving's UB bytes at once.
+    probes = []  # (row block, rows, vec_rows, db), the halvings of a block in order
+    for h, (rows, db) in enumerate(itertools.product(rows_options, (1, 0))):
         if rows % p.q:
             continue
         vr = max(1, math.ceil(rows // p.q / vecs))
-        probe = LayerNormMatMulTiling(rows, 1, vr, 16, k0, k0, 0, db, cores)
-        while vr > 1 and not ub_fits(machine, p, probe):
+        probes.append((h, rows, vr, db))
+        while vr > 1:
             vr //= 2
-            probe = dataclasses.replace(probe, vec_rows=vr)
-        if not ub_fits(machine, p, probe):
-            continue
-        for ns in splits:
-            part = min(round_up(math.ceil(p.max_n / ns), machine.cube_n), round_up(p.max_n, 16))
-            tns = sorted(
-                {w for w in (64, 128, 256) if w < part}
-                | ({part} if part <= 512 else set())
-                | even_splits(part, machine.cube_n)
-            )
-            # itertools.product(tns, tks, tk0s, (1, 0)): tile_n slowest.
-            block = np.empty((9, len(tns) * inner.shape[1]), dtype=np.int64)
-            block[[0, 1, 2, 7, 8]] = np.array([[rows], [ns], [vr], [db], [part]])
-            block[3] = np.repeat(tns, inner.shape[1])
-            block[4:7] = np.tile(inner, len(tns))
-            grids.append(block)
-    if not grids:
-        return ColumnSpace.from_columns(LayerNormMatMulTiling, FIELDS, [np.zeros(0)] * len(FIELDS))
-    grid = np.concatenate(grids, axis=1)
-    grid = grid[:, grid[5] <= grid[4]]  # tile_k0 <= tile_k
+            probes.append((h, rows, vr, db))
+    heads: list[tuple[int, int, int]] = []  # (rows, vec_rows, db) of each row block, in order
+    if probes:
+        block, prows, pvr, pdb = np.array(probes, dtype=np.int64).T
+        fit = np.flatnonzero(ub_bytes(p, prows, pvr, pdb) <= machine.ub_bytes)
+        first = fit[np.unique(block[fit], return_index=True)[1]]  # a block's first that fits
+        heads = [(int(prows[i]), int(pvr[i]), int(pdb[i])) for i in first.tolist()]
+    if not heads:
+        return TilingColumns(LayerNormMatMulTiling, {f: np.zeros(0) for f in FIELDS})
+    # Every row block followed by every split's candidates: rows, db slowest, as the walk.
+    width = splits_block.shape[1]
+    grid = np.empty((9, width * len(heads)), dtype=np.int64)
+    grid[[0, 2, 7]] = np.repeat(np.array(heads, dtype=np.int64).T, width, axis=1)
+    grid[[1, 8, 3, 4, 5, 6]] = np.tile(splits_block, len(heads))
     names = ("rows", "n_split", "vec_rows", "tile_n", "tile_k", "tile_k0", "a_resident",
              "double_buffer", "part")  # fmt: skip
     cols = dict(zip(names, grid, strict=True))
     db = cols["double_buffer"]
     # MatMul's per-level choice: L0C single when two blocks do not fit it.
-    doubled = _fit(machine, level_bytes(p, cols, np.zeros_like(db)))
+    used = level_bytes(p, cols, np.zeros_like(db))
+    doubled = _fit(machine, used)
     l0c_single = ((db != 0) & ~doubled).astype(np.int64)
+    # `level_bytes(p, cols, l0c_single)`: a single L0C slot (only where double-buffered) is
+    # half the two slots' bytes, the other levels unchanged.
+    used[Level.L0C] = np.where(l0c_single != 0, used[Level.L0C] // 2, used[Level.L0C])
     # The walk's dedup key (`effective` fields, the part's tile width, the flags): first wins.
     tm = np.minimum(cols["rows"], max(p.q, p.m))
     tk = np.minimum(cols["tile_k"], p.k)
@@ -126,13 +137,13 @@ def lnmm_space_fast(machine: Machine, p: Problem) -> ColumnSpace[LayerNormMatMul
         cols["n_split"], cols["a_resident"], db, l0c_single,
     ])  # fmt: skip
     keep = np.zeros(grid.shape[1], dtype=bool)
-    keep[first_of_keys(key)] = True
-    keep &= _fit(machine, level_bytes(p, cols, l0c_single))
+    keep[first_of_each(*key)] = True
+    keep &= _fit(machine, used)
     n = int(keep.sum())
     out = {**{k: v[keep] for k, v in cols.items()}, "l0c_single": l0c_single[keep]}
     out["cores"] = np.full(n, cores)
     out["staged"] = np.zeros(n, dtype=np.int64)
-    return ColumnSpace.from_columns(LayerNormMatMulTiling, FIELDS, [out[f] for f in FIELDS])
+    return TilingColumns(LayerNormMatMulTiling, {f: out[f] for f in FIELDS})
 
 
 def ub_bytes(p: Problem, rows: np.ndarray, vec_rows: np.ndarray, db: np.ndarray) -> np.ndarray:
@@ -155,7 +166,8 @@ def default_tiling_fast(p: Problem, machine: Machine) -> LayerNormMatMulTiling:
     """`plan.default_tiling(p, machine)`, its `fit` shrink loops run over numpy columns: every
     (rows, split, placement) start shrinks, step by step, what fills the first level that
     overflows (`_levels.LEVELS` order) by `fit`'s rules, until it fits or nothing is left to
-    shrink; the survivors are ranked by `plan.estimate`, the first cheapest kept."""
+    shrink; the survivors are ranked by `plan.estimate` (over their columns), the first
+    cheapest kept."""
     unit = math.lcm(machine.cube_m, p.q)
     top = round_up(max(1, p.m), p.q)
     rows_options = sorted({min(top, unit * 2**i) for i in range(5)})
@@ -171,42 +183,49 @@ def default_tiling_fast(p: Problem, machine: Machine) -> LayerNormMatMulTiling:
     tk0 = np.full(len(rows), min(round_up(max(1, p.k), k0), 512 // p.dtype.itemsize))
     db = np.ones(len(rows), dtype=np.int64)
     alive = np.ones(len(rows), dtype=bool)
-    levels = (Level.UB, Level.L1, Level.L0A, Level.L0B, Level.L0C)  # `_levels.LEVELS`
+    # UB is the first level `fit` looks at and holds only the vector rows: while it overflows
+    # `fit` halves vec_rows, then turns double buffering off, then gives up; and what it
+    # shrinks later (the cube's tiles, double buffering) never grows UB. So the first steps
+    # of every start are these, found on the UB bytes alone.
+    while (over_ub := alive & (ub_bytes(p, rows, vr, db) > capacity(machine, Level.UB))).any():
+        halve = over_ub & (vr > 1)
+        single = over_ub & ~halve & (db != 0)
+        alive &= ~(over_ub & ~halve & ~single)
+        vr = np.where(halve, vr // 2, vr)
+        db = np.where(single, 0, db)
+    levels = (Level.L1, Level.L0A, Level.L0B, Level.L0C)  # `_levels.LEVELS` after UB
     while True:
         cols = {"rows": rows, "tile_n": tn, "tile_k": tk, "tile_k0": tk0, "a_resident": res,
                 "double_buffer": db}  # fmt: skip
-        used = {Level.UB: ub_bytes(p, rows, vr, db), **level_bytes(p, cols, np.zeros_like(db))}
-        over = np.full(len(rows), -1)
-        for i, level in reversed(list(enumerate(levels))):  # the first level that overflows
-            over = np.where(used[level] > capacity(machine, level), i, over)
-        todo = alive & (over >= 0)
+        used = level_bytes(p, cols, np.zeros_like(db))
+        over = [used[level] > capacity(machine, level) for level in levels]
+        todo = alive & functools.reduce(np.logical_or, over)
         if not todo.any():
             break
-        lv = np.array(levels, dtype=object)[np.maximum(over, 0)]
-        is_ = {level: todo & (lv == level) for level in levels}
-        r1 = is_[Level.UB] & (vr > 1)
-        r2 = ~r1 & is_[Level.L1] & (tk > tk0)
-        r3 = ~r1 & ~r2 & (is_[Level.L0A] | is_[Level.L0B]) & (tk0 > 2 * k0)
-        r4 = ~r1 & ~r2 & ~r3 & (is_[Level.L0B] | is_[Level.L0C] | is_[Level.L1]) & (tn > 2 * cn)
-        r5 = todo & ~r1 & ~r2 & ~r3 & ~r4 & (db != 0)
-        alive &= ~(todo & ~(r1 | r2 | r3 | r4 | r5))  # nothing left to shrink: no tiling
-        vr = np.where(r1, vr // 2, vr)
+        is_, earlier = {}, ~todo  # the first level that overflows
+        for level, o in zip(levels, over, strict=True):
+            is_[level] = o & ~earlier
+            earlier = earlier | o
+        r2 = is_[Level.L1] & (tk > tk0)
+        r3 = ~r2 & (is_[Level.L0A] | is_[Level.L0B]) & (tk0 > 2 * k0)
+        r4 = ~r2 & ~r3 & (is_[Level.L0B] | is_[Level.L0C] | is_[Level.L1]) & (tn > 2 * cn)
+        r5 = todo & ~r2 & ~r3 & ~r4 & (db != 0)
+        alive &= ~(todo & ~(r2 | r3 | r4 | r5))  # nothing left to shrink: no tiling
         tk = np.where(r2, np.maximum(tk0, ceil_div(tk // 2, tk0) * tk0), tk)
         half = np.maximum(1, tk0 // 2)
         tk = np.where(r3, ceil_div(tk, half) * half, tk)
         tk0 = np.where(r3, half, tk0)
         tn = np.where(r4, ceil_div(tn // 2, cn) * cn, tn)
         db = np.where(r5, 0, db)
-    best: tuple[float, LayerNormMatMulTiling] | None = None
-    priced: dict[LayerNormMatMulTiling, float] = {}
-    for i in np.flatnonzero(alive).tolist():
-        fields = (rows[i], ns[i], vr[i], tn[i], tk[i], tk0[i], res[i], db[i], machine.cube_cores)
-        t = LayerNormMatMulTiling(*(int(f) for f in fields))
-        if t in priced:  # starts that shrank to the same tiling: the first one counts
-            continue
-        est = priced[t] = estimate(p, t, machine)
-        if best is None or est < best[0]:
-            best = (est, t)
-    if best is None:
+    fitted = TilingColumns(
+        LayerNormMatMulTiling,
+        {"rows": rows, "n_split": ns, "vec_rows": vr, "tile_n": tn, "tile_k": tk, "tile_k0": tk0,
+         "a_resident": res, "double_buffer": db, "cores": machine.cube_cores},
+    ).take(np.flatnonzero(alive))  # fmt: skip
+    if not fitted:
         raise TilingError(f"{OP}: no tiling fits {machine.name}")
-    return best[1]
+    # Every fitted start priced at once; the first cheapest wins, as `default_tiling`'s loop
+    # keeps it (starts that shrank to the same tiling price the same).
+    best = fitted[int(np.argmin(estimate(p, fitted, machine)))]
+    assert isinstance(best, LayerNormMatMulTiling)
+    return best

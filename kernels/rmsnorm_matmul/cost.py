@@ -37,7 +37,7 @@ class _RmsnmmModel:
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
+    ) -> Sequence[Tiling]:
         p = problem(metas, attrs)
         space: list[Tiling] = list(lnmm_space(machine, p))
         # The unfused chain's schedule is always a candidate: fused is never priced slower.
@@ -69,7 +69,7 @@ class _RmsnmmModel:
         """The MatMul rule: 128-row blocks, 128-column W tiles, tile_k 256, L0 steps of 128,
         the block resident in L1, no N split, double-buffered on every core; vec_rows halved
         until UB fits."""
-        p = problem(metas, attrs)
+        p = self._problem(metas, attrs)
         vr = max(1, math.ceil(128 / max(1, vector_cores_per_group(machine))))
         while True:
             t = LayerNormMatMulTiling(128, 1, vr, 128, 256, 128, 1, 1, machine.cube_cores)
@@ -88,6 +88,7 @@ MODELS = (_RmsnmmModel(),)
 # vector instructions.
 import numpy as np  # noqa: E402
 
+from .._columns import TilingColumns  # noqa: E402
 from ..layernorm_matmul.bounds import lnmm_lower_bounds  # noqa: E402
 from ..layernorm_matmul.space import lnmm_space_fast  # noqa: E402
 
@@ -100,14 +101,14 @@ class _BoundedRmsnmmModel(_RmsnmmModel):
 
     def space(
         self, metas: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine
-    ) -> list[Tiling]:
-        """`_RmsnmmModel.space`, the fused tilings from `lnmm_space_fast`."""
-        p = problem(metas, attrs)
-        space: list[Tiling] = lnmm_space_fast(machine, p)  # type: ignore[assignment]
-        base = space[0] if space else default_tiling(p, machine)
+    ) -> TilingColumns:
+        """`_RmsnmmModel.space`, the fused tilings from `lnmm_space_fast` (numpy columns: a
+        tiling is made only where read)."""
+        p = self._problem(metas, attrs)
+        fused = lnmm_space_fast(machine, p)
+        base = fused[0] if fused else default_tiling(p, machine)
         assert isinstance(base, LayerNormMatMulTiling)
-        space.append(dataclasses.replace(base, staged=1))
-        return space
+        return fused.extended([dataclasses.replace(base, staged=1)])
 
     def lower_bounds(
         self,

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._bounds import VecStream, kernel_floor, space_columns
-from .._cost_base import ceil_div, dma, dma_out
+from .._bounds import VecStream, kernel_floor
+from .._cost_base import ceil_div, dma, dma_out, field_columns
 from .._rows import RowPlan
 from ..api import Tiling
 from ..npu.machine import Machine
@@ -27,7 +27,7 @@ FIELDS = ("rows", "double_buffer", "cores", "staged")
 def row_lower_bounds(machine: Machine, plan: RowPlan, tilings: Sequence[Tiling]) -> np.ndarray:
     """For each tiling, cycles `row_cycles(machine, plan, t)` never goes below (see the
     module docstring); `tilings` carry `FIELDS`."""
-    rows_t, db, cores_t, staged = space_columns(tilings, FIELDS)
+    rows_t, db, cores_t, staged = field_columns(tilings, FIELDS)
     count = len(tilings)
     if plan.rows == 0:
         return np.where(staged != 0, 0.0, float(machine.kernel_launch_cycles))
