@@ -7,6 +7,11 @@ rewritten model is checked again before anything is written (`verify`).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+
 import onnx
 
 from .checkview import checker_view, inference_view
@@ -39,13 +44,20 @@ def infer_types(model: onnx.ModelProto) -> dict[str, TypeTable]:
     return _infer_view(inference_view(model), model)
 
 
-def _infer_view(view: onnx.ModelProto | bytes, model: onnx.ModelProto) -> dict[str, TypeTable]:
-    """Types from shape inference on `view` (a model or its serialization); `model`'s own
-    annotations where inference fails."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(view, check_type=False, strict_mode=False)
-    except Exception:  # inference is best-effort here; patterns refuse what they cannot type
-        inferred = model
+def _infer_view(
+    view: onnx.ModelProto | bytes | str, model: onnx.ModelProto
+) -> dict[str, TypeTable]:
+    """Types from shape inference on `view` (a model, its serialization, or the path of a file
+    holding it); `model`'s own annotations where inference fails."""
+    inferred = _inferred_by_path(view) if isinstance(view, str) else None
+    if inferred is None:
+        if isinstance(view, str):
+            with open(view, "rb") as handle:
+                view = handle.read()
+        try:
+            inferred = onnx.shape_inference.infer_shapes(view, check_type=False, strict_mode=False)
+        except Exception:  # inference is best-effort here; patterns refuse what they cannot type
+            inferred = model
     types: dict[str, TypeTable] = {}
     if inferred is model or any(may_hold_subgraphs(n) for n in inferred.graph.node):
         _collect_types(inferred.graph, "", types)
@@ -64,6 +76,58 @@ def _infer_view(view: onnx.ModelProto | bytes, model: onnx.ModelProto) -> dict[s
     return types
 
 
+def _inferred_by_path(path: str) -> onnx.ModelProto | None:
+    """Shape inference from file to file (the result never crosses into Python as bytes);
+    None where that fails for any reason (then the caller infers from bytes)."""
+    with _anonymous_file() as out:
+        if out is None:
+            return None
+        try:
+            onnx.shape_inference.infer_shapes_path(path, out, check_type=False, strict_mode=False)
+            return onnx.load_model(out, load_external_data=False)
+        except Exception:
+            return None
+
+
+@contextlib.contextmanager
+def _anonymous_file() -> Iterator[str | None]:
+    """A path to a new, empty file that has no name on disk (Linux's O_TMPFILE, reached through
+    /proc/self/fd): onnx's C++ tools read and write it by path, and it vanishes with its handle
+    however the process ends. None where the system has no such files."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    fd = None
+    if flag and os.path.isdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            fd = os.open(tempfile.gettempdir(), flag | os.O_RDWR, 0o600)
+    try:
+        yield None if fd is None else f"/proc/self/fd/{fd}"
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def serialized(model: onnx.ModelProto) -> Iterator[str | bytes]:
+    """`model` serialized for onnx's C++ tools: the path of an anonymous file holding it (see
+    `_anonymous_file`), or the bytes where there is none. Given bytes, a tool holds them, and
+    shape inference its result as bytes too, beside its own parse of the model: at a large
+    model's check and inference, the peak of a fuse. Given a path, neither is in memory."""
+    data = model.SerializeToString()
+    del model  # the caller may let go of it (a view of the model) while the tools run
+    with _anonymous_file() as path:
+        if path is not None:
+            try:
+                with open(path, "wb") as handle:
+                    handle.write(data)
+            except OSError:
+                path = None
+        if path is None:
+            yield data
+            return
+        del data
+        yield path
+
+
 def check_and_infer(loaded: LoadedModel) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
     """`check_structure` and `infer_types` on one serialization of the model's view, when
     both tools see the same view: every graph input and output typed (then the checker needs
@@ -73,12 +137,13 @@ def check_and_infer(loaded: LoadedModel) -> tuple[dict[str, TypeTable], tuple[st
     if view.warnings:
         return None
     ensure_fused_ops_registered()
-    data = view.model.SerializeToString()
-    try:
-        onnx.checker.check_model(data, full_check=False)
-    except onnx.checker.ValidationError as exc:
-        raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
-    return _infer_view(data, loaded.model), ()
+    with serialized(view.model) as data:
+        del view  # a copy of the model when it hides heavy tensors: no longer needed
+        try:
+            onnx.checker.check_model(data, full_check=False)
+        except onnx.checker.ValidationError as exc:
+            raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
+        return _infer_view(data, loaded.model), ()
 
 
 def _collect_types(graph: onnx.GraphProto, path: str, out: dict[str, TypeTable]) -> None:
@@ -109,7 +174,8 @@ def verify(model: onnx.ModelProto, label: str) -> None:
     never less valid than the input. Each fused node's shape inference was checked against the
     original graph when it was made; a failure here is fuser's bug, so say so."""
     try:
-        onnx.checker.check_model(checker_view(model).model, full_check=False)
+        with serialized(checker_view(model).model) as data:
+            onnx.checker.check_model(data, full_check=False)
     except Exception as exc:
         raise FusionError(
             f"{label}: the fused model failed verification ({_first_line(exc)}); nothing was "

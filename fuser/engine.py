@@ -51,8 +51,6 @@ def opset_map(model: onnx.ModelProto) -> dict[str, int]:
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
 
 
-
-
 # Stage progress: `progress(stage, done, total)`, stage "match" while patterns scan the graph
 # and "decide" while the decider prices a match; done/total count (node, pattern) visits.
 Progress = Callable[[str, int, int], None]
