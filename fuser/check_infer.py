@@ -1,0 +1,183 @@
+"""onnx's checker and shape inference on the model fuser reads and on the model it writes.
+
+The input is checked as `checkview` presents it (what onnxruntime accepts beyond the spec is
+seen as onnx's tools understand it), and its value types come from shape inference; the
+rewritten model is checked again before anything is written (`verify`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+
+import onnx
+
+from .checkview import checker_view, inference_view
+from .errors import FusionError, ModelLoadError
+from .graph import TypeTable, may_hold_subgraphs
+from .modelio import LoadedModel
+from .registry import ensure_fused_ops_registered
+
+
+def check_structure(loaded: LoadedModel) -> tuple[str, ...]:
+    """onnx's checker on the model as `checkview` presents it (external tensors unread,
+    onnxruntime's legacy ops typed); one line on failure. Returns what the checker would have
+    refused but onnxruntime runs (warnings: fuser fuses such a model anyway)."""
+    view = checker_view(loaded.model)
+    try:
+        onnx.checker.check_model(view.model, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
+    return view.warnings
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def infer_types(model: onnx.ModelProto) -> dict[str, TypeTable]:
+    """Element types and shapes of every value, per graph path (shape inference on a copy)."""
+    ensure_fused_ops_registered()
+    return _infer_view(inference_view(model), model)
+
+
+def _infer_view(
+    view: onnx.ModelProto | bytes | str, model: onnx.ModelProto
+) -> dict[str, TypeTable]:
+    """Types from shape inference on `view` (a model, its serialization, or the path of a file
+    holding it); `model`'s own annotations where inference fails."""
+    inferred = _inferred_by_path(view) if isinstance(view, str) else None
+    if inferred is None:
+        if isinstance(view, str):
+            with open(view, "rb") as handle:
+                view = handle.read()
+        try:
+            inferred = onnx.shape_inference.infer_shapes(view, check_type=False, strict_mode=False)
+        except Exception:  # inference is best-effort here; patterns refuse what they cannot type
+            inferred = model
+    types: dict[str, TypeTable] = {}
+    if inferred is model or any(may_hold_subgraphs(n) for n in inferred.graph.node):
+        _collect_types(inferred.graph, "", types)
+        return types
+    # No subgraph: keep the inferred values' protos alone (the type table holds the protos it
+    # converts lazily, and holding any of the inferred copy keeps all of it alive); the
+    # initializers' types come from the model's own tensors.
+    slim = onnx.GraphProto()
+    slim.input.extend(inferred.graph.input)
+    slim.output.extend(inferred.graph.output)
+    slim.value_info.extend(inferred.graph.value_info)
+    del inferred
+    _collect_types(slim, "", types)
+    for tensor in model.graph.initializer:
+        types[""].add_proto(tensor.name, tensor)
+    return types
+
+
+def _inferred_by_path(path: str) -> onnx.ModelProto | None:
+    """Shape inference from file to file (the result never crosses into Python as bytes);
+    None where that fails for any reason (then the caller infers from bytes)."""
+    with _anonymous_file() as out:
+        if out is None:
+            return None
+        try:
+            onnx.shape_inference.infer_shapes_path(path, out, check_type=False, strict_mode=False)
+            return onnx.load_model(out, load_external_data=False)
+        except Exception:
+            return None
+
+
+@contextlib.contextmanager
+def _anonymous_file() -> Iterator[str | None]:
+    """A path to a new, empty file that has no name on disk (Linux's O_TMPFILE, reached through
+    /proc/self/fd): onnx's C++ tools read and write it by path, and it vanishes with its handle
+    however the process ends. None where the system has no such files."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    fd = None
+    if flag and os.path.isdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            fd = os.open(tempfile.gettempdir(), flag | os.O_RDWR, 0o600)
+    try:
+        yield None if fd is None else f"/proc/self/fd/{fd}"
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def serialized(model: onnx.ModelProto) -> Iterator[str | bytes]:
+    """`model` serialized for onnx's C++ tools: the path of an anonymous file holding it (see
+    `_anonymous_file`), or the bytes where there is none. Given bytes, a tool holds them, and
+    shape inference its result as bytes too, beside its own parse of the model: at a large
+    model's check and inference, the peak of a fuse. Given a path, neither is in memory."""
+    data = model.SerializeToString()
+    del model  # the caller may let go of it (a view of the model) while the tools run
+    with _anonymous_file() as path:
+        if path is not None:
+            try:
+                with open(path, "wb") as handle:
+                    handle.write(data)
+            except OSError:
+                path = None
+        if path is None:
+            yield data
+            return
+        del data
+        yield path
+
+
+def check_and_infer(loaded: LoadedModel) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
+    """`check_structure` and `infer_types` on one serialization of the model's view, when
+    both tools see the same view: every graph input and output typed (then the checker needs
+    no placeholder and there is no output for inference to fill in). None otherwise: call
+    them one by one. Serializing a large model costs about as much as either tool's work."""
+    view = checker_view(loaded.model)
+    if view.warnings:
+        return None
+    ensure_fused_ops_registered()
+    with serialized(view.model) as data:
+        del view  # a copy of the model when it hides heavy tensors: no longer needed
+        try:
+            onnx.checker.check_model(data, full_check=False)
+        except onnx.checker.ValidationError as exc:
+            raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
+        return _infer_view(data, loaded.model), ()
+
+
+def _collect_types(graph: onnx.GraphProto, path: str, out: dict[str, TypeTable]) -> None:
+    table = TypeTable()
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        table.add_proto(value.name, value)
+    for tensor in graph.initializer:
+        table.add_proto(tensor.name, tensor)
+    out[path] = table
+    for node in graph.node:
+        if not may_hold_subgraphs(node):
+            continue
+        for attr in node.attribute:
+            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for i, sub in enumerate(subs):
+                _collect_types(sub, sub_path(path, node, attr.name, i, len(subs)), out)
+
+
+def sub_path(path: str, node: onnx.NodeProto, attr: str, i: int, n: int) -> str:
+    """How type tables name a subgraph (the engine and the plugin walk them too)."""
+    name = node.name or node.op_type
+    suffix = f"{attr}[{i}]" if n > 1 else attr
+    return f"{path}/{name}.{suffix}" if path else f"{name}.{suffix}"
+
+
+def verify(model: onnx.ModelProto, label: str) -> None:
+    """The checker on the rewritten model, seen as the input was (`checkview`): the output is
+    never less valid than the input. Each fused node's shape inference was checked against the
+    original graph when it was made; a failure here is fuser's bug, so say so."""
+    try:
+        with serialized(checker_view(model).model) as data:
+            onnx.checker.check_model(data, full_check=False)
+    except Exception as exc:
+        raise FusionError(
+            f"{label}: the fused model failed verification ({_first_line(exc)}); nothing was "
+            "written. This is a bug in fuser: please report it with the model"
+        ) from exc
