@@ -13,6 +13,14 @@ own tools see a *view* of the model (a copy; the model itself is never changed h
   InvStdDev included). The view makes such nodes ``LEGACY_LAYERNORM`` of ``LEGACY_DOMAIN``,
   whose schema has that signature and that inference, so the checker checks them and shape
   inference types their outputs.
+- ``SimplifiedLayerNormalization`` in the ONNX domain: onnxruntime registers its RMSNorm there
+  (since version 1, at every opset; onnxruntime's transformer optimizer writes it so), onnx has
+  no schema for it. The view makes such nodes ``LEGACY_SIMPLIFIED_LAYERNORM`` of
+  ``LEGACY_DOMAIN``, with onnxruntime 1.32's signature (X: T, scale: V, Y: V, optional
+  inv_std_var: U; axis, epsilon, stash_type) and the types onnxruntime gives: Y has X's shape
+  and the scale's element type, inv_std_var stash_type's (float unless said) with the
+  normalized axes 1 (its shape only when the last axis is normalized: for another axis
+  onnxruntime's declared shape differs from the one it computes).
 - Graph inputs and outputs without a shape (or type), which the checker refuses ("Field
   'shape' of 'type' is required but missing") and onnxruntime runs: the view gives them an
   empty placeholder, so the checker still checks everything else, and each is reported as a
@@ -119,6 +127,110 @@ def _register() -> None:
         defs.register_schema(_layernorm_schema())
 
 
+# -- ONNX-domain SimplifiedLayerNormalization -------------------------------------------------
+
+LEGACY_SIMPLIFIED_LAYERNORM = "OrtSimplifiedLayerNormalization"
+_SLN = "SimplifiedLayerNormalization"
+
+
+def _simplified_layernorm_schema() -> defs.OpSchema:
+    floats = ["tensor(float16)", "tensor(float)", "tensor(double)", "tensor(bfloat16)"]
+    option = defs.OpSchema.FormalParameterOption
+
+    def formal(name: str, kind: str, optional: bool = False) -> defs.OpSchema.FormalParameter:
+        return defs.OpSchema.FormalParameter(
+            name, kind, "", param_option=option.Optional if optional else option.Single
+        )
+
+    schema = defs.OpSchema(
+        LEGACY_SIMPLIFIED_LAYERNORM,
+        LEGACY_DOMAIN,
+        1,
+        "onnxruntime's SimplifiedLayerNormalization (RMSNorm) of the ONNX domain",
+        inputs=[formal("X", "T"), formal("scale", "V")],
+        outputs=[formal("Y", "V"), formal("inv_std_var", "U", optional=True)],
+        type_constraints=[
+            ("T", floats, ""),
+            ("U", ["tensor(float)", "tensor(double)"], ""),
+            ("V", floats, ""),
+        ],
+        attributes=[
+            defs.OpSchema.Attribute("axis", helper.make_attribute("axis", -1), ""),
+            defs.OpSchema.Attribute("epsilon", helper.make_attribute("epsilon", 1e-5), ""),
+            defs.OpSchema.Attribute("stash_type", helper.make_attribute("stash_type", 1), ""),
+        ],
+    )
+    schema.set_type_and_shape_inference_function(_infer_simplified_layernorm)
+    return schema
+
+
+def _infer_simplified_layernorm(ctx: onnx.shape_inference.InferenceContext) -> None:
+    x = ctx.get_input_type(0)
+    scale = ctx.get_input_type(1)
+    scale_type = scale.tensor_type.elem_type if scale is not None else 0
+    if x is None or not x.HasField("tensor_type") or not scale_type:
+        return  # Y's element type is the scale's: unknown, so left unknown
+    y = onnx.TypeProto()
+    y.CopyFrom(x)
+    y.tensor_type.elem_type = scale_type
+    ctx.set_output_type(0, y)
+    if ctx.get_num_outputs() < 2 or not ctx.has_output(1):
+        return
+    stash = ctx.get_attribute("stash_type")
+    stash_type = stash.i if stash is not None else onnx.TensorProto.FLOAT
+    if stash_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE):
+        return  # onnxruntime refuses the model (its U is float or double)
+    stats = onnx.TypeProto()
+    stats.tensor_type.elem_type = stash_type
+    attr = ctx.get_attribute("axis")
+    axis = attr.i if attr is not None else -1
+    if x.tensor_type.HasField("shape"):
+        dims = list(x.tensor_type.shape.dim)
+        if axis in (-1, len(dims) - 1):
+            stats.tensor_type.shape.SetInParent()
+            for dim in dims[:-1]:
+                stats.tensor_type.shape.dim.add().CopyFrom(dim)
+            stats.tensor_type.shape.dim.add().dim_value = 1
+    ctx.set_output_type(1, stats)
+
+
+def simplified_layernorms(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """SimplifiedLayerNormalization nodes of the ONNX domain (onnxruntime's; onnx has no schema
+    for them)."""
+    if defs.has(_SLN):  # an onnx that defines it checks it itself
+        return []
+    return [
+        node
+        for graph in _graphs(model.graph)
+        for node in graph.node
+        if node.op_type == _SLN and node.domain in ("", "ai.onnx")
+    ]
+
+
+def _move_simplified_layernorms(model: onnx.ModelProto) -> None:
+    nodes = simplified_layernorms(model)
+    if not nodes:
+        return
+    if not defs.has(LEGACY_SIMPLIFIED_LAYERNORM, LEGACY_DOMAIN):
+        defs.register_schema(_simplified_layernorm_schema())
+    for node in nodes:
+        node.op_type, node.domain = LEGACY_SIMPLIFIED_LAYERNORM, LEGACY_DOMAIN
+    if all(o.domain != LEGACY_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(LEGACY_DOMAIN, 1))
+
+
+def _has_legacy_ops(model: onnx.ModelProto) -> bool:
+    return bool(legacy_layernorms(model) or simplified_layernorms(model))
+
+
+def _move_legacy_ops(model: onnx.ModelProto) -> None:
+    _move_legacy_layernorms(model)
+    _move_simplified_layernorms(model)
+
+
+# -- walking graphs ---------------------------------------------------------------------------
+
+
 def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     yield graph
     for node in graph.node:
@@ -157,15 +269,16 @@ def _move_legacy_layernorms(model: onnx.ModelProto) -> bool:
 
 
 def inference_view(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` as shape inference should see it: legacy LayerNormalization nodes typed like
-    onnxruntime's, and large or external initializers as typed graph inputs (inference reads
-    only small constants' values, and copying megabytes of weights to read their types would
-    cost more than the inference). The model itself when none of that applies."""
+    """`model` as shape inference should see it: legacy LayerNormalization and ONNX-domain
+    SimplifiedLayerNormalization nodes typed like onnxruntime's, and large or external
+    initializers as typed graph inputs (inference reads only small constants' values, and
+    copying megabytes of weights to read their types would cost more than the inference). The
+    model itself when none of that applies."""
     hidden = _heavy_initializers(model.graph)
-    if not hidden and not legacy_layernorms(model):
+    if not hidden and not _has_legacy_ops(model):
         return model
     view = _copy_hiding(model, hidden)
-    _move_legacy_layernorms(view)
+    _move_legacy_ops(view)
     return view
 
 
@@ -241,11 +354,11 @@ def checker_view(model: onnx.ModelProto) -> View:
     """`model` as onnx's checker should see it (the model itself when nothing needs hiding)."""
     hidden = _heavy_initializers(model.graph)
     untyped = list(_untyped_io(model.graph))
-    if not hidden and not untyped and not legacy_layernorms(model):
+    if not hidden and not untyped and not _has_legacy_ops(model):
         return View(model)
     view = _copy_hiding(model, hidden)
     graph = view.graph
-    _move_legacy_layernorms(view)
+    _move_legacy_ops(view)
     warnings = []
     by_name = {(k, v.name): v for k, v in _view_io(graph)}
     for kind, value, missing in untyped:

@@ -9,11 +9,12 @@ re-pointed to x.
 
 Matched:
 - `SimplifiedLayerNormalization` (onnxruntime's contrib op; onnxruntime serves it in the ONNX
-  domain, "com.microsoft" is accepted as well) and `RMSNormalization` (opset 23): epsilon and
-  stash_type as read, axis must be the last.  onnxruntime computes both in float32 and applies
-  gamma before rounding once: `round_before_scale=0` (measured on this machine: bit-equal in
-  float16).  A float16 op with stash_type=0 is refused (onnxruntime's rounding there is not
-  modeled).
+  domain, where its transformer optimizer writes it and `fuser.checkview` lets onnx's tools
+  check and type it; "com.microsoft" is accepted as well) and `RMSNormalization` (opset 23):
+  epsilon and stash_type as read, axis must be the last.  onnxruntime computes both in
+  float32 and applies gamma before rounding once: `round_before_scale=0` (measured on this
+  machine: bit-equal in float16).  A float16 op with stash_type=0 is refused (onnxruntime's
+  rounding there is not modeled).
 - Decomposed, as exporters write it (transformers' Llama/Qwen/Mistral/T5 RMSNorm):
       ms = ReduceMean(Pow(x, 2) | Mul(x, x));  r = Sqrt(Add(ms, eps))
       N  = Mul(x, Reciprocal(r)) | Mul(x, Div(1, r)) | Div(x, r)      (Mul in either order)
@@ -473,7 +474,8 @@ def _norm_op(graph: GraphIndex, anchor: int) -> _Norm:
                 f"scale '{scale}' of {node.op_type} '{name}' {why}", scale, (anchor,)
             )
     # Y's type is the scale's (onnxruntime's contrib schema: X T, scale V, Y V; so is opset 23's
-    # RMSNormalization); onnx has no schema for the contrib op, so no value_info says it.
+    # RMSNormalization); in the com.microsoft domain onnx has no schema for the op, so no
+    # value_info says it (in the ONNX domain checkview's schema types it).
     out_type = _scale_type(graph, scale)
     x_type = graph.elem_type(x)
     if problem is None and out_type and x_type and out_type != x_type:
