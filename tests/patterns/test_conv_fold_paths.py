@@ -1,7 +1,8 @@
-"""conv_bn_relu folds BN two ways: parameters held as raw initializers take a batched path (one
+"""conv_bn_relu folds BN two ways: parameters held as raw initializers take the raw path (one
 array for the four BN parameters, W' and B' computed into one buffer, cast and checked once),
 anything else (here: the same values as Constant nodes) the general one. Both must give the same
-bytes, and the same refusal with the same reason, for every dtype and shape."""
+bytes, and the same refusal with the same reason, for every dtype and shape, whether the BN
+reads the Conv directly or through an Identity, alone or beside other chains."""
 
 from __future__ import annotations
 
@@ -16,9 +17,14 @@ pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 
 def _model(
-    values: dict[str, np.ndarray], dtype: int, spatial: int, as_constants: bool
+    values: dict[str, np.ndarray],
+    dtype: int,
+    spatial: int,
+    as_constants: bool,
+    identity: bool = False,
 ) -> onnx.ModelProto:
-    """x -> Conv(W[, B]) -> BN -> Relu, with `values` as initializers or as Constant nodes."""
+    """x -> Conv(W[, B]) [-> Identity] -> BN -> Relu, with `values` as initializers or as
+    Constant nodes."""
     names = ["W", *(["B"] if "B" in values else [])]
     nodes = []
     inits = []
@@ -30,7 +36,10 @@ def _model(
             inits.append(tensor)
     pads = [1] * (2 * spatial)
     nodes += [
-        helper.make_node("Conv", ["x", *names], ["c"], name="conv", pads=pads),
+        helper.make_node(
+            "Conv", ["x", *names], ["c0" if identity else "c"], name="conv", pads=pads
+        ),
+        *([helper.make_node("Identity", ["c0"], ["c"])] if identity else []),
         helper.make_node(
             "BatchNormalization",
             ["c", "scale", "bias", "mean", "var"],
@@ -82,22 +91,23 @@ def _values(
 CASES = [
     (dtype, cout, cin, spatial, bias)
     for dtype in (TensorProto.FLOAT16, TensorProto.FLOAT)  # ConvBnRelu takes no float64
-    for cout, cin, spatial in ((1, 3, 2), (3, 1, 1), (8, 5, 2))
+    for cout, cin, spatial in ((1, 3, 2), (3, 1, 1), (8, 5, 2), (64, 8, 2))
     for bias in (False, True)
 ]
 
 
 @pytest.mark.parametrize(("dtype", "cout", "cin", "spatial", "bias"), CASES)
-def test_both_paths_fold_to_the_same_bytes(
+def test_every_path_folds_to_the_same_bytes(
     dtype: int, cout: int, cin: int, spatial: int, bias: bool
 ) -> None:
     rng = np.random.default_rng(cout * 100 + cin * 10 + spatial + 7 * bias + dtype)
     values = _values(rng, helper.tensor_dtype_to_np_dtype(dtype), cout, cin, spatial, bias)
     raw, raw_notes = _fused(_model(values, dtype, spatial, as_constants=False))
+    single, single_notes = _fused(_model(values, dtype, spatial, False, identity=True))
     general, general_notes = _fused(_model(values, dtype, spatial, as_constants=True))
     assert [name for name, *_ in raw] == ["conv.W_bn_folded", "conv.B_bn_folded"]
-    assert raw == general
-    assert raw_notes == general_notes
+    assert raw == single == general
+    assert raw_notes == single_notes == general_notes
     # and it is the fold: W' = W * a, B' = (B - mean) * a + bias in float64, cast once
     v = {k: a.astype(np.float64) for k, a in values.items()}
     a = v["scale"] / np.sqrt(v["var"] + np.float64(np.float32(1e-3)))
@@ -135,7 +145,45 @@ def test_both_paths_refuse_alike(dtype: int, change: dict[str, float], reason: s
         values[name] = values[name].copy()
         values[name][1] = value
     raw, raw_notes = _fused(_model(values, dtype, 2, as_constants=False))
+    single, single_notes = _fused(_model(values, dtype, 2, False, identity=True))
     general, general_notes = _fused(_model(values, dtype, 2, as_constants=True))
-    assert raw == general == []
-    assert raw_notes == general_notes
+    assert raw == single == general == []
+    assert raw_notes == single_notes == general_notes
     assert any(reason in note for note in raw_notes)
+
+
+def test_chains_side_by_side_fold_each_as_alone() -> None:
+    """Five same-shaped chains in one graph, one of them refused (negative variance): each
+    gives what its chain alone gives on the general path."""
+    rng = np.random.default_rng(23)
+    chains = [_values(rng, np.float32, 4, 3, 2, bias=i % 2 == 0) for i in range(5)]
+    chains[2]["var"] = chains[2]["var"].copy()
+    chains[2]["var"][0] = -1.0
+    nodes, inits, outputs = [], [], []
+    for i, values in enumerate(chains):
+        inits += [numpy_helper.from_array(v, f"c{i}.{k}") for k, v in values.items()]
+        conv_inputs = ["x", f"c{i}.W", *([f"c{i}.B"] if "B" in values else [])]
+        nodes += [
+            helper.make_node("Conv", conv_inputs, [f"c{i}.c"], name=f"c{i}.conv", pads=[1] * 4),
+            helper.make_node("BatchNormalization",
+                             [f"c{i}.c", *(f"c{i}.{p}" for p in ("scale", "bias", "mean", "var"))],
+                             [f"c{i}.y"], name=f"c{i}.bn", epsilon=1e-3),
+        ]  # fmt: skip
+        outputs.append(helper.make_tensor_value_info(f"c{i}.y", TensorProto.FLOAT, None))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 5, 7])
+    graph = helper.make_graph(nodes, "batch", [x], outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = fuse_all(onnx.shape_inference.infer_shapes(model))
+    folded = {t.name: t.raw_data for t in result.model.graph.initializer if "_bn_folded" in t.name}
+    assert len(folded) == 8  # four folded chains, the refused one keeps BN as inputs
+    for i, values in enumerate(chains):
+        alone, notes = _fused(_model(values, TensorProto.FLOAT, 2, as_constants=True))
+        mine = next(f for f in result.report.fusions if f.replaced[0] == f"c{i}.conv")
+        assert [n for n in mine.notes if "BN" in n] == [n for n in notes if "BN" in n]
+        if i == 2:
+            assert alone == [] and any("non-finite" in n for n in mine.notes)
+            assert not any(n.startswith("c2.") for n in folded)
+            continue
+        assert [folded[f"c{i}.conv.W_bn_folded"], folded[f"c{i}.conv.B_bn_folded"]] == [
+            data for *_, data in alone
+        ]
