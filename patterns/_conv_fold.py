@@ -47,7 +47,7 @@ def fold(
         fast = _fold_raw(graph, conv_node, bn, epsilon)
         if fast is not None:
             return fast
-    return fold_general(graph, conv_node, bn, epsilon, transposed_group)
+    return _fold_general(graph, conv_node, bn, epsilon, transposed_group)
 
 
 def _raw(graph: GraphIndex, name: str) -> tuple[onnx.TensorProto, bytes, np.dtype] | None:
@@ -114,21 +114,12 @@ def _fold_raw(
         return f"folded weights overflow {dtype}"
     base = conv_node.name or conv_node.output[0]
     return (
-        _raw_tensor(cast[:size], w_dims, graph.unique_value_name(f"{base}.W_bn_folded")),
-        _raw_tensor(cast[size:], (cout,), graph.unique_value_name(f"{base}.B_bn_folded")),
+        _tensor(cast[:size].reshape(w_dims), graph.unique_value_name(f"{base}.W_bn_folded")),
+        _tensor(cast[size:], graph.unique_value_name(f"{base}.B_bn_folded")),
     )
 
 
-def _raw_tensor(flat: np.ndarray, dims: tuple[int, ...], name: str) -> onnx.TensorProto:
-    return onnx.TensorProto(
-        name=name,
-        data_type=onnx.helper.np_dtype_to_tensor_dtype(flat.dtype),
-        dims=dims,
-        raw_data=flat.tobytes(),
-    )
-
-
-def fold_general(
+def _fold_general(
     graph: GraphIndex,
     conv_node: onnx.NodeProto,
     bn: onnx.NodeProto,
