@@ -7,9 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
 
 from .bodies.builder import BodyError, BodyRequest
 from .decide import Decider, Decision
@@ -33,17 +30,7 @@ class BodyCheckedDecider:
     def decide(self, graph: GraphIndex, match: Match) -> Decision:
         op = match.op
         if op.body is not None:
-            defaults = {a.name: a.default for a in op.attributes}
-            request = BodyRequest(
-                op=op,
-                attributes=defaults | dict(match.attributes),
-                inputs=tuple(bool(n) for n in match.inputs),
-                outputs=tuple(bool(n) for n in match.outputs),
-                input_types=tuple(self.elem_types(n) if n else 0 for n in match.inputs),
-                opset=self.opset,
-                domains=dict(self.domains),
-            )
-            failed = self._body_error(request)
+            failed = self._body_error(match)
             if failed is not None:
                 return Decision(
                     False,
@@ -53,41 +40,39 @@ class BodyCheckedDecider:
                 )
         return self.inner.decide(graph, match)
 
-    def _body_error(self, request: BodyRequest) -> str | None:
-        """Why `request`'s body cannot be built, or None; once per distinct request."""
-        key = _key(request)
-        if key is not None and key in self.verdicts:
-            return self.verdicts[key]
-        assert request.op.body is not None
+    def _body_error(self, match: Match) -> str | None:
+        """Why `match`'s body cannot be built, or None; built once per distinct request.
+
+        The key is read off the match (no request is made for a known one): the op, its
+        attributes (the request's are the op's defaults updated by them), which inputs and
+        outputs are present and the inputs' element types; opset and domains are the model's,
+        the same for every match."""
+        op = match.op
+        input_types = tuple(self.elem_types(n) if n else 0 for n in match.inputs)
+        attributes = match.attributes_key
+        key: Hashable | None = None
+        if attributes is not None:
+            inputs = tuple(bool(n) for n in match.inputs)
+            outputs = tuple(bool(n) for n in match.outputs)
+            key = (op.name, attributes, inputs, outputs, input_types)
+            if key in self.verdicts:
+                return self.verdicts[key]
+        assert op.body is not None
+        defaults = {a.name: a.default for a in op.attributes}
+        request = BodyRequest(
+            op=op,
+            attributes=defaults | dict(match.attributes),
+            inputs=tuple(bool(n) for n in match.inputs),
+            outputs=tuple(bool(n) for n in match.outputs),
+            input_types=input_types,
+            opset=self.opset,
+            domains=dict(self.domains),
+        )
         try:
-            request.op.body(request)
+            op.body(request)
             verdict = None
         except BodyError as exc:
             verdict = str(exc)
         if key is not None:
             self.verdicts[key] = verdict
         return verdict
-
-
-def _key(request: BodyRequest) -> Hashable | None:
-    """What a body depends on, hashable; None if an attribute value is not (then no cache)."""
-    try:
-        attributes = tuple(sorted((k, _frozen(v)) for k, v in request.attributes.items()))
-        key = (request.op.name, attributes, request.inputs, request.outputs, request.input_types)
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _frozen(value: Any) -> Any:
-    kind = type(value)
-    if kind is int or kind is float or kind is str or kind is bool:  # most values: no walk
-        return value
-    if (kind is list or kind is tuple) and all(type(v) is int for v in value):
-        return tuple(value)
-    if isinstance(value, list | tuple):
-        return tuple(_frozen(v) for v in value)
-    if isinstance(value, np.ndarray):
-        return (value.dtype.str, value.shape, value.tobytes())
-    return value

@@ -544,7 +544,10 @@ def _signature(graph: GraphIndex, match: Match) -> Hashable:
         (n.op_type, n.domain, tuple(a.SerializeToString() for a in n.attribute))
         for n in (graph.node(i) for i in match.nodes)
     )
-    return (match.pattern, nodes, repr(sorted(match.attributes.items())), tuple(inputs))
+    attributes = match.attributes_key  # shared with the body check: made once per match
+    if attributes is None:
+        attributes = repr(sorted(match.attributes.items()))
+    return (match.pattern, nodes, attributes, tuple(inputs))
 
 
 def _static(shape: Any) -> bool:

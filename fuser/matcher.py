@@ -94,7 +94,7 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
                 value,
             )
 
-    _, back_edge = graph.descendants_in_window(members, {i for i in match.inputs if i})
+    back_edge = _back_edge(graph, members, match.inputs)
     if back_edge is not None:
         return rejection(
             match.pattern,
@@ -124,6 +124,26 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
         shape_sources=match.shape_sources,
         rewires=tuple(rewires),
     )
+
+
+def _back_edge(graph: GraphIndex, members: set[int], inputs: tuple[str, ...]) -> str | None:
+    """The value through which the fused node would feed itself (a cycle), or None.
+
+    A path out of the match and back into a fused input ends at that input's producer, which
+    then reads (transitively) a member's output and so comes after the first member in the
+    topological order. When every input is produced before the first member (or outside this
+    graph: initializers, graph inputs, outer values), there is no such path, and the search of
+    `descendants_in_window` is skipped: the common case, a chain reading what came before."""
+    pos, producer = graph.pos, graph.producer
+    first = min(pos[m] for m in members)
+    for name in inputs:
+        node_id = producer.get(name) if name else None
+        if node_id is not None and pos[node_id] >= first:
+            break
+    else:
+        return None
+    _, back_edge = graph.descendants_in_window(members, {i for i in inputs if i})
+    return back_edge
 
 
 def _reads_only_shape(graph: GraphIndex, node_id: int, value: str) -> bool:

@@ -9,10 +9,12 @@ values, no cycles, no overlap, supported dtypes) are the matcher's job, not the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import onnx
 
 from .fusedop import FusedOp
@@ -53,6 +55,46 @@ class Match:
     # just for its dims. The matcher fills `rewires` with the (Shape node, old, new) it applies.
     shape_sources: Mapping[str, str] = field(default_factory=dict)
     rewires: tuple[tuple[int, str, str], ...] = ()
+
+    @functools.cached_property
+    def attributes_key(self) -> Hashable | None:
+        """`attributes` as one hashable value, for the memos of decisions on repeated chains
+        (the body check and the cost model both key on it; computed once per match). Equal
+        keys mean equal attributes, value and type alike (1, 1.0 and True differ, as do 0.0
+        and -0.0); None when a value cannot be frozen (then nothing is memoized)."""
+        return attributes_key(self.attributes)
+
+
+_PLAIN_SCALARS = (int, float, str, bool, type(None))
+
+
+def attributes_key(attributes: Mapping[str, Any]) -> Hashable | None:
+    """See `Match.attributes_key`. The repr of the sorted items is exact for plain values
+    (numbers, strings, lists of them) and cheap; anything else (an array, whose repr elides
+    its middle) also enters by its bytes."""
+    exact: list[tuple[str, Hashable]] = []
+    for name, value in attributes.items():
+        kind = type(value)
+        if kind in _PLAIN_SCALARS:
+            continue
+        if (kind is list or kind is tuple) and all(type(v) in _PLAIN_SCALARS for v in value):
+            continue
+        try:
+            frozen = _frozen(value)
+            hash(frozen)
+        except TypeError:
+            return None
+        exact.append((name, frozen))
+    text = repr(sorted(attributes.items()))
+    return (text, tuple(sorted(exact, key=lambda item: item[0]))) if exact else text
+
+
+def _frozen(value: Any) -> Hashable:
+    if isinstance(value, np.ndarray):
+        return (type(value).__name__, value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, tuple(_frozen(v) for v in value))
+    return (type(value).__name__, repr(value), value)
 
 
 class Pattern(Protocol):

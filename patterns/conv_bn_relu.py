@@ -27,23 +27,21 @@ other than NOTSET (their pads depend on the run-time input size).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from fuser.bodies import conv_bn_relu as conv_bn_relu_body
 from fuser.fusedop import FLOAT_TYPES, Attr, FusedOp, Param, TensorInfo
 from fuser.graph import GraphIndex
-from fuser.modelio import read_tensor
 from fuser.pattern import Match, Rejection, rejection
 
 from . import _conv_act_walk as walk
 from ._conv import conv, conv_output_spatial, conv_transpose, conv_transpose_output_spatial
+from ._conv_fold import fold
 from .conv_activation import Activation, apply, from_attributes
 
 NAME = "conv_bn_relu"
@@ -254,7 +252,7 @@ class ConvBnReluPattern:
                 notes=tuple(notes),
             )  # fmt: skip
         epsilon = _bn_epsilon(bn)
-        folded = _fold(graph, conv_node, bn, epsilon, group if transposed else 0)
+        folded = fold(graph, conv_node, bn, epsilon, group if transposed else 0)
         if isinstance(folded, tuple):
             w_new, b_new = folded
             return Match(
@@ -384,82 +382,6 @@ def _bn_epsilon(bn: onnx.NodeProto) -> float:
         if attr.name == "epsilon":
             return float(attr.f)
     return 1e-5
-
-
-def _fold(
-    graph: GraphIndex,
-    conv_node: onnx.NodeProto,
-    bn: onnx.NodeProto,
-    epsilon: float,
-    transposed_group: int = 0,
-) -> tuple[onnx.TensorProto, onnx.TensorProto] | str:
-    """Folded (W', B') as new initializers, or the reason folding is not possible.
-    `transposed_group` > 0: a ConvTranspose weight [Cin, Cout/group, *k] with that group, whose
-    output channel (g, o) is W[g * Cin/group : (g + 1) * Cin/group, o]."""
-    names = [conv_node.input[1], *bn.input[1:5]]
-    conv_b = conv_node.input[2] if len(conv_node.input) > 2 and conv_node.input[2] else ""
-    if conv_b:
-        names.append(conv_b)
-    values = {}
-    for name in names:
-        value = _parameter(graph, name)
-        if value is None:
-            why = (
-                "an overridable graph input"
-                if name in graph.graph_inputs
-                else "computed at run time"
-            )
-            return f"'{name}' is {why}"
-        values[name] = value
-    w = values[conv_node.input[1]]
-    scale, bias, mean, var = (values[n].astype(np.float64) for n in bn.input[1:5])
-    # A negative variance or a weight float16 cannot hold is refused below with its reason,
-    # not reported as a numpy warning on the user's terminal.
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        a = scale / np.sqrt(var + epsilon)
-        if transposed_group:
-            g = transposed_group
-            # [G, Cin/G, Cout/G, *k] scaled by a[G, 1, Cout/G]
-            wg = w.astype(np.float64).reshape(g, w.shape[0] // g, *w.shape[1:])
-            w_new = (wg * a.reshape(g, 1, -1, *([1] * (w.ndim - 2)))).reshape(w.shape)
-        else:
-            w_new = w.astype(np.float64) * a.reshape(-1, *([1] * (w.ndim - 1)))
-        b0 = values[conv_b].astype(np.float64) if conv_b else np.zeros(a.shape[0])
-        b_new = (b0 - mean) * a + bias
-        dtype = w.dtype
-        w_cast, b_cast = w_new.astype(dtype, copy=False), b_new.astype(dtype, copy=False)
-    # A non-finite float64 value stays non-finite when cast: all finite after the cast means
-    # both checks pass, and only a failure needs the float64 values to say which one failed.
-    if not (np.isfinite(w_cast).all() and np.isfinite(b_cast).all()):
-        if not (np.isfinite(w_new).all() and np.isfinite(b_new).all()):
-            return "folding gives non-finite weights (var + epsilon <= 0?)"
-        return f"folded weights overflow {dtype}"
-    base = conv_node.name or conv_node.output[0]
-    w_tensor = _tensor(w_cast, graph.unique_value_name(f"{base}.W_bn_folded"))
-    b_tensor = _tensor(b_cast, graph.unique_value_name(f"{base}.B_bn_folded"))
-    return w_tensor, b_tensor
-
-
-def _parameter(graph: GraphIndex, name: str) -> np.ndarray | None:
-    """`graph.constant(name)`, an initializer read without keeping it in the index's constant
-    cache: each Conv's weight and BN parameters are read once, by their fold, and caching them
-    would hold a second copy of every folded weight for the whole pass."""
-    tensor = graph.initializers.get(name)
-    if tensor is not None and name not in graph.graph_inputs:
-        return read_tensor(graph.source, tensor)
-    return graph.constant(name)
-
-
-def _tensor(array: np.ndarray, name: str) -> onnx.TensorProto:
-    """numpy_helper.from_array for the float dtypes folding produces, without its generality."""
-    if array.dtype not in (np.float16, np.float32, np.float64) or sys.byteorder != "little":
-        return numpy_helper.from_array(array, name)
-    return onnx.TensorProto(
-        name=name,
-        data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype),
-        dims=array.shape,
-        raw_data=np.ascontiguousarray(array).tobytes(),
-    )
 
 
 PATTERN = ConvBnReluPattern()
