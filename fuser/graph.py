@@ -42,7 +42,7 @@ Dim = int | str | None
 Shape = tuple[Dim, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ValueType:
     """Element type (onnx.TensorProto enum) and shape (None if rank unknown) of a tensor."""
 
@@ -116,69 +116,83 @@ def _constant_node_value(node: onnx.NodeProto, source: LoadedModel) -> np.ndarra
 
 
 def _value_type(proto: onnx.ValueInfoProto) -> ValueType | None:
-    if not proto.type.HasField("tensor_type"):
+    type_proto = proto.type
+    if type_proto.WhichOneof("value") != "tensor_type":
         return None
-    tensor = proto.type.tensor_type
+    tensor = type_proto.tensor_type
     shape: Shape | None = None
     if tensor.HasField("shape"):
-        dims: list[Dim] = []
-        for dim in tensor.shape.dim:
-            if dim.HasField("dim_value"):
-                dims.append(dim.dim_value)
-            elif dim.HasField("dim_param"):
-                dims.append(dim.dim_param)
-            else:
-                dims.append(None)
-        shape = tuple(dims)
+        # one WhichOneof per dim rather than two HasField calls: this runs once per value
+        shape = tuple(
+            dim.dim_value
+            if (kind := dim.WhichOneof("value")) == "dim_value"
+            else dim.dim_param
+            if kind == "dim_param"
+            else None
+            for dim in tensor.shape.dim
+        )
     return ValueType(tensor.elem_type, shape)
+
+
+# Stored for a value whose proto carries no tensor type: known (`in`), but without a type.
+_UNTYPED = object()
 
 
 class TypeTable(MutableMapping[str, ValueType]):
     """Types of a graph's values, converted from their protos only when asked for.
 
     Shape inference annotates every value; converting all of them up front costs more than the
-    whole fusion pass on a large model, and a pass asks about a small fraction.
+    whole fusion pass on a large model, and a pass asks about a small fraction. One dict holds
+    each value's proto until its first lookup, then the converted `ValueType` in its place, so
+    a lookup is one dict access and a type check (`get` is direct, not Mapping's try/except
+    around `__getitem__`: a fusion pass asks several times per match).
     """
 
     def __init__(self) -> None:
-        self._raw: dict[str, onnx.ValueInfoProto | onnx.TensorProto] = {}
-        self._done: dict[str, ValueType] = {}
+        self._entries: dict[str, object] = {}
 
     def add_proto(self, name: str, proto: onnx.ValueInfoProto | onnx.TensorProto) -> None:
         """Remember `proto` as the source of `name`'s type, unless one is known already."""
-        if name not in self._done:
-            self._raw.setdefault(name, proto)
+        self._entries.setdefault(name, proto)
+
+    def get(self, name: str, default: ValueType | None = None) -> ValueType | None:  # type: ignore[override]
+        found = self._entries.get(name)
+        if type(found) is ValueType:
+            return found
+        if found is None or found is _UNTYPED:
+            return default
+        converted = self._convert(name, found)
+        return default if converted is None else converted
+
+    def _convert(self, name: str, proto: object) -> ValueType | None:
+        if isinstance(proto, onnx.TensorProto):
+            found: ValueType | None = ValueType(proto.data_type, tuple(proto.dims))
+        else:
+            assert isinstance(proto, onnx.ValueInfoProto)
+            found = _value_type(proto)
+        self._entries[name] = _UNTYPED if found is None else found
+        return found
 
     def __getitem__(self, name: str) -> ValueType:
-        found = self._done.get(name)
-        if found is not None:
-            return found
-        proto = self._raw[name]
-        if isinstance(proto, onnx.TensorProto):
-            found = ValueType(proto.data_type, tuple(proto.dims))
-        else:
-            found = _value_type(proto)
+        found = self.get(name)
         if found is None:
             raise KeyError(name)
-        self._done[name] = found
         return found
 
     def __setitem__(self, name: str, value: ValueType) -> None:
-        self._done[name] = value
+        self._entries[name] = value
 
     def __delitem__(self, name: str) -> None:
-        self._done.pop(name, None)
-        del self._raw[name]
+        del self._entries[name]
 
     def __contains__(self, name: object) -> bool:
-        return name in self._done or name in self._raw
+        return name in self._entries
 
     def __iter__(self) -> Iterator[str]:
-        yield from self._done
-        yield from (k for k in self._raw if k not in self._done)
+        return iter(self._entries)
 
     def __len__(self) -> int:
-        return len(self._done.keys() | self._raw.keys())
+        return len(self._entries)
 
 
 @dataclass
