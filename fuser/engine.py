@@ -154,9 +154,13 @@ class _Ticker:
     total: int
     done: int = 0
 
-    def visit(self) -> None:
-        self.done += 1
-        if self.report is not None and self.done % PROGRESS_EVERY == 0:
+    def reach(self, done: int) -> None:
+        """`done` visits so far (the pass skips nodes no pattern anchors at: many at once)."""
+        if done <= self.done:
+            return
+        crossed = done // PROGRESS_EVERY != self.done // PROGRESS_EVERY
+        self.done = done
+        if self.report is not None and crossed:
             self.report("match", min(self.done, self.total), self.total)
 
     def stage(self, name: str) -> None:
@@ -211,11 +215,14 @@ def _walk(
 def _run_pattern(
     index: GraphIndex, pattern: Pattern, decider: Decider, log: PassLog, ticker: _Ticker
 ) -> None:
-    anchors = set(pattern.anchors)
-    for node_id in list(index.live_nodes()):
-        ticker.visit()
-        node = index.nodes.get(node_id)
-        if node is None or (node.domain or "", node.op_type) not in anchors:
+    # Only the anchors are visited (a pass over every node read two fields of each, per
+    # pattern); those a rewrite removed are skipped, those it adds are not visited.
+    start, live = ticker.done, len(index.nodes)
+    anchored = index.anchored(pattern.anchors)
+    slots = [index.pos[node_id] for node_id in anchored]  # for progress: nodes passed
+    for node_id, slot in zip(anchored, slots, strict=True):
+        ticker.reach(start + min(slot, live))
+        if node_id not in index.nodes:
             continue
         found = pattern.match(index, node_id)
         if found is None:
@@ -259,6 +266,7 @@ def _run_pattern(
         if decision.reason:  # e.g. "predicted 2.3x faster (symbolic dims priced at 256 ...)"
             notes = (*notes, f"cost model: {decision.reason}")
         _apply(index, found, decision.attributes, decision.prediction, log, notes)
+    ticker.reach(start + live)
 
 
 def _apply(

@@ -14,6 +14,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -155,6 +156,12 @@ class TypeTable(MutableMapping[str, ValueType]):
         """Remember `proto` as the source of `name`'s type, unless one is known already."""
         self._entries.setdefault(name, proto)
 
+    def add_protos(self, protos: Iterable[onnx.ValueInfoProto | onnx.TensorProto]) -> None:
+        """`add_proto(p.name, p)` for each of `protos`."""
+        entries = self._entries
+        for proto in protos:
+            entries.setdefault(proto.name, proto)
+
     def get(self, name: str, default: ValueType | None = None) -> ValueType | None:  # type: ignore[override]
         found = self._entries.get(name)
         if type(found) is ValueType:
@@ -220,10 +227,15 @@ class GraphIndex:
     new_initializers: list[onnx.TensorProto] = field(default_factory=list)
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
+    _runtime_swept: bool = False  # `_sweep_runtime` done
     _reads: dict[int, list[str]] = field(default_factory=dict)
     _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
     _next_id: int = 0
     _added: set[int] = field(default_factory=set)  # ids of nodes made by rewrites
+    _version: int = 0  # bumped by every change to nodes or edges (`_window_memo`'s validity)
+    _window_memo: tuple[Any, list[int], str | None] | None = None  # descendants_in_window's last
+    # ids of the nodes of each (domain, op_type) ever added, dead ones included (`anchored`)
+    by_kind: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     modified: bool = False
 
     @classmethod
@@ -242,23 +254,78 @@ class GraphIndex:
         index.initializers = {t.name: t for t in graph.initializer}
         index.graph_inputs = {v.name for v in graph.input}
         index.graph_outputs = {v.name for v in graph.output}
-        for value in (*graph.input, *graph.output, *graph.value_info):
-            types.add_proto(value.name, value)
-        for tensor in graph.initializer:
-            types.add_proto(tensor.name, tensor)
-        for node in graph.node:
-            index._add_node(node, at_end=False)
-        index._sort_topologically()
+        types.add_protos(graph.input)
+        types.add_protos(graph.output)
+        types.add_protos(graph.value_info)
+        types.add_protos(graph.initializer)
+        if index._index_nodes(graph.node):
+            # already in topological order (the usual case): Kahn's algorithm would keep it
+            count = len(index.nodes)
+            index.order = list(range(count))
+            index.pos = dict(zip(range(count), range(count), strict=True))
+        else:
+            index._sort_topologically()
         return index
 
     # -- construction ---------------------------------------------------------------------------
 
+    def _index_nodes(self, nodes: Iterable[onnx.NodeProto]) -> bool:
+        """`_add_node` for each of a graph's nodes, in one loop (a build's main cost at 100k
+        nodes is per-node Python overhead). Returns whether they are in topological order as
+        given: each value read is produced by an earlier node or is known outside the graph
+        and produced by no node. Otherwise (or on a dangling input or a cycle) the caller
+        sorts, which names the problem."""
+        producer, consumers, reads_of = self.producer, self.consumers, self._reads
+        by_kind, names, index_of = self.by_kind, self.node_names, self.nodes
+        early: set[str] = set()  # read before any node produced it
+        node_id = self._next_id
+        for node in nodes:
+            index_of[node_id] = node
+            if node.name:
+                names.add(node.name)
+            op_type, domain = node.op_type, node.domain
+            kind = (domain or "", op_type)
+            same = by_kind.get(kind)
+            if same is None:
+                by_kind[kind] = [node_id]
+            else:
+                same.append(node_id)
+            if op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx"):
+                reads = self.read_names(node)
+            else:
+                reads = [name for name in node.input if name]
+            reads_of[node_id] = reads
+            for name in reads:
+                readers = consumers.get(name)
+                if readers is None:
+                    consumers[name] = {node_id: None}
+                else:
+                    readers[node_id] = None
+                if name not in producer:
+                    early.add(name)
+            for name in node.output:
+                if name:
+                    if name in producer:
+                        self._twice_produced(name, node)
+                    producer[name] = node_id
+            node_id += 1
+        self._next_id = node_id
+        return not any(name in producer or not self._known_outside(name) for name in early)
+
+    def _twice_produced(self, name: str, node: onnx.NodeProto) -> None:
+        raise ModelLoadError(
+            f"{self.where()}value '{name}' is produced by two nodes "
+            f"('{self.nodes[self.producer[name]].name}' and '{node.name}')"
+        )
+
     def _add_node(self, node: onnx.NodeProto, *, at_end: bool) -> int:
+        self._version += 1
         node_id = self._next_id
         self._next_id += 1
         self.nodes[node_id] = node
         if node.name:
             self.node_names.add(node.name)
+        self.by_kind.setdefault((node.domain or "", node.op_type), []).append(node_id)
         reads = self.read_names(node)
         self._reads[node_id] = reads
         for name in reads:
@@ -266,10 +333,7 @@ class GraphIndex:
         for name in node.output:
             if name:
                 if name in self.producer:
-                    raise ModelLoadError(
-                        f"{self.where()}value '{name}' is produced by two nodes "
-                        f"('{self.nodes[self.producer[name]].name}' and '{node.name}')"
-                    )
+                    self._twice_produced(name, node)
                 self.producer[name] = node_id
         if at_end:
             self.pos[node_id] = len(self.order)
@@ -346,6 +410,14 @@ class GraphIndex:
     def describe(self, node_id: int) -> str:
         node = self.nodes[node_id]
         return node.name or f"{node.op_type}#{node_id}"
+
+    def anchored(self, kinds: Iterable[tuple[str, str]]) -> list[int]:
+        """The live nodes of the given (domain, op_type) kinds, in topological order: what a
+        pass over `live_nodes` that skips every other kind visits, without visiting them."""
+        pos = self.pos
+        found = [i for kind in set(kinds) for i in self.by_kind.get(kind, ()) if i in pos]
+        found.sort(key=pos.__getitem__)
+        return found
 
     def live_nodes(self) -> Iterator[int]:
         """Node ids in topological order."""
@@ -434,6 +506,11 @@ class GraphIndex:
         found = memo.get(name)
         if found is not None:
             return found
+        if not self._runtime_swept:
+            self._sweep_runtime()
+            found = memo.get(name)
+            if found is not None:
+                return found
         stack = [name]
         while stack:
             value = stack[-1]
@@ -462,6 +539,34 @@ class GraphIndex:
             memo[value] = False  # every input known, none runtime-dependent
             stack.pop()
         return memo[name]
+
+    def _sweep_runtime(self) -> None:
+        """`_runtime_dependent` of every value the graph's nodes produce, in one pass in
+        topological order: the first question about a value deep in a graph walks back over
+        most of it anyway, and a forward pass does that work at a fraction of the walk's cost
+        per node. Values made by later rewrites are answered by the walk."""
+        self._runtime_swept = True
+        memo, nodes = self._runtime, self.nodes
+        for node_id in self.order:
+            if node_id is None:
+                continue
+            node = nodes[node_id]
+            dependent = node.op_type in _NONDETERMINISTIC or any(
+                True for _ in _node_subgraphs(node)
+            )
+            if not dependent:
+                for value in node.input:
+                    if not value:
+                        continue
+                    known = memo.get(value)
+                    if known is None:  # not produced before this node: a leaf
+                        known = memo[value] = self._leaf_runtime_dependent(value)
+                    if known:
+                        dependent = True
+                        break
+            for value in node.output:
+                if value:
+                    memo[value] = dependent
 
     def _leaf_runtime_dependent(self, name: str) -> bool:
         """`_runtime_dependent` of a value no node of this graph produces (as
@@ -572,6 +677,18 @@ class GraphIndex:
         into it, so the search stays local.
         """
         member_set = set(members)
+        # check_match asks first, then replace asks the same with nothing changed between
+        key = (self._version, frozenset(member_set), frozenset(fused_inputs))
+        memo = self._window_memo
+        if memo is not None and memo[0] == key:
+            return list(memo[1]), memo[2]
+        after, back_edge = self._descendants(member_set, fused_inputs)
+        self._window_memo = (key, after, back_edge)
+        return list(after), back_edge
+
+    def _descendants(
+        self, member_set: set[int], fused_inputs: set[str]
+    ) -> tuple[list[int], str | None]:
         hi = max(self.pos[m] for m in member_set)
         found: dict[int, None] = {}
         queue = deque(member_set)
@@ -597,6 +714,7 @@ class GraphIndex:
         self.consumers.get(old, {}).pop(node_id, None)
         self.consumers.setdefault(new, {})[node_id] = None
         self._reads[node_id] = self.read_names(node)
+        self._version += 1
         self.modified = True
 
     def replace(
@@ -643,6 +761,7 @@ class GraphIndex:
             if node_id is not None:
                 self.pos[node_id] = lo + offset
         self._drop_dead(removed_inputs)
+        self._version += 1
         self.modified = True
         return fused_id
 
