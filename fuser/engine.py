@@ -23,7 +23,7 @@ from .decide import Decider
 from .errors import FusionError, ModelLoadError
 from .finish import describe
 from .fusedop import DOMAIN, VERSION, TensorInfo
-from .graph import GraphIndex, TypeTable, may_hold_subgraphs, node_subgraphs
+from .graph import SUBGRAPH_OPS, GraphIndex, TypeTable, may_hold_subgraphs, node_subgraphs
 from .matcher import check_match
 from .modelio import LoadedModel
 from .pattern import Match, Pattern, Rejection
@@ -41,8 +41,12 @@ class PassLog:
 
 def count_nodes(graph: onnx.GraphProto) -> int:
     """Nodes in a graph and all its subgraphs."""
-    nested = [g for n in graph.node if may_hold_subgraphs(n) for g in node_subgraphs(n)]
-    return len(graph.node) + sum(count_nodes(g) for g in nested)
+    total = len(graph.node)
+    for node in graph.node:
+        # may_hold_subgraphs, inline: this runs over every node of the model, twice per fuse
+        if node.op_type in SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):
+            total += sum(count_nodes(g) for g in node_subgraphs(node))
+    return total
 
 
 def opset_map(model: onnx.ModelProto) -> dict[str, int]:
@@ -198,10 +202,9 @@ def _walk(
 ) -> Iterator[GraphIndex]:
     """The graph, then (after its own rewrites) each subgraph, depth first."""
     yield index
-    for node_id in list(index.live_nodes()):
+    holders = [k for k in index.by_kind if k[1] in SUBGRAPH_OPS or k[0] not in ("", "ai.onnx")]
+    for node_id in index.anchored(holders):  # the nodes that may hold subgraphs, in order
         node = index.node(node_id)
-        if not may_hold_subgraphs(node):
-            continue
         for attr in node.attribute:
             subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
             for i, sub in enumerate(subs):

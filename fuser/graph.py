@@ -36,6 +36,7 @@ _NONDETERMINISTIC = frozenset(
 )
 # Standard ops that carry subgraphs; other domains are checked attribute by attribute.
 _SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+SUBGRAPH_OPS = _SUBGRAPH_OPS  # public: see may_hold_subgraphs
 # A constant cone larger than this is not folded at fuse time (it would cost more than it saves).
 _MAX_CONSTANT_CONE = 64
 
@@ -123,15 +124,16 @@ def _value_type(proto: onnx.ValueInfoProto) -> ValueType | None:
     tensor = type_proto.tensor_type
     shape: Shape | None = None
     if tensor.HasField("shape"):
-        # one WhichOneof per dim rather than two HasField calls: this runs once per value
-        shape = tuple(
-            dim.dim_value
-            if (kind := dim.WhichOneof("value")) == "dim_value"
-            else dim.dim_param
-            if kind == "dim_param"
-            else None
-            for dim in tensor.shape.dim
-        )
+        dims: list[Dim] = []
+        for dim in tensor.shape.dim:  # one WhichOneof per dim rather than two HasField calls
+            kind = dim.WhichOneof("value")
+            if kind == "dim_value":
+                dims.append(dim.dim_value)
+            elif kind == "dim_param":
+                dims.append(dim.dim_param)
+            else:
+                dims.append(None)
+        shape = tuple(dims)
     return ValueType(tensor.elem_type, shape)
 
 
@@ -551,8 +553,10 @@ class GraphIndex:
             if node_id is None:
                 continue
             node = nodes[node_id]
-            dependent = node.op_type in _NONDETERMINISTIC or any(
-                True for _ in _node_subgraphs(node)
+            op_type = node.op_type
+            dependent = op_type in _NONDETERMINISTIC or (
+                (op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"))
+                and any(True for _ in _node_subgraphs(node))
             )
             if not dependent:
                 for value in node.input:
