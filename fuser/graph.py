@@ -173,6 +173,16 @@ class TypeTable(MutableMapping[str, ValueType]):
         converted = self._convert(name, found)
         return default if converted is None else converted
 
+    def elem_type(self, name: str) -> int | None:
+        """`get(name).elem_type`, without converting an initializer's dims to read it."""
+        found = self._entries.get(name)
+        if type(found) is ValueType:
+            return found.elem_type
+        if isinstance(found, onnx.TensorProto):
+            return int(found.data_type)
+        converted = self.get(name)
+        return None if converted is None else converted.elem_type
+
     def _convert(self, name: str, proto: object) -> ValueType | None:
         if isinstance(proto, onnx.TensorProto):
             found: ValueType | None = ValueType(proto.data_type, tuple(proto.dims))

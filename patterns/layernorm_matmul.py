@@ -553,11 +553,15 @@ class LayerNormMatMulPattern:
 
     def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
         node = graph.node(node_id)
-        norm = (
-            _layernorm_op(graph, node_id)
-            if node.op_type == "LayerNormalization"
-            else _decomposed(graph, node_id)
-        )
+        if node.op_type == "LayerNormalization":
+            norm: _Norm | None = _layernorm_op(graph, node_id)
+        elif not node.input or len(graph.consumers.get(node.input[0], ())) < 2:
+            # A decomposed LayerNorm's mean ReduceMean shares its input with the Sub(x, mean):
+            # a ReduceMean alone on its input (the variance's, an RMSNorm's, a pooling) is
+            # no candidate, and is refused before any walk.
+            return None
+        else:
+            norm = _decomposed(graph, node_id)
         if norm is None:
             return None
         readers = classify(graph, norm.out, _last_dim(graph, norm), narrow=True, selects=True)
