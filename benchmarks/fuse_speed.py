@@ -170,7 +170,9 @@ def median_run(
     make_cmd: Callable[[int], list[str]], cwd: Path, repeat: int, limit: float | None = None
 ) -> Run | None:
     """Medians of `repeat` runs (`make_cmd(i)` gives run i's command); None as soon as one
-    runs past `limit`."""
+    runs past `limit`, or when `repeat` is 0 (not measured)."""
+    if repeat == 0:
+        return None
     runs = []
     for i in range(repeat):
         found = run_process(make_cmd(i), cwd, limit)
@@ -240,7 +242,9 @@ def node_count(path: Path) -> int:
     return int(done.stdout.strip())
 
 
-def cell(run: Run | None, limit: float) -> str:
+def cell(run: Run | None, limit: float, measured: bool = True) -> str:
+    if not measured:
+        return "-"
     return f"> {limit:.0f}" if run is None else f"{run.wall:.2f} ({run.cpu:.2f})"
 
 
@@ -291,7 +295,9 @@ def measure(label: str, path: Path, work: Path, args: argparse.Namespace, onnxsc
     return Row(label, nodes, fused_nodes, fuser, floor, ort, script)
 
 
-def speed_table(rows: list[Row], limit: float, onnxscript: bool) -> Table:
+def speed_table(
+    rows: list[Row], limit: float, onnxscript: bool, ort_measured: bool = True
+) -> Table:
     table = Table(
         title="fuse a model file: whole processes, median wall s (CPU s), peak RSS MB",
         title_justify="left",
@@ -310,7 +316,7 @@ def speed_table(rows: list[Row], limit: float, onnxscript: bool) -> Table:
             str(r.fused_nodes),
             cell(r.fuser, limit),
             cell(r.floor, limit),
-            cell(r.ort, limit),
+            cell(r.ort, limit, ort_measured),
             ratio(r.fuser.wall, r.floor.wall),
             ratio(r.fuser.wall, r.ort.wall if r.ort else None),
             ratio(r.fuser.cpu, r.floor.cpu),
@@ -329,7 +335,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--ort-repeat", type=int, default=1, help="runs of onnxruntime's optimizer")
+    parser.add_argument(
+        "--ort-repeat", type=int, default=1, help="runs of onnxruntime's optimizer (0: not run)"
+    )
     parser.add_argument("--families", default="cnn,transformer,mixed")
     parser.add_argument("--cnn-file", type=Path, default=REAL_CNN, help="the real-CNN row's model")
     parser.add_argument("--no-real-cnn", action="store_true", help="skip the real-CNN row")
@@ -362,7 +370,7 @@ def main() -> None:
                               args.onnxscript and size <= args.onnxscript_max)  # fmt: skip
                 rows.append(row)
                 fuser, floor = cell(row.fuser, args.limit), cell(row.floor, args.limit)
-                ort = cell(row.ort, args.limit)
+                ort = cell(row.ort, args.limit, args.ort_repeat > 0)
                 console.print(f"[dim]{row.label}: fuser {fuser} floor {floor} ort {ort}[/]")
         if not args.no_real_cnn:
             real = args.cnn_file
@@ -371,7 +379,7 @@ def main() -> None:
                               f"uses {REAL_CNN_FALLBACK.name} instead")  # fmt: skip
                 real = REAL_CNN_FALLBACK
             rows.append(measure(f"real: {real.name}", real, work, args, False))
-    console.print(speed_table(rows, args.limit, args.onnxscript))
+    console.print(speed_table(rows, args.limit, args.onnxscript, args.ort_repeat > 0))
     by_label = {r.label: r for r in rows}
     for family in families:
         small, large = by_label.get(f"{family} 10k"), by_label.get(f"{family} 100k")

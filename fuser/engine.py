@@ -26,7 +26,7 @@ from .check_infer import verify as verify
 from .decide import Decider
 from .finish import describe
 from .fusedop import DOMAIN, VERSION, TensorInfo
-from .graph import GraphIndex, TypeTable, may_hold_subgraphs, node_subgraphs
+from .graph import SUBGRAPH_OPS, GraphIndex, TypeTable, may_hold_subgraphs, node_subgraphs
 from .matcher import check_match
 from .modelio import LoadedModel
 from .pattern import Match, Pattern, Rejection
@@ -43,8 +43,12 @@ class PassLog:
 
 def count_nodes(graph: onnx.GraphProto) -> int:
     """Nodes in a graph and all its subgraphs."""
-    nested = [g for n in graph.node if may_hold_subgraphs(n) for g in node_subgraphs(n)]
-    return len(graph.node) + sum(count_nodes(g) for g in nested)
+    total = len(graph.node)
+    for node in graph.node:
+        # may_hold_subgraphs, inline: this runs over every node of the model, twice per fuse
+        if node.op_type in SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):
+            total += sum(count_nodes(g) for g in node_subgraphs(node))
+    return total
 
 
 def opset_map(model: onnx.ModelProto) -> dict[str, int]:
@@ -66,9 +70,13 @@ class _Ticker:
     total: int
     done: int = 0
 
-    def visit(self) -> None:
-        self.done += 1
-        if self.report is not None and self.done % PROGRESS_EVERY == 0:
+    def reach(self, done: int) -> None:
+        """`done` visits so far (the pass skips nodes no pattern anchors at: many at once)."""
+        if done <= self.done:
+            return
+        crossed = done // PROGRESS_EVERY != self.done // PROGRESS_EVERY
+        self.done = done
+        if self.report is not None and crossed:
             self.report("match", min(self.done, self.total), self.total)
 
     def stage(self, name: str) -> None:
@@ -106,10 +114,9 @@ def _walk(
 ) -> Iterator[GraphIndex]:
     """The graph, then (after its own rewrites) each subgraph, depth first."""
     yield index
-    for node_id in list(index.live_nodes()):
+    holders = [k for k in index.by_kind if k[1] in SUBGRAPH_OPS or k[0] not in ("", "ai.onnx")]
+    for node_id in index.anchored(holders):  # the nodes that may hold subgraphs, in order
         node = index.node(node_id)
-        if not may_hold_subgraphs(node):
-            continue
         for attr in node.attribute:
             subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
             for i, sub in enumerate(subs):
@@ -123,11 +130,14 @@ def _walk(
 def _run_pattern(
     index: GraphIndex, pattern: Pattern, decider: Decider, log: PassLog, ticker: _Ticker
 ) -> None:
-    anchors = set(pattern.anchors)
-    for node_id in list(index.live_nodes()):
-        ticker.visit()
-        node = index.nodes.get(node_id)
-        if node is None or (node.domain or "", node.op_type) not in anchors:
+    # Only the anchors are visited (a pass over every node read two fields of each, per
+    # pattern); those a rewrite removed are skipped, those it adds are not visited.
+    start, live = ticker.done, len(index.nodes)
+    anchored = index.anchored(pattern.anchors)
+    slots = [index.pos[node_id] for node_id in anchored]  # for progress: nodes passed
+    for node_id, slot in zip(anchored, slots, strict=True):
+        ticker.reach(start + min(slot, live))
+        if node_id not in index.nodes:
             continue
         found = pattern.match(index, node_id)
         if found is None:
@@ -171,6 +181,7 @@ def _run_pattern(
         if decision.reason:  # e.g. "predicted 2.3x faster (symbolic dims priced at 256 ...)"
             notes = (*notes, f"cost model: {decision.reason}")
         _apply(index, found, decision.attributes, decision.prediction, log, notes)
+    ticker.reach(start + live)
 
 
 def _apply(

@@ -21,6 +21,7 @@ from . import fusedop
 from .bodies.builder import Body, BodyError, BodyRequest
 from .errors import FusionError
 from .fusedop import DOMAIN, VERSION
+from .graph import TypeTable, may_hold_subgraphs
 from .registry import ensure_fused_ops_registered
 
 # NodeProto.overload and FunctionProto.overload exist from IR version 10 on.
@@ -33,6 +34,8 @@ def graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """`graph` and every subgraph in it, depth first."""
     yield graph
     for node in graph.node:
+        if not may_hold_subgraphs(node):  # no other node has graph attributes (see there)
+            continue
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
                 yield from graphs(attr.g)
@@ -49,6 +52,19 @@ def fused_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
 
 def elem_types_from(tables: Mapping[str, Mapping[str, Any]]) -> ElemTypes:
     """A lookup of element types over the per-graph type tables of `engine.infer_types`."""
+
+    typed = [t for t in tables.values() if isinstance(t, TypeTable)]
+    if len(typed) == len(tables):  # the usual case: `TypeTable.elem_type`, no TensorInfo made
+
+        def typed_lookup(name: str) -> int:
+            for table in typed:
+                if name in table:
+                    found = table.elem_type(name)
+                    if found is not None:
+                        return found
+            return 0
+
+        return typed_lookup
 
     def lookup(name: str) -> int:
         info = tensor_info(name, tables)

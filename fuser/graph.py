@@ -14,6 +14,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -35,6 +36,7 @@ _NONDETERMINISTIC = frozenset(
 )
 # Standard ops that carry subgraphs; other domains are checked attribute by attribute.
 _SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+SUBGRAPH_OPS = _SUBGRAPH_OPS  # public: see may_hold_subgraphs
 # A constant cone larger than this is not folded at fuse time (it would cost more than it saves).
 _MAX_CONSTANT_CONE = 64
 
@@ -42,7 +44,7 @@ Dim = int | str | None
 Shape = tuple[Dim, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ValueType:
     """Element type (onnx.TensorProto enum) and shape (None if rank unknown) of a tensor."""
 
@@ -116,16 +118,18 @@ def _constant_node_value(node: onnx.NodeProto, source: LoadedModel) -> np.ndarra
 
 
 def _value_type(proto: onnx.ValueInfoProto) -> ValueType | None:
-    if not proto.type.HasField("tensor_type"):
+    type_proto = proto.type
+    if type_proto.WhichOneof("value") != "tensor_type":
         return None
-    tensor = proto.type.tensor_type
+    tensor = type_proto.tensor_type
     shape: Shape | None = None
     if tensor.HasField("shape"):
         dims: list[Dim] = []
-        for dim in tensor.shape.dim:
-            if dim.HasField("dim_value"):
+        for dim in tensor.shape.dim:  # one WhichOneof per dim rather than two HasField calls
+            kind = dim.WhichOneof("value")
+            if kind == "dim_value":
                 dims.append(dim.dim_value)
-            elif dim.HasField("dim_param"):
+            elif kind == "dim_param":
                 dims.append(dim.dim_param)
             else:
                 dims.append(None)
@@ -133,34 +137,65 @@ def _value_type(proto: onnx.ValueInfoProto) -> ValueType | None:
     return ValueType(tensor.elem_type, shape)
 
 
+# Stored for a value whose proto carries no tensor type: known (`in`), but without a type.
+_UNTYPED = object()
+
+
 class TypeTable(MutableMapping[str, ValueType]):
     """Types of a graph's values, converted from their protos only when asked for.
 
     Shape inference annotates every value; converting all of them up front costs more than the
-    whole fusion pass on a large model, and a pass asks about a small fraction.
+    whole fusion pass on a large model, and a pass asks about a small fraction. One dict holds
+    each value's proto until its first lookup, then the converted `ValueType` in its place, so
+    a lookup is one dict access and a type check (`get` is direct, not Mapping's try/except
+    around `__getitem__`: a fusion pass asks several times per match).
     """
 
     def __init__(self) -> None:
-        self._raw: dict[str, onnx.ValueInfoProto | onnx.TensorProto] = {}
-        self._done: dict[str, ValueType] = {}
+        self._entries: dict[str, object] = {}
 
     def add_proto(self, name: str, proto: onnx.ValueInfoProto | onnx.TensorProto) -> None:
         """Remember `proto` as the source of `name`'s type, unless one is known already."""
-        if name not in self._done:
-            self._raw.setdefault(name, proto)
+        self._entries.setdefault(name, proto)
+
+    def add_protos(self, protos: Iterable[onnx.ValueInfoProto | onnx.TensorProto]) -> None:
+        """`add_proto(p.name, p)` for each of `protos`."""
+        entries = self._entries
+        for proto in protos:
+            entries.setdefault(proto.name, proto)
+
+    def get(self, name: str, default: ValueType | None = None) -> ValueType | None:  # type: ignore[override]
+        found = self._entries.get(name)
+        if type(found) is ValueType:
+            return found
+        if found is None or found is _UNTYPED:
+            return default
+        converted = self._convert(name, found)
+        return default if converted is None else converted
+
+    def elem_type(self, name: str) -> int | None:
+        """`get(name).elem_type`, without converting an initializer's dims to read it."""
+        found = self._entries.get(name)
+        if type(found) is ValueType:
+            return found.elem_type
+        if isinstance(found, onnx.TensorProto):
+            return int(found.data_type)
+        converted = self.get(name)
+        return None if converted is None else converted.elem_type
+
+    def _convert(self, name: str, proto: object) -> ValueType | None:
+        if isinstance(proto, onnx.TensorProto):
+            found: ValueType | None = ValueType(proto.data_type, tuple(proto.dims))
+        else:
+            assert isinstance(proto, onnx.ValueInfoProto)
+            found = _value_type(proto)
+        self._entries[name] = _UNTYPED if found is None else found
+        return found
 
     def __getitem__(self, name: str) -> ValueType:
-        found = self._done.get(name)
-        if found is not None:
-            return found
-        proto = self._raw[name]
-        if isinstance(proto, onnx.TensorProto):
-            found = ValueType(proto.data_type, tuple(proto.dims))
-        else:
-            found = _value_type(proto)
+        found = self.get(name)
         if found is None:
             raise KeyError(name)
-        self._done[name] = found
         return found
 
     def get(  # type: ignore[override]  # Mapping.get's overloads, one signature here
@@ -179,21 +214,19 @@ class TypeTable(MutableMapping[str, ValueType]):
             return default
 
     def __setitem__(self, name: str, value: ValueType) -> None:
-        self._done[name] = value
+        self._entries[name] = value
 
     def __delitem__(self, name: str) -> None:
-        self._done.pop(name, None)
-        del self._raw[name]
+        del self._entries[name]
 
     def __contains__(self, name: object) -> bool:
-        return name in self._done or name in self._raw
+        return name in self._entries
 
     def __iter__(self) -> Iterator[str]:
-        yield from self._done
-        yield from (k for k in self._raw if k not in self._done)
+        return iter(self._entries)
 
     def __len__(self) -> int:
-        return len(self._done.keys() | self._raw.keys())
+        return len(self._entries)
 
 
 @dataclass
@@ -221,10 +254,15 @@ class GraphIndex:
     new_initializers: list[onnx.TensorProto] = field(default_factory=list)
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
+    _runtime_swept: bool = False  # `_sweep_runtime` done
     _reads: dict[int, list[str]] = field(default_factory=dict)
     _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
     _next_id: int = 0
     _added: set[int] = field(default_factory=set)  # ids of nodes made by rewrites
+    _version: int = 0  # bumped by every change to nodes or edges (`_window_memo`'s validity)
+    _window_memo: tuple[Any, list[int], str | None] | None = None  # descendants_in_window's last
+    # ids of the nodes of each (domain, op_type) ever added, dead ones included (`anchored`)
+    by_kind: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     modified: bool = False
 
     @classmethod
@@ -243,23 +281,78 @@ class GraphIndex:
         index.initializers = {t.name: t for t in graph.initializer}
         index.graph_inputs = {v.name for v in graph.input}
         index.graph_outputs = {v.name for v in graph.output}
-        for value in (*graph.input, *graph.output, *graph.value_info):
-            types.add_proto(value.name, value)
-        for tensor in graph.initializer:
-            types.add_proto(tensor.name, tensor)
-        for node in graph.node:
-            index._add_node(node, at_end=False)
-        index._sort_topologically()
+        types.add_protos(graph.input)
+        types.add_protos(graph.output)
+        types.add_protos(graph.value_info)
+        types.add_protos(graph.initializer)
+        if index._index_nodes(graph.node):
+            # already in topological order (the usual case): Kahn's algorithm would keep it
+            count = len(index.nodes)
+            index.order = list(range(count))
+            index.pos = dict(zip(range(count), range(count), strict=True))
+        else:
+            index._sort_topologically()
         return index
 
     # -- construction ---------------------------------------------------------------------------
 
+    def _index_nodes(self, nodes: Iterable[onnx.NodeProto]) -> bool:
+        """`_add_node` for each of a graph's nodes, in one loop (a build's main cost at 100k
+        nodes is per-node Python overhead). Returns whether they are in topological order as
+        given: each value read is produced by an earlier node or is known outside the graph
+        and produced by no node. Otherwise (or on a dangling input or a cycle) the caller
+        sorts, which names the problem."""
+        producer, consumers, reads_of = self.producer, self.consumers, self._reads
+        by_kind, names, index_of = self.by_kind, self.node_names, self.nodes
+        early: set[str] = set()  # read before any node produced it
+        node_id = self._next_id
+        for node in nodes:
+            index_of[node_id] = node
+            if node.name:
+                names.add(node.name)
+            op_type, domain = node.op_type, node.domain
+            kind = (domain or "", op_type)
+            same = by_kind.get(kind)
+            if same is None:
+                by_kind[kind] = [node_id]
+            else:
+                same.append(node_id)
+            if op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx"):
+                reads = self.read_names(node)
+            else:
+                reads = [name for name in node.input if name]
+            reads_of[node_id] = reads
+            for name in reads:
+                readers = consumers.get(name)
+                if readers is None:
+                    consumers[name] = {node_id: None}
+                else:
+                    readers[node_id] = None
+                if name not in producer:
+                    early.add(name)
+            for name in node.output:
+                if name:
+                    if name in producer:
+                        self._twice_produced(name, node)
+                    producer[name] = node_id
+            node_id += 1
+        self._next_id = node_id
+        return not any(name in producer or not self._known_outside(name) for name in early)
+
+    def _twice_produced(self, name: str, node: onnx.NodeProto) -> None:
+        raise ModelLoadError(
+            f"{self.where()}value '{name}' is produced by two nodes "
+            f"('{self.nodes[self.producer[name]].name}' and '{node.name}')"
+        )
+
     def _add_node(self, node: onnx.NodeProto, *, at_end: bool) -> int:
+        self._version += 1
         node_id = self._next_id
         self._next_id += 1
         self.nodes[node_id] = node
         if node.name:
             self.node_names.add(node.name)
+        self.by_kind.setdefault((node.domain or "", node.op_type), []).append(node_id)
         reads = self.read_names(node)
         self._reads[node_id] = reads
         for name in reads:
@@ -267,10 +360,7 @@ class GraphIndex:
         for name in node.output:
             if name:
                 if name in self.producer:
-                    raise ModelLoadError(
-                        f"{self.where()}value '{name}' is produced by two nodes "
-                        f"('{self.nodes[self.producer[name]].name}' and '{node.name}')"
-                    )
+                    self._twice_produced(name, node)
                 self.producer[name] = node_id
         if at_end:
             self.pos[node_id] = len(self.order)
@@ -347,6 +437,14 @@ class GraphIndex:
     def describe(self, node_id: int) -> str:
         node = self.nodes[node_id]
         return node.name or f"{node.op_type}#{node_id}"
+
+    def anchored(self, kinds: Iterable[tuple[str, str]]) -> list[int]:
+        """The live nodes of the given (domain, op_type) kinds, in topological order: what a
+        pass over `live_nodes` that skips every other kind visits, without visiting them."""
+        pos = self.pos
+        found = [i for kind in set(kinds) for i in self.by_kind.get(kind, ()) if i in pos]
+        found.sort(key=pos.__getitem__)
+        return found
 
     def live_nodes(self) -> Iterator[int]:
         """Node ids in topological order."""
@@ -435,6 +533,11 @@ class GraphIndex:
         found = memo.get(name)
         if found is not None:
             return found
+        if not self._runtime_swept:
+            self._sweep_runtime()
+            found = memo.get(name)
+            if found is not None:
+                return found
         stack = [name]
         while stack:
             value = stack[-1]
@@ -463,6 +566,36 @@ class GraphIndex:
             memo[value] = False  # every input known, none runtime-dependent
             stack.pop()
         return memo[name]
+
+    def _sweep_runtime(self) -> None:
+        """`_runtime_dependent` of every value the graph's nodes produce, in one pass in
+        topological order: the first question about a value deep in a graph walks back over
+        most of it anyway, and a forward pass does that work at a fraction of the walk's cost
+        per node. Values made by later rewrites are answered by the walk."""
+        self._runtime_swept = True
+        memo, nodes = self._runtime, self.nodes
+        for node_id in self.order:
+            if node_id is None:
+                continue
+            node = nodes[node_id]
+            op_type = node.op_type
+            dependent = op_type in _NONDETERMINISTIC or (
+                (op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"))
+                and any(True for _ in _node_subgraphs(node))
+            )
+            if not dependent:
+                for value in node.input:
+                    if not value:
+                        continue
+                    known = memo.get(value)
+                    if known is None:  # not produced before this node: a leaf
+                        known = memo[value] = self._leaf_runtime_dependent(value)
+                    if known:
+                        dependent = True
+                        break
+            for value in node.output:
+                if value:
+                    memo[value] = dependent
 
     def _leaf_runtime_dependent(self, name: str) -> bool:
         """`_runtime_dependent` of a value no node of this graph produces (as
@@ -573,6 +706,18 @@ class GraphIndex:
         into it, so the search stays local.
         """
         member_set = set(members)
+        # check_match asks first, then replace asks the same with nothing changed between
+        key = (self._version, frozenset(member_set), frozenset(fused_inputs))
+        memo = self._window_memo
+        if memo is not None and memo[0] == key:
+            return list(memo[1]), memo[2]
+        after, back_edge = self._descendants(member_set, fused_inputs)
+        self._window_memo = (key, after, back_edge)
+        return list(after), back_edge
+
+    def _descendants(
+        self, member_set: set[int], fused_inputs: set[str]
+    ) -> tuple[list[int], str | None]:
         hi = max(self.pos[m] for m in member_set)
         found: dict[int, None] = {}
         queue = deque(member_set)
@@ -598,6 +743,7 @@ class GraphIndex:
         self.consumers.get(old, {}).pop(node_id, None)
         self.consumers.setdefault(new, {})[node_id] = None
         self._reads[node_id] = self.read_names(node)
+        self._version += 1
         self.modified = True
 
     def replace(
@@ -644,6 +790,7 @@ class GraphIndex:
             if node_id is not None:
                 self.pos[node_id] = lo + offset
         self._drop_dead(removed_inputs)
+        self._version += 1
         self.modified = True
         return fused_id
 

@@ -94,6 +94,8 @@ def is_cast_to(node: onnx.NodeProto, elem_type: int | None) -> bool:
 
 def is_noop_cast(graph: GraphIndex, node: onnx.NodeProto) -> bool:
     """A Cast to the dtype its input already has."""
+    if node.op_type != "Cast":  # before the type lookup: most nodes asked about are no Cast
+        return False
     source = graph.elem_type(node.input[0]) if node.input else None
     return bool(source) and is_cast_to(node, source)
 

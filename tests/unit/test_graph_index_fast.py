@@ -1,0 +1,149 @@
+"""The index's fast paths give the answers of the slow ones they replace: the already-sorted
+build against Kahn's sort, the runtime-dependence sweep against the per-value walk, `anchored`
+against a filtered pass over `live_nodes`, and the one-dict `TypeTable` against its mapping
+semantics (a proto without a tensor type is known but untyped)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fuser.errors import ModelLoadError
+from fuser.graph import GraphIndex, TypeTable, ValueType
+from fuser.modelio import load_model
+
+
+def _random_model(seed: int, n_nodes: int) -> onnx.ModelProto:
+    """Binary and unary ops over the input 'x', initializers 'w0', 'w1' and an overridable
+    'over' (also a graph input), with a RandomNormalLike now and then, wired at random."""
+    rng = random.Random(seed)
+    values = ["x", "over", "w0", "w1"]
+    inits = [numpy_helper.from_array(np.full((2,), i, np.float32), n) for i, n in enumerate(values)]
+    nodes = []
+    for i in range(n_nodes):
+        pick = rng.random()
+        if pick < 0.1:
+            node = helper.make_node("RandomNormalLike", [rng.choice(values)], [f"v{i}"])
+        elif pick < 0.3:
+            node = helper.make_node(rng.choice(["Relu", "Neg"]), [rng.choice(values)], [f"v{i}"])
+        else:
+            pair = [rng.choice(values), rng.choice(values[2:])]
+            node = helper.make_node(rng.choice(["Add", "Mul"]), pair, [f"v{i}"])
+        nodes.append(node)
+        values.append(f"v{i}")
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("x", "over")]
+    outputs = [helper.make_tensor_value_info(values[-1], TensorProto.FLOAT, [2])]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=inits[1:])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _index(model: onnx.ModelProto) -> GraphIndex:
+    loaded = load_model(model)
+    return GraphIndex.build(loaded.model.graph, loaded, {"": 17}, TypeTable())
+
+
+def _model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto] = ()) -> onnx.ModelProto:  # type: ignore[assignment]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, [2])
+    graph = helper.make_graph(nodes, "g", [x], [y], initializer=list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_shuffled_graph_is_sorted_and_a_sorted_one_kept(seed: int) -> None:
+    model = _random_model(seed, 50)
+    sorted_index = _index(model)
+    assert sorted_index.order == list(range(50)) and not sorted_index.modified
+    shuffled = onnx.ModelProto()
+    shuffled.CopyFrom(model)
+    nodes = list(shuffled.graph.node)
+    random.Random(seed).shuffle(nodes)
+    del shuffled.graph.node[:]
+    shuffled.graph.node.extend(nodes)
+    index = _index(shuffled)
+    assert index.modified
+    seen = {"x", "over", "w0", "w1"}
+    for node_id in index.live_nodes():  # every value read is produced before
+        node = index.node(node_id)
+        assert set(node.input) <= seen, node.output[0]
+        seen.update(node.output)
+    assert sorted(index.order) == list(range(50))  # type: ignore[type-var]
+    assert all(index.pos[i] == slot for slot, i in enumerate(index.live_nodes()))
+
+
+def test_a_value_read_as_initializer_and_produced_later_is_ordered_by_its_producer() -> None:
+    # 'w' is an initializer and also the output of the second node: the first node's read
+    # depends on that producer, so the fast path must not take the given order as sorted.
+    w = numpy_helper.from_array(np.ones((2,), np.float32), "w")
+    nodes = [
+        helper.make_node("Add", ["x", "w"], ["a"]),
+        helper.make_node("Relu", ["x"], ["w"]),
+    ]
+    index = _index(_model(nodes, [w]))
+    assert index.order == [1, 0]
+
+
+def test_dangling_input_cycle_and_double_producer_are_named() -> None:
+    dangling = [helper.make_node("Relu", ["nowhere"], ["a"])]
+    with pytest.raises(ModelLoadError, match=r"'nowhere'.*dangling"):
+        _index(_model(dangling))
+    cycle = [helper.make_node("Add", ["x", "a"], ["a"])]
+    with pytest.raises(ModelLoadError, match="reads its own output 'a'"):
+        _index(_model(cycle))
+    twice = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["x"], ["a"])]
+    with pytest.raises(ModelLoadError, match="'a' is produced by two nodes"):
+        _index(_model(twice))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_runtime_sweep_agrees_with_the_walk(seed: int) -> None:
+    model = _random_model(seed, 80)
+    names = [o for n in model.graph.node for o in n.output]
+    swept, walked = _index(model), _index(model)
+    walked._runtime_swept = True  # never sweeps: every answer from the walk
+    rng = random.Random(seed)
+    rng.shuffle(names)
+    answers = [swept._runtime_dependent(name) for name in names]
+    assert answers == [walked._runtime_dependent(name) for name in names]
+    assert True in answers and False in answers  # both kinds present
+
+
+def test_anchored_is_a_filtered_pass_in_topological_order() -> None:
+    model = _random_model(3, 60)
+    nodes = list(model.graph.node)
+    nodes.reverse()  # out of order: the index sorts, and anchored follows its order
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    index = _index(model)
+    kinds = [("", "Mul"), ("", "Relu")]
+    want = [i for i in index.live_nodes() if ("", index.node(i).op_type) in kinds]
+    assert index.anchored(kinds) == want and want
+    gone = want[len(want) // 2]
+    index.nodes.pop(gone)  # as a rewrite leaves it: out of nodes and pos
+    index.order[index.pos.pop(gone)] = None
+    assert index.anchored(kinds) == [i for i in want if i != gone]
+
+
+def test_type_table_keeps_the_first_proto_and_knows_untyped_values() -> None:
+    table = TypeTable()
+    typed = helper.make_tensor_value_info("a", TensorProto.FLOAT16, ["n", 3, None])
+    table.add_proto("a", typed)
+    table.add_proto("a", helper.make_tensor_value_info("a", TensorProto.FLOAT, [1]))  # ignored
+    untyped = onnx.ValueInfoProto(name="u")
+    table.add_protos([untyped, numpy_helper.from_array(np.zeros((4, 5), np.int64), "w")])
+    assert table.get("a") == ValueType(TensorProto.FLOAT16, ("n", 3, None))
+    assert table["a"] is table.get("a")  # converted once, then kept
+    assert "u" in table and table.get("u") is None and table.elem_type("u") is None
+    with pytest.raises(KeyError):
+        table["u"]
+    assert table.elem_type("w") == TensorProto.INT64
+    assert table.get("w") == ValueType(TensorProto.INT64, (4, 5))
+    assert table.get("missing") is None and "missing" not in table
+    table["a"] = ValueType(TensorProto.FLOAT, (2,))
+    assert table.elem_type("a") == TensorProto.FLOAT
+    del table["w"]
+    assert sorted(table) == ["a", "u"] and len(table) == 2
