@@ -26,7 +26,7 @@ from .check_infer import verify as verify
 from .decide import Decider
 from .finish import describe
 from .fusedop import DOMAIN, VERSION, TensorInfo
-from .graph import SUBGRAPH_OPS, GraphIndex, TypeTable, may_hold_subgraphs, node_subgraphs
+from .graph import SUBGRAPH_OPS, GraphIndex, TypeTable, node_subgraphs
 from .matcher import check_match
 from .modelio import LoadedModel
 from .pattern import Match, Pattern, Rejection

@@ -198,21 +198,6 @@ class TypeTable(MutableMapping[str, ValueType]):
             raise KeyError(name)
         return found
 
-    def get(  # type: ignore[override]  # Mapping.get's overloads, one signature here
-        self, name: str, default: ValueType | None = None
-    ) -> ValueType | None:
-        """`Mapping.get` without the abc's try/except around `__getitem__` (asked per value of
-        every match)."""
-        found = self._done.get(name)
-        if found is not None:
-            return found
-        if name not in self._raw:
-            return default
-        try:
-            return self[name]
-        except KeyError:
-            return default
-
     def __setitem__(self, name: str, value: ValueType) -> None:
         self._entries[name] = value
 
