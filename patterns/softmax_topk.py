@@ -39,6 +39,9 @@ from fuser.pattern import Match, Rejection, rejection
 
 from . import _dense_gate, _gating
 
+#: How a Reshape of [tokens, ...] keeps the rows (the group split and its flatten back).
+rows_reshape = _gating.rows_reshape
+
 NAME = "softmax_topk"
 PRIORITY = 40
 
@@ -234,7 +237,7 @@ SOFTMAX_TOPK = FusedOp(
         Param("X", "T", "logits"),
         Param(
             "selection_bias",
-            "V",
+            "B",
             "per-expert bias added to the scores for the choice only "
             "(DeepSeek-V3 e_score_correction_bias); the values stay unbiased",
             "optional",
@@ -280,6 +283,7 @@ SOFTMAX_TOPK = FusedOp(
     type_constraints=(
         ("T", FLOAT_TYPES, "float tensors"),
         ("V", FLOAT_TYPES, "T, or float32 with to_float32"),
+        ("B", FLOAT_TYPES, "V, or float32 on float16 X (the choice computed in float32)"),
     ),
     infer=_infer,
     reference=reference,
@@ -522,6 +526,26 @@ def _finish(graph: GraphIndex, values: str, rank: int | None) -> _Finish:
 _SCORE_OF = {"Softmax": SOFTMAX, "Sigmoid": SIGMOID, "LogSoftmax": LOG_SOFTMAX}
 
 
+def _uncast_problem(
+    graph: GraphIndex, x: str, to_float32: int, cast_id: int | None
+) -> _Problem | None:
+    """Why the choice on Cast(scores, float32) cannot be fused beside weights gathered from the
+    uncast scores, or None: only 16-bit scores, whose chain the op computes in float32."""
+    elem = graph.elem_type(x)
+    if cast_id is None or not to_float32:
+        return _Problem("the scores are not cast to float32 for the choice", x)
+    if elem != TensorProto.FLOAT16:
+        what = "of unknown type" if not elem else helper.tensor_dtype_to_np_dtype(elem).name
+        cast = graph.node(cast_id)
+        return _Problem(
+            f"the choice reads Cast '{cast.name or 'Cast'}' of the {what} scores to float32 "
+            "while the weights are gathered from the uncast scores; SoftmaxTopK takes that "
+            "only for float16 scores (whose chain it computes in float32)",
+            cast.output[0],
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class SoftmaxTopKPattern:
     """Scores (Softmax, Sigmoid, LogSoftmax) -> [Cast] -> [bias, group limit] -> TopK [->
@@ -558,7 +582,8 @@ class SoftmaxTopKPattern:
             scores = softmax.output[0] if cast_id is None else graph.node(cast_id).output[0]
             shape = graph.shape(scores)
             experts = shape[-1] if shape and isinstance(shape[-1], int) else None
-            found = _gating.selection(graph, scores, experts)
+            uncast = softmax.output[0] if cast_id is not None else None
+            found = _gating.selection(graph, scores, experts, uncast)
             if isinstance(found, _gating.Problem):
                 ids = [node_id, *([cast_id] if cast_id is not None else [])]
                 return rejection(self.name, graph, ids, found.reason, found.value)
@@ -592,6 +617,15 @@ class SoftmaxTopKPattern:
         if isinstance(common, _Problem):
             return rejection(self.name, graph, ids, common.reason, common.value)
         k, to_float32 = common
+        if sel.uncast:
+            # A float32 bias on 16-bit scores: Cast(scores, float32) + bias chooses, the
+            # weights come from the scores themselves. The op computes a 16-bit chain's scores
+            # and choice in float32 (`compute_dtype`), so this is that chain with a float32
+            # bias and values in X's type; for other types the Cast would round.
+            uncast = _uncast_problem(graph, x, to_float32, cast_id)
+            if uncast is not None:
+                return rejection(self.name, graph, ids, uncast.reason, uncast.value)
+            to_float32 = 0
         if rank != 2 and sel.n_group > 1:
             return rejection(
                 self.name, graph, ids,

@@ -58,9 +58,10 @@ def build(request: BodyRequest) -> Body:
         probs = scored("X", "probs")
         scores = cast(probs)
         if bias or n_group > 1:
-            choice = g.op("Add", scores, "selection_bias") if bias else scores
+            chosen = choice_scores(g, scores, values_type)  # gateforms: float32 bias
+            choice = g.op("Add", chosen, "selection_bias") if bias else chosen
             if n_group > 1:
-                choice = _group_limit(g, choice, values_type)
+                choice = _group_limit(g, choice, choice_type(g, values_type))
             if g.opset < 11:
                 raise BodyError("the gather of the unbiased scores needs opset 11+")
             _, indices = _topk(g, choice, None)
@@ -170,3 +171,25 @@ def _topk(g: BodyGraph, x: str, values: str | None) -> tuple[str, str]:
         inputs, refs["k"] = [x], "k"
     found = g.node("TopK", inputs, out=out, refs=refs)
     return found[0], found[1]
+
+
+# -- gateforms: a float32 selection bias on float16 scores ----------------------------------------
+
+
+def choice_type(g: BodyGraph, values_type: int) -> int:
+    """The type the choice is made in: float32 when a float32 `selection_bias` meets float16
+    scores (the original's Cast(scores, float32) before the Add), else the values' type."""
+    types = g.request.input_types
+    bias_type = types[1] if g.request.has_input(1) and len(types) > 1 else 0
+    if bias_type == TensorProto.FLOAT and values_type == TensorProto.FLOAT16:
+        return TensorProto.FLOAT
+    return values_type
+
+
+def choice_scores(g: BodyGraph, scores: str, values_type: int) -> str:
+    """The scores the choice reads: cast to float32 for a float32 bias on float16 scores (the
+    variant then named `bias32`; the values are still gathered from the uncast scores)."""
+    if choice_type(g, values_type) == values_type:
+        return scores
+    g.variant.append("bias32")
+    return g.op("Cast", scores, to=TensorProto.FLOAT)
