@@ -240,12 +240,28 @@ def _group_limit(
     where_id, reshape_id = wheres[0], reshapes[0]
     where, reshape = graph.node(where_id), graph.node(reshape_id)
     split = _ints(graph, reshape.input[1])
-    if split is None or len(split) != 3:
+    shape = graph.shape(choice)
+    rows = shape[0] if shape else None
+    if split is None:
+        # A split computed at run time (`view(bsz * seq_len, G, -1)`): its output's typed shape
+        # [rows, G, E/G], the rows the choice's own, shows the grouping; else it is refused.
+        if not _readers(graph, reshape.output[0], "TopK"):
+            return None
+        out = graph.shape(reshape.output[0])
+        if experts is None or out is None or len(out) != 3 or not same_dim(out[0], rows) or \
+                not isinstance(out[1], int) or not isinstance(out[2], int):  # fmt: skip
+            return Problem(
+                f"the group split of Reshape '{_name(graph, reshape_id)}' is computed at run "
+                f"time ('{reshape.input[1]}') and its output's shape {_dims(out)} does not show "
+                f"[rows of '{choice}', groups, size]",
+                reshape.input[1],
+            )
+        split = [-1, out[1], out[2]]
+    if len(split) != 3:
         return None
     if experts is None:
         return Problem(f"the number of experts of '{choice}' is unknown", choice)
-    shape = graph.shape(choice)
-    tokens = shape[0] if shape and isinstance(shape[0], int) else None
+    tokens = rows if isinstance(rows, int) else None
     grouping = rows_reshape(split, [experts], tokens, int(attr(reshape, "allowzero", 0)))
     if isinstance(grouping, str) or len(grouping) != 2 or min(grouping) < 1:
         why = grouping if isinstance(grouping, str) else f"as {split}: not [tokens, groups, size]"
@@ -318,6 +334,16 @@ def _group_limit(
         cond = node.input[0]
     flat_id = _producer(graph, cond, "Reshape")
     flat_shape = _ints(graph, graph.node(flat_id).input[1]) if flat_id is not None else None
+    if flat_id is not None and flat_shape is None:
+        flat_shape = _typed_as(graph, graph.node(flat_id).output[0], rows, [experts], [-1, experts])
+        if flat_shape is None:
+            return Problem(
+                f"the flatten of the group mask, Reshape '{_name(graph, flat_id)}', is computed "
+                f"at run time ('{graph.node(flat_id).input[1]}') and its output's shape "
+                f"{_dims(graph.shape(graph.node(flat_id).output[0]))} does not show [rows of "
+                f"'{choice}', {experts}]",
+                graph.node(flat_id).input[1],
+            )
     if flat_id is None or flat_shape is None or len(flat_shape) != 2:
         return Problem(f"the condition '{where.input[0]}' of Where is not a group mask", cond)
     flat = graph.node(flat_id)
@@ -331,6 +357,11 @@ def _group_limit(
         )
     expand_id = _producer(graph, graph.node(flat_id).input[0], "Expand")
     expand_to = _ints(graph, graph.node(expand_id).input[1]) if expand_id is not None else None
+    if expand_id is not None and expand_to is None:
+        # `expand(bsz * seq_len, G, E/G)`: a shape computed at run time, taken when the output's
+        # typed shape is [rows of the choice, G, E/G] (it then broadcasts the flags as [1, ...]).
+        out = graph.node(expand_id).output[0]
+        expand_to = _typed_as(graph, out, rows, [n_group, size], [1, n_group, size])
     if expand_id is None or expand_to is None or len(expand_to) != 3 or \
             expand_to[1:] not in ([n_group, size], [1, size]) or expand_to[0] != 1:  # fmt: skip
         return Problem(
@@ -434,3 +465,24 @@ def rows_reshape(
     if int(np.prod(rest)) != total:
         return f"{target} does not keep the rows ({total} values per row, not {rest})"
     return rest
+
+
+def same_dim(a: object, b: object) -> bool:
+    """Whether two dims are known to be equal: the same size, or the same symbol (a symbol
+    names one size throughout a graph; onnx's own `unk__` symbols are each unique)."""
+    return a is not None and a != "" and a == b
+
+
+def _dims(shape: tuple[object, ...] | None) -> str:
+    return "unknown" if shape is None else str([d if d not in (None, "") else "?" for d in shape])
+
+
+def _typed_as(
+    graph: GraphIndex, value: str, rows: object, inner: list[int], target: list[int]
+) -> list[int] | None:
+    """`target` when `value`'s typed shape is [rows, *inner] (the rows the same dim), else
+    None: what a run-time shape is shown to be by the types the exporter proved."""
+    shape = graph.shape(value)
+    if shape is None or len(shape) != 1 + len(inner) or not same_dim(shape[0], rows):
+        return None
+    return target if list(shape[1:]) == inner else None

@@ -443,11 +443,14 @@ def _renormalization(
     sums = [
         r for r in readers if _is_op(graph, r, "ReduceSum") and graph.node(r).input[0] == values
     ]
+    cast_ids = _sum_casts(graph, values) if not sums else []
+    if cast_ids:
+        sums = [cast_ids[1]]
     if not sums:
         return [], "", 0.0
     sum_id = sums[0]
     reduce = graph.node(sum_id)
-    total = reduce.output[0]
+    total = reduce.output[0] if not cast_ids else graph.node(cast_ids[2]).output[0]
     eps_ids: list[int] = []
     epsilon = 0.0
     denominator = total
@@ -476,13 +479,13 @@ def _renormalization(
     if not divs:
         return [], "", 0.0
     div_id = divs[0]
-    ids = [sum_id, *eps_ids, div_id]
+    ids = [*cast_ids[:1], sum_id, *cast_ids[2:], *eps_ids, div_id]
     left_out = f"renormalization ({', '.join(repr(graph.describe(i)) for i in ids)}) left unfused: "
     others = [r for r in readers if r not in ids]
     if others or graph.is_graph_output(values):
         who = f"read by '{graph.describe(others[0])}'" if others else "a graph output"
         return [], left_out + f"the top-k values '{values}' are also {who}", 0.0
-    for inner in (total, denominator) if eps_ids else (total,):
+    for inner in (total, denominator, reduce.output[0]) if eps_ids else (total, reduce.output[0]):
         if len(graph.readers(inner)) > 1 or graph.is_graph_output(inner):
             return [], left_out + f"the sum '{inner}' is also read elsewhere", 0.0
     if int(_attr(reduce, "keepdims", 1)) != 1:
@@ -497,6 +500,28 @@ def _renormalization(
     if axes is None or len(axes) != 1 or axes[0] not in last:
         return [], left_out + f"ReduceSum axes {axes} are not the last axis alone", 0.0
     return ids, "", epsilon
+
+
+def _sum_casts(graph: GraphIndex, values: str) -> list[int]:
+    """[Cast up, ReduceSum, Cast back] when float16 `values` are summed in float32 (dynamo's
+    `sum` of a float16 tensor: Cast(float32) -> ReduceSum -> Cast(float16)), else []. The op
+    computes a float16 chain in float32 and rounds once (`compute_dtype`): the same sum."""
+    if graph.elem_type(values) != TensorProto.FLOAT16:
+        return []
+    for up in graph.readers(values):
+        if (
+            not _is_op(graph, up, "Cast")
+            or int(_attr(graph.node(up), "to", 0)) != TensorProto.FLOAT
+        ):
+            continue
+        for sum_id in graph.readers(graph.node(up).output[0]):
+            if not _is_op(graph, sum_id, "ReduceSum"):
+                continue
+            for back in graph.readers(graph.node(sum_id).output[0]):
+                node = graph.node(back)
+                if _is_op(graph, back, "Cast") and int(_attr(node, "to", 0)) == TensorProto.FLOAT16:
+                    return [up, sum_id, back]
+    return []
 
 
 def _finish(graph: GraphIndex, values: str, rank: int | None) -> _Finish:
@@ -524,6 +549,51 @@ def _finish(graph: GraphIndex, values: str, rank: int | None) -> _Finish:
 
 
 _SCORE_OF = {"Softmax": SOFTMAX, "Sigmoid": SIGMOID, "LogSoftmax": LOG_SOFTMAX}
+
+
+def _view_problem(graph: GraphIndex, reshape_id: int) -> _Problem | None:
+    """Why a Reshape of the [tokens, experts] scores (`scores.view(bsz * seq_len, -1)`) is not
+    shown to keep them as they are, or None: a constant shape that keeps the rows, or a shape
+    computed at run time whose output is typed [the same rows, experts]."""
+    node = graph.node(reshape_id)
+    name = node.name or "Reshape"
+    before = graph.shape(node.input[0])
+    if before is None or len(before) != 2 or not isinstance(before[1], int):
+        return _Problem(
+            f"Reshape '{name}' of the scores '{node.input[0]}' (shape "
+            f"{'unknown' if before is None else list(before)}): SoftmaxTopK takes a view of "
+            "[tokens, experts] scores only",
+            node.input[0],
+        )
+    experts = before[1]
+    target = graph.constant(node.input[1])
+    if target is not None:
+        tokens = before[0] if isinstance(before[0], int) else None
+        kept = _gating.rows_reshape(
+            [int(d) for d in target.reshape(-1)],
+            [experts],
+            tokens,
+            int(_attr(node, "allowzero", 0)),
+        )
+        if kept == [experts]:
+            return None
+        why = kept if isinstance(kept, str) else f"it makes [tokens, {kept}]"
+        return _Problem(
+            f"Reshape '{name}' of the scores is not a view of them: {why}", node.input[1]
+        )
+    after = graph.shape(node.output[0])
+    if (
+        after is not None
+        and len(after) == 2
+        and _gating.same_dim(after[0], before[0])
+        and after[1] == experts
+    ):
+        return None
+    return _Problem(
+        f"Reshape '{name}' of the scores '{node.input[0]}' to a shape computed at run time "
+        f"('{node.input[1]}'): its output's shape does not show it keeps [tokens, {experts}]",
+        node.input[1],
+    )
 
 
 def _uncast_problem(
@@ -578,14 +648,27 @@ class SoftmaxTopKPattern:
             r for r in graph.readers(softmax.output[0])
             if _is_op(graph, r, "Cast") and graph.node(r).input[0] == softmax.output[0]
         ]  # fmt: skip
-        for cast_id in [None, *casts]:
+        views = [
+            r for r in graph.readers(softmax.output[0])
+            if _is_op(graph, r, "Reshape") and graph.node(r).input[0] == softmax.output[0]
+        ]  # fmt: skip
+        for cast_id in [None, *casts, *views]:
             scores = softmax.output[0] if cast_id is None else graph.node(cast_id).output[0]
             shape = graph.shape(scores)
             experts = shape[-1] if shape and isinstance(shape[-1], int) else None
             uncast = softmax.output[0] if cast_id is not None else None
+            view = cast_id is not None and cast_id in views
+            if view and experts is None:  # a view keeps the experts (checked below)
+                unviewed = graph.shape(softmax.output[0])
+                experts = unviewed[-1] if unviewed and isinstance(unviewed[-1], int) else None
             found = _gating.selection(graph, scores, experts, uncast)
+            ids = [node_id, *([cast_id] if cast_id is not None else [])]
+            if view and found is not None:
+                assert cast_id is not None
+                problem = _view_problem(graph, cast_id)
+                if problem is not None:
+                    return rejection(self.name, graph, ids, problem.reason, problem.value)
             if isinstance(found, _gating.Problem):
-                ids = [node_id, *([cast_id] if cast_id is not None else [])]
                 return rejection(self.name, graph, ids, found.reason, found.value)
             if found is not None:
                 return self._match_selection(graph, node_id, cast_id, found)
@@ -613,11 +696,12 @@ class SoftmaxTopKPattern:
         ids = [softmax_id, *([cast_id] if cast_id is not None else []), *sel.nodes[:-1], sel.topk,
                sel.nodes[-1]]  # fmt: skip
         rank = _rank(graph, x)
-        common = self._common_checks(graph, softmax, topk, cast_id, rank, x)
+        view = cast_id is not None and _is_op(graph, cast_id, "Reshape")  # checked by match
+        common = self._common_checks(graph, softmax, topk, None if view else cast_id, rank, x)
         if isinstance(common, _Problem):
             return rejection(self.name, graph, ids, common.reason, common.value)
         k, to_float32 = common
-        if sel.uncast:
+        if sel.uncast and not view:
             # A float32 bias on 16-bit scores: Cast(scores, float32) + bias chooses, the
             # weights come from the scores themselves. The op computes a 16-bit chain's scores
             # and choice in float32 (`compute_dtype`), so this is that chain with a float32

@@ -255,3 +255,106 @@ def test_float32_choice_read_elsewhere_is_refused() -> None:
     assert result.report.summary["softmax_topk"] == 0
     (why,) = reasons(result, "softmax_topk")
     assert "Cast_1_out0" in why and "graph output" in why, why
+
+
+# -- other spellings the real exports write -------------------------------------------------------
+
+
+def _hub_model(view: str, expand: str, opset: int = 18) -> onnx.ModelProto:
+    """DeepSeek-V3's own gate as dynamo writes it: a view of the scores before the bias, the
+    mask expanded to Concat(tokens, 4, 4) computed at run time; `view` and `expand` are the
+    typed dims of the view and of the Expand's output."""
+    bias = ", ".join(f"{0.01 * (j + 1):.2f}" for j in range(16))
+    text = f"""<ir_version: 8, opset_import: ["" : {opset}]>
+g (float[T, 16] x) => (float[T, 4] w, int64[T, 4] i) <float[T, 16] s, float[{view}] v,
+    float[{expand}] e, int64[2] flat = {{-1, 16}}, int64[3] split = {{-1, 4, 4}},
+    int64[1] two = {{2}}, int64[1] last = {{-1}}, int64[1] four = {{4}}, int64 zero = {{0}},
+    int64[1] k = {{4}}, float fill = {{0.0}}, float[1, 16] bias = {{{bias}}}> {{
+  s = Sigmoid(x)
+  v = Reshape<allowzero = 1>(s, flat)
+  c = Add(v, bias)
+  g = Reshape<allowzero = 1>(c, split)
+  t2, t2i = TopK<axis = -1>(g, two)
+  gs = ReduceSum<keepdims = 0>(t2, last)
+  gv, kept = TopK<sorted = 0>(gs, two)
+  gshape = Shape(gs)
+  zeros = ConstantOfShape(gshape)
+  kshape = Shape(kept)
+  ones = ConstantOfShape<value = float[1] {{1.0}}>(kshape)
+  m = ScatterElements<axis = 1>(zeros, kept, ones)
+  u = Unsqueeze(m, last)
+  xshape = Shape(x)
+  rows = Gather<axis = 0>(xshape, zero)
+  tokens = Reshape(rows, last)
+  to = Concat<axis = 0>(tokens, four, four)
+  e = Expand(u, to)
+  ef = Reshape<allowzero = 1>(e, flat)
+  keep = Cast<to = 9>(ef)
+  drop = Not(keep)
+  masked = Where(drop, fill, c)
+  tv, i = TopK<sorted = 1>(masked, k)
+  w = GatherElements<axis = 1>(s, i)
+}}"""
+    return onnx.parser.parse_model(text)
+
+
+def test_view_and_run_time_expand_typed_as_the_rows_fuse() -> None:
+    model = _hub_model("T, 16", "T, 4, 4")
+    result = fuse_all(model, PATTERN)
+    assert reasons(result) == []
+    assert result.report.nodes_after == 1, [n.op_type for n in result.model.graph.node]
+    assert attrs_of(fused_node(result.model))["mask_value"] == 0.0
+    assert_equivalent(model, result.model, runs=2, dim_size=7)
+    assert assert_runs_stock(model, result.model) == ["SoftmaxTopK"]
+
+
+def test_run_time_expand_of_other_rows_is_refused() -> None:
+    result = fuse_all(_hub_model("T, 16", "U, 4, 4"), PATTERN)
+    assert result.report.summary["softmax_topk"] == 0
+    assert reasons(result, "softmax_topk") == [
+        "the group mask 'ef' is not one flag per group broadcast to its experts"
+    ]
+
+
+def test_untyped_view_to_a_run_time_shape_is_refused() -> None:
+    """The view's shape computed at run time and its output typed as other rows: refused."""
+    model = _hub_model("U, 16", "T, 4, 4")
+    view = next(n for n in model.graph.node if n.output[0] == "v")
+    view.input[1] = "runtime"
+    model.graph.node.insert(0, onnx.helper.make_node("Shape", ["x"], ["runtime"]))
+    result = fuse_all(model, PATTERN)
+    assert reasons(result, "softmax_topk") == [
+        "Reshape 'Reshape' of the scores 's' to a shape computed at run time ('runtime'): its "
+        "output's shape does not show it keeps [tokens, 16]"
+    ]
+
+
+@pytest.mark.parametrize("eps", [False, True])
+def test_float16_sum_in_float32_renormalizes(eps: bool) -> None:
+    """dynamo's sum of float16 weights: Cast(float32) -> ReduceSum -> Cast(float16) -> Div."""
+    add = "d = Add(tb, eps)" if eps else "d = Relu(eps)"  # no epsilon: Div(v, tb)
+    bias = ", ".join(f"{0.01 * (j + 1):.2f}" for j in range(16))
+    text = f"""<ir_version: 8, opset_import: ["" : 17]>
+g (float16[T, 16] x) => (float16[T, 4] w, int64[T, 4] i) <int64[1] k = {{4}},
+    int64[1] last = {{-1}}, float eps32 = {{0.001}}, float[16] bias = {{{bias}}}> {{
+  eps = Cast<to = 10>(eps32)
+  s = Sigmoid(x)
+  s32 = Cast<to = 1>(s)
+  c = Add(s32, bias)
+  tv, i = TopK(c, k)
+  v = GatherElements<axis = 1>(s, i)
+  v32 = Cast<to = 1>(v)
+  total = ReduceSum(v32, last)
+  tb = Cast<to = 10>(total)
+  {add}
+  w = Div(v, {"d" if eps else "tb"})
+}}"""
+    model = onnx.parser.parse_model(text)
+    result = fuse_all(model, PATTERN)
+    assert reasons(result) == []
+    left = sorted(n.op_type for n in result.model.graph.node)
+    assert left == (["SoftmaxTopK"] if eps else ["Cast", "Relu", "SoftmaxTopK"]), left
+    if eps:
+        attrs = attrs_of(fused_node(result.model))
+        assert attrs["renormalize"] == 1 and attrs["epsilon"] == pytest.approx(0.001, rel=1e-3)
+    assert_equivalent(model, result.model, runs=2, dim_size=5)
