@@ -10,6 +10,12 @@ dynamo alike).
                    choice = Where(Not(keep), fill, choice)    (Nots and bool Casts any count)
     indices = TopK(choice, k).indices;  values = GatherElements(S, indices, axis=-1)
 
+The split and the flatten back may be written with a 0 (copy the token count, allowzero=0)
+and a -1 (`[0, G, -1]`, `[0, -1]`, ...; `rows_reshape` tells whether they keep the rows), or
+as shapes computed at run time (`view(bsz * seq_len, G, -1)`, `expand(bsz * seq_len, ...)`)
+whose outputs are typed [the choice's rows, ...]. The weights may be gathered from the scores
+before a Cast to float32 that the choice reads (a float32 bias on float16 scores).
+
 Every check that fails says why and names the value; a form this walk does not know returns
 None (the caller then tries the plain Softmax -> TopK).
 """

@@ -14,6 +14,11 @@ Renormalization is `Div(values, ReduceSum(values, axes=[-1], keepdims=1))`, axes
 (opset < 13) or constant input (opset >= 13). The full softmax output, if read outside the match,
 is output as `probs` (softmax_topk order only).
 
+Gating forms (`_gating`): a float32 selection bias on float16 scores (Cast up, the choice in
+float32, the weights gathered from the float16 scores) is the float16 chain with a float32
+bias input; a view of the scores (`Reshape` keeping [tokens, E]) before the bias is looked
+through; a float16 sum written in float32 (Cast, ReduceSum, Cast back) renormalizes.
+
 Refused, with the reason: TopK with largest=0, TopK on another axis than the softmax, k computed
 at run time, a softmax not on the last axis, an opset < 13 Softmax (which coerces its input to
 2-D at `axis`, default 1) unless its axis is the last one, a rank that is needed but unknown, and

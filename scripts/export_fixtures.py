@@ -815,15 +815,15 @@ FIXTURES += [
 # -- gateforms: grouped gates as other exports spell them ----------------------------------------
 
 
-class DeepseekV4Router(nn.Module):
+class DeepseekV4Router(DeepseekV3Router):
     """transformers' own DeepseekV4TopKRouter with sigmoid scores (16 experts, top-4, + 1e-20
     renormalization, scale 1.5) in float16, its `e_score_correction_bias` kept in float32 as
     `from_pretrained` keeps it (`_keep_in_fp32_modules_strict`): the float16 scores are cast up
-    for the choice, the weights gathered from the float16 scores. Returns the weights scattered
-    over the experts (see DeepseekV3Router)."""
+    for the choice, the weights gathered from the float16 scores. The V3 router's forward: the
+    weights scattered over the experts."""
 
     def __init__(self) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not the V3 router's: a V4 router of its own
         from transformers import DeepseekV4Config
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
 
@@ -838,11 +838,6 @@ class DeepseekV4Router(nn.Module):
         bias = self.gate.e_score_correction_bias
         bias.data = bias.data.float()  # kept in float32, as from_pretrained does
         return self
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        _, weights, indices = self.gate(hidden)
-        dense = torch.zeros(weights.shape[0], 16, dtype=weights.dtype)
-        return dense.scatter(1, indices, weights)
 
 
 def build_deepseekv4_router() -> tuple[nn.Module, dict[str, torch.Tensor]]:
