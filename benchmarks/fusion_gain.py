@@ -767,6 +767,7 @@ def _gating_cases() -> list[tuple[str, Any]]:
         ("TopK(1 of 16) -> Sigmoid of the k values", topk_sigmoid(4096, 16, 1)),
         ("TopK(8 of 256) -> Sigmoid", topk_sigmoid(4096, 256, 8)),
         *_llama4_cases(),
+        *_gate_forms_cases(),
     ]  # fmt: skip
 
 
@@ -782,6 +783,26 @@ def _llama4_cases() -> list[tuple[str, Any]]:
         ("Llama-4 dense router, dynamo form, TopK(1 of 128) (Maverick)",
          dense_gate_model(DenseGate(tokens=4096, experts=128, fill_form="Expand", casts=False),
                           opset=18)),
+    ]  # fmt: skip
+
+
+def _gate_forms_cases() -> list[tuple[str, Any]]:
+    """Grouped gates as other exports spell them (gateforms lane): the split and flatten with a
+    0 and a -1, and a float32 bias on float16 scores (DeepSeek-V4 / from_pretrained keeping
+    e_score_correction_bias in float32)."""
+    from fuser.models.moe_gates import Gate, gate_model
+
+    base = Gate(experts=256, groups=(8, 4), k=8, tokens=4096, sorted=0)
+    return [
+        ("split [0, 8, -1], flatten [0, -1] (hub-code spelling), float32",
+         gate_model(Gate(**{**base.__dict__, "split_shape": (0, 8, -1), "flat_shape": (0, -1)}),
+                    opset=18)),
+        ("float16 scores + float32 bias, 8 groups: the choice in float32",
+         gate_model(Gate(**{**base.__dict__, "dtype": "float16", "bias_dtype": "float32"}),
+                    opset=18)),
+        ("float16 scores + float32 bias, no groups, k=8 (DeepSeek-V4)",
+         gate_model(Gate(**{**base.__dict__, "dtype": "float16", "bias_dtype": "float32",
+                            "groups": None}), opset=18)),
     ]  # fmt: skip
 
 

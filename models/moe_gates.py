@@ -37,6 +37,14 @@ class Gate:
     read_weights: bool = False  # the gathered weights also an output (renormalization left out)
     read_normalized: bool = False  # the renormalized weights also an output (scale left out)
     seed: int = 0
+    # gateforms lane: the group split / flatten as written ([0, G, -1], [0, -1], ...; None:
+    # [-1, G, E/G] and [-1, E]), their allowzero (None: no attribute), and the bias in float32
+    # on float16 scores ("float32": Cast(scores) + bias chooses, the weights gathered from the
+    # float16 scores, or from the Cast when gather_from is "cast")
+    split_shape: tuple[int, ...] | None = None
+    flat_shape: tuple[int, ...] | None = None
+    allowzero: int | None = None
+    bias_dtype: str | None = None
 
 
 class _Builder:
@@ -95,7 +103,13 @@ def gate_model(gate: Gate, opset: int = 17) -> onnx.ModelProto:
 
     scores = b.op(gate.score, "x", **({} if gate.score == "Sigmoid" else {"axis": -1}))
     choice = scores
-    if gate.bias == "const":
+    cast: str | None = None
+    if gate.bias_dtype is not None and gate.bias == "const":
+        to = helper.np_dtype_to_tensor_dtype(np.dtype(gate.bias_dtype))
+        cast = b.op("Cast", scores, to=to)
+        bias = b.const(b.rng.random(e) * 0.2, "e_score_correction_bias", gate.bias_dtype)
+        choice = b.op("Add", cast, bias)
+    elif gate.bias == "const":
         bias = b.const(b.rng.random(e) * 0.2, "e_score_correction_bias")
         choice = b.op("Add", scores, bias)
     elif gate.bias == "input":
@@ -105,7 +119,9 @@ def gate_model(gate: Gate, opset: int = 17) -> onnx.ModelProto:
     if gate.groups is not None:
         n_group, topk_group = gate.groups
         split = gate.split or (n_group, e // n_group)
-        grouped = b.op("Reshape", choice, b.const([-1, *split], "split", np.int64))
+        zero: dict[str, Any] = {} if gate.allowzero is None else {"allowzero": gate.allowzero}
+        split_to = gate.split_shape or (-1, *split)
+        grouped = b.op("Reshape", choice, b.const(list(split_to), "split", np.int64), **zero)
         top2 = b.op("TopK", grouped, b.const([2], "two", np.int64), n_out=2)[0]
         group_scores = reduce_sum(top2, 0)
         kept = b.op("TopK", group_scores, b.const([topk_group], "topk_group", np.int64),
@@ -114,30 +130,34 @@ def gate_model(gate: Gate, opset: int = 17) -> onnx.ModelProto:
         mask = b.op("ScatterElements", zeros, kept, ones, axis=1)
         mask = b.op("Unsqueeze", mask, axes) if opset >= 13 else b.op("Unsqueeze", mask, axes=[-1])
         mask = b.op("Expand", mask, b.const([1, *split], "to_experts", np.int64))
-        mask = b.op("Cast", b.op("Reshape", mask, b.const([-1, e], "flat", np.int64)), to=9)
+        flat = b.const(list(gate.flat_shape or (-1, e)), "flat", np.int64)
+        mask = b.op("Cast", b.op("Reshape", mask, flat, **zero), to=9)
         drop = b.op("Not", mask)
         if gate.mask_form == "ts":
             drop = b.op("Cast", drop, to=TensorProto.BOOL)
-        masked = b.op("Where", drop, b.const(gate.fill, "fill"), choice)
+        fill_type = gate.bias_dtype if cast is not None else None
+        masked = b.op("Where", drop, b.const(gate.fill, "fill", fill_type), choice)
     values, indices = b.op("TopK", masked, b.const([gate.k], "k", np.int64), n_out=2,
                            sorted=gate.sorted)  # fmt: skip
     if gate.read_choice_values:
         b.outputs.append(values)
     weights = values
     if gate.bias or gate.groups:
-        source = scores if gate.gather_from == "scores" else choice
+        source = {"scores": scores, "cast": cast or scores}.get(gate.gather_from, choice)
         weights = b.op("GatherElements", source, indices, axis=1)
     if gate.read_weights:
         b.outputs.append(weights)
+    # the weights' type: float32 when gathered from the Cast of float16 scores
+    w_type = gate.bias_dtype if gate.gather_from == "cast" and cast is not None else None
     if gate.renorm:
         total = reduce_sum(weights, 1)
         if gate.renorm == "eps":
-            total = b.op("Add", total, b.const(gate.epsilon, "eps"))
+            total = b.op("Add", total, b.const(gate.epsilon, "eps", w_type))
         weights = b.op("Div", weights, total)
         if gate.read_normalized:
             b.outputs.append(weights)
     if gate.scale is not None:
-        weights = b.op("Mul", weights, b.const(gate.scale, "scale"))
+        weights = b.op("Mul", weights, b.const(gate.scale, "scale", w_type))
     b.outputs[:0] = [weights, indices]
     return b.model("gate", opset)
 

@@ -10,6 +10,12 @@ dynamo alike).
                    choice = Where(Not(keep), fill, choice)    (Nots and bool Casts any count)
     indices = TopK(choice, k).indices;  values = GatherElements(S, indices, axis=-1)
 
+The split and the flatten back may be written with a 0 (copy the token count, allowzero=0)
+and a -1 (`[0, G, -1]`, `[0, -1]`, ...; `rows_reshape` tells whether they keep the rows), or
+as shapes computed at run time (`view(bsz * seq_len, G, -1)`, `expand(bsz * seq_len, ...)`)
+whose outputs are typed [the choice's rows, ...]. The weights may be gathered from the scores
+before a Cast to float32 that the choice reads (a float32 bias on float16 scores).
+
 Every check that fails says why and names the value; a form this walk does not know returns
 None (the caller then tries the plain Softmax -> TopK).
 """
@@ -46,6 +52,9 @@ class Selection:
     mask_value: float
     topk: int
     values: str
+    # The weights gathered from the scores before a Cast to float32 (a float32 selection bias
+    # on 16-bit scores): the choice in float32, the values in the scores' own type.
+    uncast: bool = False
 
 
 def attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
@@ -100,8 +109,11 @@ def _last_axis(axes: list[int] | None, rank: int) -> bool:
     return axes is not None and len(axes) == 1 and axes[0] in (-1, rank - 1)
 
 
-def selection(graph: GraphIndex, scores: str, experts: int | None) -> Selection | Problem | None:
-    """The bias/group/gather form reading `scores` [N, E], or why it does not fit, or None."""
+def selection(
+    graph: GraphIndex, scores: str, experts: int | None, uncast: str | None = None
+) -> Selection | Problem | None:
+    """The bias/group/gather form reading `scores` [N, E], or why it does not fit, or None.
+    `uncast`: the value a Cast read to make `scores`; the weights may be gathered from it."""
     nodes: list[int] = []
     choice, bias = scores, None
     # Only an Add or a Where on the way to a TopK makes a gate: a Sigmoid + residual Add, or a
@@ -160,7 +172,8 @@ def selection(graph: GraphIndex, scores: str, experts: int | None) -> Selection 
             indices or topk.output[0],
         )
     gather = graph.node(gathers[0])
-    if gather.input[0] != scores:
+    from_uncast = uncast is not None and gather.input[0] == uncast
+    if gather.input[0] != scores and not from_uncast:
         return Problem(
             f"GatherElements '{_name(graph, gathers[0])}' gathers from '{gather.input[0]}', "
             f"not the unbiased scores '{scores}'",
@@ -174,7 +187,7 @@ def selection(graph: GraphIndex, scores: str, experts: int | None) -> Selection 
         )
     nodes.append(gathers[0])
     return Selection(tuple(nodes), bias, n_group, topk_group, mask_value, topk_id,
-                     gather.output[0])  # fmt: skip
+                     gather.output[0], from_uncast)  # fmt: skip
 
 
 def _feeds_topk(graph: GraphIndex, value: str, through_where_only: bool = False) -> bool:
@@ -233,17 +246,41 @@ def _group_limit(
     where_id, reshape_id = wheres[0], reshapes[0]
     where, reshape = graph.node(where_id), graph.node(reshape_id)
     split = _ints(graph, reshape.input[1])
-    if split is None or len(split) != 3:
+    shape = graph.shape(choice)
+    rows = shape[0] if shape else None
+    if split is None:
+        # A split computed at run time (`view(bsz * seq_len, G, -1)`): its output's typed shape
+        # [rows, G, E/G], the rows the choice's own, shows the grouping; else it is refused.
+        if not _readers(graph, reshape.output[0], "TopK"):
+            return None
+        out = graph.shape(reshape.output[0])
+        if experts is None or out is None or len(out) != 3 or not same_dim(out[0], rows) or \
+                not isinstance(out[1], int) or not isinstance(out[2], int):  # fmt: skip
+            return Problem(
+                f"the group split of Reshape '{_name(graph, reshape_id)}' is computed at run "
+                f"time ('{reshape.input[1]}') and its output's shape {_dims(out)} does not show "
+                f"[rows of '{choice}', groups, size]",
+                reshape.input[1],
+            )
+        split = [-1, out[1], out[2]]
+    if len(split) != 3:
         return None
     if experts is None:
         return Problem(f"the number of experts of '{choice}' is unknown", choice)
-    n_group, size = split[1], split[2]
-    if size == -1 and n_group > 0 and experts % n_group == 0:
-        size = experts // n_group
-    if n_group < 1 or size < 1 or n_group * size != experts:
+    tokens = rows if isinstance(rows, int) else None
+    grouping = rows_reshape(split, [experts], tokens, int(attr(reshape, "allowzero", 0)))
+    if isinstance(grouping, str) or len(grouping) != 2 or min(grouping) < 1:
+        why = grouping if isinstance(grouping, str) else f"as {split}: not [tokens, groups, size]"
+        return Problem(
+            f"Reshape '{_name(graph, reshape_id)}' of the {experts} experts of '{choice}' into "
+            f"groups: {why}",
+            reshape.input[1],
+        )
+    n_group, size = grouping
+    if size < 2:
         return Problem(
             f"Reshape '{_name(graph, reshape_id)}' splits the {experts} experts of '{choice}' "
-            f"as {split}: {n_group} groups do not divide them",
+            f"as {split}: groups of {size} expert have no top-2",
             reshape.input[1],
         )
     nodes = [reshape_id]
@@ -303,10 +340,34 @@ def _group_limit(
         cond = node.input[0]
     flat_id = _producer(graph, cond, "Reshape")
     flat_shape = _ints(graph, graph.node(flat_id).input[1]) if flat_id is not None else None
-    if flat_id is None or flat_shape is None or len(flat_shape) != 2 or flat_shape[1] != experts:
+    if flat_id is not None and flat_shape is None:
+        flat_shape = _typed_as(graph, graph.node(flat_id).output[0], rows, [experts], [-1, experts])
+        if flat_shape is None:
+            return Problem(
+                f"the flatten of the group mask, Reshape '{_name(graph, flat_id)}', is computed "
+                f"at run time ('{graph.node(flat_id).input[1]}') and its output's shape "
+                f"{_dims(graph.shape(graph.node(flat_id).output[0]))} does not show [rows of "
+                f"'{choice}', {experts}]",
+                graph.node(flat_id).input[1],
+            )
+    if flat_id is None or flat_shape is None or len(flat_shape) != 2:
         return Problem(f"the condition '{where.input[0]}' of Where is not a group mask", cond)
+    flat = graph.node(flat_id)
+    flattened = rows_reshape(flat_shape, [n_group, size], tokens, int(attr(flat, "allowzero", 0)))
+    if flattened != [experts]:
+        why = flattened if isinstance(flattened, str) else f"gives {['tokens', *flattened]}"
+        return Problem(
+            f"Reshape '{_name(graph, flat_id)}' does not flatten the group mask [tokens, "
+            f"{n_group}, {size}] back to [tokens, {experts}] with {flat_shape}: {why}",
+            flat.input[1],
+        )
     expand_id = _producer(graph, graph.node(flat_id).input[0], "Expand")
     expand_to = _ints(graph, graph.node(expand_id).input[1]) if expand_id is not None else None
+    if expand_id is not None and expand_to is None:
+        # `expand(bsz * seq_len, G, E/G)`: a shape computed at run time, taken when the output's
+        # typed shape is [rows of the choice, G, E/G] (it then broadcasts the flags as [1, ...]).
+        out = graph.node(expand_id).output[0]
+        expand_to = _typed_as(graph, out, rows, [n_group, size], [1, n_group, size])
     if expand_id is None or expand_to is None or len(expand_to) != 3 or \
             expand_to[1:] not in ([n_group, size], [1, size]) or expand_to[0] != 1:  # fmt: skip
         return Problem(
@@ -368,3 +429,66 @@ def constant_scalar(graph: GraphIndex, value: str, rank: int | None) -> float | 
 def np_float(value: float) -> float:
     """`value` as float32 holds it (attributes are float32)."""
     return float(np.float32(value))
+
+
+_ROWS = -2  # marker: the dim holds the token count (a 0 copying dim 0)
+
+
+def rows_reshape(
+    target: list[int], inner: list[int], tokens: int | None, allowzero: int
+) -> list[int] | str:
+    """What Reshape(x, target) makes of an x shaped [tokens, *inner] when it keeps the rows:
+    the dims after the token count, the same for every token count; or why that cannot be
+    told. A 0 copies x's dim at its index (allowzero=0), one -1 is inferred; dim 0 must come
+    out as the token count (a 0, a -1 with the rest fixed, or the token count itself when it
+    is known)."""
+    if allowzero and 0 in target:
+        return (
+            f"allowzero=1 makes the 0 in {target} a dimension of size 0, not a copy of the input's"
+        )
+    if target.count(-1) > 1 or any(d < -1 for d in target):
+        return f"{target} is not a valid shape (at most one -1, no other negative)"
+    dims = list(target)
+    for i, d in enumerate(dims):
+        if d == 0:
+            if i > len(inner):
+                return f"the 0 at index {i} of {target} copies no dim of the input"
+            dims[i] = _ROWS if i == 0 else inner[i - 1]
+    total = int(np.prod(inner))
+    rest = dims[1:]
+    if dims[0] == -1:
+        if int(np.prod(rest)) != total:
+            return f"{target} does not keep the rows ({total} values per row, not {rest})"
+        return rest
+    if dims[0] != _ROWS and dims[0] != tokens:
+        known = "unknown" if tokens is None else str(tokens)
+        return f"dim 0 of {target} is {dims[0]}, not the token count ({known})"
+    if -1 in rest:
+        fixed = int(np.prod([d for d in rest if d != -1]))
+        if fixed < 1 or total % fixed:
+            return f"{target} does not split the {total} values of a row"
+        rest[rest.index(-1)] = total // fixed
+    if int(np.prod(rest)) != total:
+        return f"{target} does not keep the rows ({total} values per row, not {rest})"
+    return rest
+
+
+def same_dim(a: object, b: object) -> bool:
+    """Whether two dims are known to be equal: the same size, or the same symbol (a symbol
+    names one size throughout a graph; onnx's own `unk__` symbols are each unique)."""
+    return a is not None and a != "" and a == b
+
+
+def _dims(shape: tuple[object, ...] | None) -> str:
+    return "unknown" if shape is None else str([d if d not in (None, "") else "?" for d in shape])
+
+
+def _typed_as(
+    graph: GraphIndex, value: str, rows: object, inner: list[int], target: list[int]
+) -> list[int] | None:
+    """`target` when `value`'s typed shape is [rows, *inner] (the rows the same dim), else
+    None: what a run-time shape is shown to be by the types the exporter proved."""
+    shape = graph.shape(value)
+    if shape is None or len(shape) != 1 + len(inner) or not same_dim(shape[0], rows):
+        return None
+    return target if list(shape[1:]) == inner else None

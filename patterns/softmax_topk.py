@@ -14,6 +14,11 @@ Renormalization is `Div(values, ReduceSum(values, axes=[-1], keepdims=1))`, axes
 (opset < 13) or constant input (opset >= 13). The full softmax output, if read outside the match,
 is output as `probs` (softmax_topk order only).
 
+Gating forms (`_gating`): a float32 selection bias on float16 scores (Cast up, the choice in
+float32, the weights gathered from the float16 scores) is the float16 chain with a float32
+bias input; a view of the scores (`Reshape` keeping [tokens, E]) before the bias is looked
+through; a float16 sum written in float32 (Cast, ReduceSum, Cast back) renormalizes.
+
 Refused, with the reason: TopK with largest=0, TopK on another axis than the softmax, k computed
 at run time, a softmax not on the last axis, an opset < 13 Softmax (which coerces its input to
 2-D at `axis`, default 1) unless its axis is the last one, a rank that is needed but unknown, and
@@ -38,6 +43,9 @@ from fuser.graph import GraphIndex
 from fuser.pattern import Match, Rejection, rejection
 
 from . import _dense_gate, _gating
+
+#: How a Reshape of [tokens, ...] keeps the rows (the group split and its flatten back).
+rows_reshape = _gating.rows_reshape
 
 NAME = "softmax_topk"
 PRIORITY = 40
@@ -234,7 +242,7 @@ SOFTMAX_TOPK = FusedOp(
         Param("X", "T", "logits"),
         Param(
             "selection_bias",
-            "V",
+            "B",
             "per-expert bias added to the scores for the choice only "
             "(DeepSeek-V3 e_score_correction_bias); the values stay unbiased",
             "optional",
@@ -280,6 +288,7 @@ SOFTMAX_TOPK = FusedOp(
     type_constraints=(
         ("T", FLOAT_TYPES, "float tensors"),
         ("V", FLOAT_TYPES, "T, or float32 with to_float32"),
+        ("B", FLOAT_TYPES, "V, or float32 on float16 X (the choice computed in float32)"),
     ),
     infer=_infer,
     reference=reference,
@@ -439,11 +448,14 @@ def _renormalization(
     sums = [
         r for r in readers if _is_op(graph, r, "ReduceSum") and graph.node(r).input[0] == values
     ]
+    cast_ids = _sum_casts(graph, values) if not sums else []
+    if cast_ids:
+        sums = [cast_ids[1]]
     if not sums:
         return [], "", 0.0
     sum_id = sums[0]
     reduce = graph.node(sum_id)
-    total = reduce.output[0]
+    total = reduce.output[0] if not cast_ids else graph.node(cast_ids[2]).output[0]
     eps_ids: list[int] = []
     epsilon = 0.0
     denominator = total
@@ -472,13 +484,13 @@ def _renormalization(
     if not divs:
         return [], "", 0.0
     div_id = divs[0]
-    ids = [sum_id, *eps_ids, div_id]
+    ids = [*cast_ids[:1], sum_id, *cast_ids[2:], *eps_ids, div_id]
     left_out = f"renormalization ({', '.join(repr(graph.describe(i)) for i in ids)}) left unfused: "
     others = [r for r in readers if r not in ids]
     if others or graph.is_graph_output(values):
         who = f"read by '{graph.describe(others[0])}'" if others else "a graph output"
         return [], left_out + f"the top-k values '{values}' are also {who}", 0.0
-    for inner in (total, denominator) if eps_ids else (total,):
+    for inner in (total, denominator, reduce.output[0]) if eps_ids else (total, reduce.output[0]):
         if len(graph.readers(inner)) > 1 or graph.is_graph_output(inner):
             return [], left_out + f"the sum '{inner}' is also read elsewhere", 0.0
     if int(_attr(reduce, "keepdims", 1)) != 1:
@@ -493,6 +505,28 @@ def _renormalization(
     if axes is None or len(axes) != 1 or axes[0] not in last:
         return [], left_out + f"ReduceSum axes {axes} are not the last axis alone", 0.0
     return ids, "", epsilon
+
+
+def _sum_casts(graph: GraphIndex, values: str) -> list[int]:
+    """[Cast up, ReduceSum, Cast back] when float16 `values` are summed in float32 (dynamo's
+    `sum` of a float16 tensor: Cast(float32) -> ReduceSum -> Cast(float16)), else []. The op
+    computes a float16 chain in float32 and rounds once (`compute_dtype`): the same sum."""
+    if graph.elem_type(values) != TensorProto.FLOAT16:
+        return []
+    for up in graph.readers(values):
+        if (
+            not _is_op(graph, up, "Cast")
+            or int(_attr(graph.node(up), "to", 0)) != TensorProto.FLOAT
+        ):
+            continue
+        for sum_id in graph.readers(graph.node(up).output[0]):
+            if not _is_op(graph, sum_id, "ReduceSum"):
+                continue
+            for back in graph.readers(graph.node(sum_id).output[0]):
+                node = graph.node(back)
+                if _is_op(graph, back, "Cast") and int(_attr(node, "to", 0)) == TensorProto.FLOAT16:
+                    return [up, sum_id, back]
+    return []
 
 
 def _finish(graph: GraphIndex, values: str, rank: int | None) -> _Finish:
@@ -520,6 +554,71 @@ def _finish(graph: GraphIndex, values: str, rank: int | None) -> _Finish:
 
 
 _SCORE_OF = {"Softmax": SOFTMAX, "Sigmoid": SIGMOID, "LogSoftmax": LOG_SOFTMAX}
+
+
+def _view_problem(graph: GraphIndex, reshape_id: int) -> _Problem | None:
+    """Why a Reshape of the [tokens, experts] scores (`scores.view(bsz * seq_len, -1)`) is not
+    shown to keep them as they are, or None: a constant shape that keeps the rows, or a shape
+    computed at run time whose output is typed [the same rows, experts]."""
+    node = graph.node(reshape_id)
+    name = node.name or "Reshape"
+    before = graph.shape(node.input[0])
+    if before is None or len(before) != 2 or not isinstance(before[1], int):
+        return _Problem(
+            f"Reshape '{name}' of the scores '{node.input[0]}' (shape "
+            f"{'unknown' if before is None else list(before)}): SoftmaxTopK takes a view of "
+            "[tokens, experts] scores only",
+            node.input[0],
+        )
+    experts = before[1]
+    target = graph.constant(node.input[1])
+    if target is not None:
+        tokens = before[0] if isinstance(before[0], int) else None
+        kept = _gating.rows_reshape(
+            [int(d) for d in target.reshape(-1)],
+            [experts],
+            tokens,
+            int(_attr(node, "allowzero", 0)),
+        )
+        if kept == [experts]:
+            return None
+        why = kept if isinstance(kept, str) else f"it makes [tokens, {kept}]"
+        return _Problem(
+            f"Reshape '{name}' of the scores is not a view of them: {why}", node.input[1]
+        )
+    after = graph.shape(node.output[0])
+    if (
+        after is not None
+        and len(after) == 2
+        and _gating.same_dim(after[0], before[0])
+        and after[1] == experts
+    ):
+        return None
+    return _Problem(
+        f"Reshape '{name}' of the scores '{node.input[0]}' to a shape computed at run time "
+        f"('{node.input[1]}'): its output's shape does not show it keeps [tokens, {experts}]",
+        node.input[1],
+    )
+
+
+def _uncast_problem(
+    graph: GraphIndex, x: str, to_float32: int, cast_id: int | None
+) -> _Problem | None:
+    """Why the choice on Cast(scores, float32) cannot be fused beside weights gathered from the
+    uncast scores, or None: only 16-bit scores, whose chain the op computes in float32."""
+    elem = graph.elem_type(x)
+    if cast_id is None or not to_float32:
+        return _Problem("the scores are not cast to float32 for the choice", x)
+    if elem != TensorProto.FLOAT16:
+        what = "of unknown type" if not elem else helper.tensor_dtype_to_np_dtype(elem).name
+        cast = graph.node(cast_id)
+        return _Problem(
+            f"the choice reads Cast '{cast.name or 'Cast'}' of the {what} scores to float32 "
+            "while the weights are gathered from the uncast scores; SoftmaxTopK takes that "
+            "only for float16 scores (whose chain it computes in float32)",
+            cast.output[0],
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -554,13 +653,27 @@ class SoftmaxTopKPattern:
             r for r in graph.readers(softmax.output[0])
             if _is_op(graph, r, "Cast") and graph.node(r).input[0] == softmax.output[0]
         ]  # fmt: skip
-        for cast_id in [None, *casts]:
+        views = [
+            r for r in graph.readers(softmax.output[0])
+            if _is_op(graph, r, "Reshape") and graph.node(r).input[0] == softmax.output[0]
+        ]  # fmt: skip
+        for cast_id in [None, *casts, *views]:
             scores = softmax.output[0] if cast_id is None else graph.node(cast_id).output[0]
             shape = graph.shape(scores)
             experts = shape[-1] if shape and isinstance(shape[-1], int) else None
-            found = _gating.selection(graph, scores, experts)
+            uncast = softmax.output[0] if cast_id is not None else None
+            view = cast_id is not None and cast_id in views
+            if view and experts is None:  # a view keeps the experts (checked below)
+                unviewed = graph.shape(softmax.output[0])
+                experts = unviewed[-1] if unviewed and isinstance(unviewed[-1], int) else None
+            found = _gating.selection(graph, scores, experts, uncast)
+            ids = [node_id, *([cast_id] if cast_id is not None else [])]
+            if view and found is not None:
+                assert cast_id is not None
+                problem = _view_problem(graph, cast_id)
+                if problem is not None:
+                    return rejection(self.name, graph, ids, problem.reason, problem.value)
             if isinstance(found, _gating.Problem):
-                ids = [node_id, *([cast_id] if cast_id is not None else [])]
                 return rejection(self.name, graph, ids, found.reason, found.value)
             if found is not None:
                 return self._match_selection(graph, node_id, cast_id, found)
@@ -588,10 +701,20 @@ class SoftmaxTopKPattern:
         ids = [softmax_id, *([cast_id] if cast_id is not None else []), *sel.nodes[:-1], sel.topk,
                sel.nodes[-1]]  # fmt: skip
         rank = _rank(graph, x)
-        common = self._common_checks(graph, softmax, topk, cast_id, rank, x)
+        view = cast_id is not None and _is_op(graph, cast_id, "Reshape")  # checked by match
+        common = self._common_checks(graph, softmax, topk, None if view else cast_id, rank, x)
         if isinstance(common, _Problem):
             return rejection(self.name, graph, ids, common.reason, common.value)
         k, to_float32 = common
+        if sel.uncast and not view:
+            # A float32 bias on 16-bit scores: Cast(scores, float32) + bias chooses, the
+            # weights come from the scores themselves. The op computes a 16-bit chain's scores
+            # and choice in float32 (`compute_dtype`), so this is that chain with a float32
+            # bias and values in X's type; for other types the Cast would round.
+            uncast = _uncast_problem(graph, x, to_float32, cast_id)
+            if uncast is not None:
+                return rejection(self.name, graph, ids, uncast.reason, uncast.value)
+            to_float32 = 0
         if rank != 2 and sel.n_group > 1:
             return rejection(
                 self.name, graph, ids,

@@ -812,6 +812,125 @@ FIXTURES += [
     ),
 ]
 
+# -- gateforms: grouped gates as other exports spell them ----------------------------------------
+
+
+class DeepseekV4Router(DeepseekV3Router):
+    """transformers' own DeepseekV4TopKRouter with sigmoid scores (16 experts, top-4, + 1e-20
+    renormalization, scale 1.5) in float16, its `e_score_correction_bias` kept in float32 as
+    `from_pretrained` keeps it (`_keep_in_fp32_modules_strict`): the float16 scores are cast up
+    for the choice, the weights gathered from the float16 scores. The V3 router's forward: the
+    weights scattered over the experts."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)  # not the V3 router's: a V4 router of its own
+        from transformers import DeepseekV4Config
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+
+        config = DeepseekV4Config(
+            hidden_size=32, num_local_experts=16, n_routed_experts=16, num_experts_per_tok=4,
+            scoring_func="sigmoid", routed_scaling_factor=1.5,
+        )  # fmt: skip
+        self.gate = DeepseekV4TopKRouter(config)
+
+    def half(self) -> DeepseekV4Router:
+        super().half()
+        bias = self.gate.e_score_correction_bias
+        bias.data = bias.data.float()  # kept in float32, as from_pretrained does
+        return self
+
+
+def build_deepseekv4_router() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(9)
+    model = DeepseekV4Router().eval()
+    model.gate.weight.data = torch.randn(16, 32, generator=gen) * 0.3
+    model.gate.e_score_correction_bias.data = torch.rand(16, generator=gen) * 0.2
+    return model, {"hidden": torch.randn(2, 8, 32, generator=gen)}
+
+
+class DeepseekV3HubGate(nn.Module):
+    """The gate of the DeepSeek-V3 checkpoint's own modeling code (`trust_remote_code`'s
+    MoEGate, written here from its math): the same router as transformers' port, but its views
+    are by `bsz * seq_len` and -1 (`view(bsz * seq_len, n_group, -1)`, `reshape(bsz * seq_len,
+    -1)`, `expand(bsz * seq_len, ...)`), and the dropped groups' choice is 0.0, not -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(16, 32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(16), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, h = hidden.shape
+        tokens, n_group, experts = bsz * seq_len, 4, 16
+        logits = nn.functional.linear(hidden.view(-1, h).float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores.view(tokens, -1) + self.e_score_correction_bias.unsqueeze(0)
+        groups = choice.view(tokens, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        kept = torch.topk(groups, k=2, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(groups).scatter_(1, kept, 1)
+        mask = mask.unsqueeze(-1).expand(tokens, n_group, experts // n_group).reshape(tokens, -1)
+        masked = choice.masked_fill(~mask.bool(), 0.0)
+        indices = torch.topk(masked, k=4, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * 2.5
+        return torch.zeros(tokens, experts, dtype=weights.dtype).scatter(1, indices, weights)
+
+
+def build_deepseekv3_hub_gate() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(10)
+    model = DeepseekV3HubGate().eval()
+    model.weight.data = torch.randn(16, 32, generator=gen) * 0.3
+    model.e_score_correction_bias.data = torch.rand(16, generator=gen) * 0.2
+    return model, {"hidden": torch.randn(2, 8, 32, generator=gen)}
+
+
+FIXTURES += [
+    Fixture(
+        "deepseekv4-router-fp16-ts14",
+        build_deepseekv4_router,
+        "torchscript",
+        14,
+        "DeepSeek-V4 router (transformers DeepseekV4TopKRouter, sigmoid) in float16 with its"
+        " bias kept in float32: Sigmoid (fp16) -> Cast(float32) -> Add(bias) -> TopK(4) ->"
+        " GatherElements of the float16 scores -> ReduceSum/Add/Div -> Mul(1.5)",
+        dynamic=_ROUTER_TOKENS,
+        library="transformers",
+        half=True,
+    ),
+    Fixture(
+        "deepseekv4-router-fp16-dynamo18",
+        build_deepseekv4_router,
+        "dynamo",
+        18,
+        "the same float16 router through dynamo",
+        dynamic=_ROUTER_TOKENS,
+        library="transformers",
+        half=True,
+    ),
+    Fixture(
+        "deepseekv3-hub-gate-ts14",
+        build_deepseekv3_hub_gate,
+        "torchscript",
+        14,
+        "DeepSeek-V3's own MoEGate math (views by bsz * seq_len and -1, fill 0.0): the view of"
+        " the scores, the group split, the Expand and the flatten all to shapes computed from"
+        " Shape(hidden) at run time, untyped (a near-miss: nothing shows the view keeps the rows)",
+        dynamic=_ROUTER_TOKENS,
+    ),
+    Fixture(
+        "deepseekv3-hub-gate-dynamo18",
+        build_deepseekv3_hub_gate,
+        "dynamo",
+        18,
+        "the same gate through dynamo: Reshape(scores, [-1, 16]) before the bias, split"
+        " [-1, 4, 4], Expand to Concat(bsz * seq_len, 4, 4) computed at run time (typed"
+        " [batch*seq, 4, 4]), flatten [-1, 16], fill 0.0",
+        dynamic=_ROUTER_TOKENS,
+    ),
+]
+
 
 def export(fx: Fixture, path: Path) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
     """Export ``fx`` to ``path``; return the example inputs and PyTorch's outputs."""

@@ -1067,3 +1067,109 @@ def _type_outputs(graph: onnx.GraphProto, known: dict[str, onnx.ValueInfoProto])
         info = known.get(out.name)
         if info is not None and info.type.HasField("tensor_type"):
             out.type.CopyFrom(info.type)
+
+
+# -- gateforms lane: grouped gates as real exports spell them -------------------------------------
+# Not in FAMILIES (every seed keeps its case): `make_gate_forms_case(seed)` plants this family
+# alone, judged by tests/fuzz/test_gate_forms_fuzz.py.
+
+
+def gate_forms(b: Builder) -> None:
+    """Sigmoid [-> view Reshape [-1, E] / [0, E]] [-> Cast(float32) + float32 bias | + bias] ->
+    group limit with the split [0, g, -1] / [0, g, E/g] / [-1, g, E/g] / [0, -1, E/g] (allowzero
+    0 or 1 from opset 14), the mask expanded to a constant or to Concat(tokens, g, E/g) computed
+    at run time, the flatten [0, -1] / [-1, E] / [0, E] -> TopK -> GatherElements of the scores
+    (before or after the Cast) [-> renormalize, float16 sums in float32 as dynamo writes them].
+    Traps (each an original that runs): the token count written as a constant dim 0 (fused only
+    when the tokens are static), allowzero=1 on shapes without a 0, a float32 bias Cast from
+    float64 scores, the Cast read elsewhere. (allowzero=1 with a 0 fails in the original: a
+    pattern test.)"""
+    e = int(b.pick([8, 12, 16]))
+    tokens = int(b.rng.integers(1, 6))
+    x = b.activation([tokens, e], ["tokens", None])
+    scores = b.one("Sigmoid", [x])
+    allowzero = int(b.chance(0.3)) if b.opset >= 14 else None
+
+    def zero(shape: list[int]) -> dict[str, int]:  # allowzero=1 only where no 0 is copied
+        return {} if allowzero is None else {"allowzero": allowzero * int(0 not in shape)}
+
+    shaped = scores
+    if b.chance(0.2):  # the view scores.view(bsz * seq_len, -1) as a constant
+        view = b.pick([[-1, e], [0, e], [0, -1]])
+        shaped = b.one("Reshape", [scores, b.const(np.array(view, np.int64), "view",
+                                                   allow_input=False)], **zero(view))  # fmt: skip
+        b.traps.append(f"view {view} allowzero {allowzero}")
+    choice, cdtype, cast = shaped, b.dtype, None
+    if b.dtype != np.float32 and b.chance(0.5):
+        cast = b.one("Cast", [shaped], to=TensorProto.FLOAT)
+        choice, cdtype = cast, np.float32
+        b.traps.append(f"float32 bias on {np.dtype(b.dtype).name} scores")
+        b.expose(cast, 0.1)
+    if b.chance(0.85):
+        bias = b.rng.random(e) * 0.2
+        choice = b.one("Add", [choice, b.const(bias.astype(cdtype), "bias", allow_input=False)])
+    g = int(b.pick([d for d in (2, 3, 4, 6) if e % d == 0 and e // d >= 2]))
+    split = b.pick([[0, g, -1], [0, g, e // g], [-1, g, e // g], [0, -1, e // g]])
+    if b.chance(0.1):  # the token count as a constant: right when the tokens are static
+        split = [tokens, g, -1]
+    b.traps.append(f"group split {split} allowzero {allowzero}")
+    grouped = b.one("Reshape", [choice, b.const(np.array(split, np.int64), "split",
+                                                allow_input=False)], **zero(split))  # fmt: skip
+    two = b.const(np.array([2], np.int64), "two", allow_input=False)
+    top2 = b.node("TopK", [grouped, two], 2)[0]
+    gs = _axes_op(b, "ReduceSum", top2, keepdims=0)
+    top = np.array([int(b.rng.integers(1, g + 1))], np.int64)
+    kept = b.node("TopK", [gs, b.const(top, "topk_group", allow_input=False)], 2, sorted=0)[1]
+    zeros = b.one("ConstantOfShape", [b.one("Shape", [gs])])
+    ones = b.one("ConstantOfShape", [b.one("Shape", [kept])],
+                 value=numpy_helper.from_array(np.ones(1, np.float32)))  # fmt: skip
+    mask = _axes_op(b, "Unsqueeze", b.one("ScatterElements", [zeros, kept, ones], axis=1))
+    if b.chance(0.3):  # expand(bsz * seq_len, g, E/g): a shape computed at run time
+        first = b.const(np.array([0], np.int64), "zero", allow_input=False)
+        rows = b.one("Gather", [b.one("Shape", [x]), first], axis=0)
+        size = b.const(np.array([g, e // g], np.int64), "to_groups", allow_input=False)
+        to = b.one("Concat", [rows, size], axis=0)
+        b.traps.append("expand to a run-time shape")
+    else:
+        to = b.const(np.array([1, g, e // g], np.int64), "to_experts", allow_input=False)
+    mask = b.one("Expand", [mask, to])
+    flat = b.pick([[0, -1], [-1, e], [0, e]])
+    b.traps.append(f"flatten {flat}")
+    flat_name = b.const(np.array(flat, np.int64), "flat", allow_input=False)
+    keep = b.one("Cast", [b.one("Reshape", [mask, flat_name], **zero(flat))], to=TensorProto.BOOL)
+    fill = np.array(b.pick([-np.inf, 0.0]), dtype=cdtype)
+    masked = b.one("Where", [b.one("Not", [keep]), b.const(fill, "fill", allow_input=False),
+                             choice])  # fmt: skip
+    k = int(b.pick([1, 2, e // 2, e]))
+    sorted_ = None if b.chance(0.7) else 0
+    b.unsorted_topk |= sorted_ == 0
+    idx = b.node("TopK", [masked, b.const(np.array([k], np.int64), "k", allow_input=False)], 2,
+                 sorted=sorted_)[1]  # fmt: skip
+    b.scope.outputs.append(idx)
+    source = scores if cast is None or b.chance(0.7) else cast
+    w = b.one("GatherElements", [source, idx], axis=1)
+    wdtype = np.float32 if source == cast else b.dtype
+    if b.chance(0.6):
+        if wdtype == np.float16 and b.chance(0.5):  # dynamo: the float16 sum in float32
+            total32 = _axes_op(b, "ReduceSum", b.one("Cast", [w], to=TensorProto.FLOAT),
+                               keepdims=1)  # fmt: skip
+            total = b.one("Cast", [total32], to=TensorProto.FLOAT16)
+            b.traps.append("float16 sum in float32")
+        else:
+            total = _axes_op(b, "ReduceSum", w, keepdims=1)
+        w = b.one("Div", [w, total])
+    b.scope.outputs.append(w)
+
+
+PATTERN_OF["gate_forms"] = "softmax_topk"
+BUILDERS["gate_forms"] = gate_forms
+
+
+def make_gate_forms_case(seed: int) -> Case:
+    """A case planting the `gate_forms` family alone (in the main graph)."""
+    b = Builder(seed)
+    b.planted.append("gate_forms")
+    gate_forms(b)
+    if b.unsorted_topk:
+        b.unordered.update(b.main.outputs)
+    return Case(seed, _finish(b), b.inputs, 1, b.planted, b.traps, frozenset(b.unordered))

@@ -171,8 +171,8 @@ TRAPS = {
     ),
     "groups do not divide the experts": (
         Gate(split=(3, 5)),
-        "Reshape 'Reshape_2' splits the 16 experts of 'Add_1_out0' as [-1, 3, 5]: 3 groups do "
-        "not divide them",
+        "Reshape 'Reshape_2' of the 16 experts of 'Add_1_out0' into groups: [-1, 3, 5] does "
+        "not keep the rows (16 values per row, not [3, 5])",
     ),
     "biased top-k values read": (
         Gate(read_choice_values=True),
