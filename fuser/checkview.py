@@ -63,15 +63,28 @@ def onnx_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
+# The float types onnxruntime's normalization ops accept.
+_FLOATS = ["tensor(float16)", "tensor(float)", "tensor(double)", "tensor(bfloat16)"]
+
+
+def _formal(name: str, kind: str, optional: bool = False) -> defs.OpSchema.FormalParameter:
+    option = defs.OpSchema.FormalParameterOption
+    return defs.OpSchema.FormalParameter(
+        name, kind, "", param_option=option.Optional if optional else option.Single
+    )
+
+
+def _norm_attributes() -> list[defs.OpSchema.Attribute]:
+    """axis, epsilon and stash_type with onnxruntime's defaults (both legacy norms have them)."""
+    return [
+        defs.OpSchema.Attribute("axis", helper.make_attribute("axis", -1), ""),
+        defs.OpSchema.Attribute("epsilon", helper.make_attribute("epsilon", 1e-5), ""),
+        defs.OpSchema.Attribute("stash_type", helper.make_attribute("stash_type", 1), ""),
+    ]
+
+
 def _layernorm_schema() -> defs.OpSchema:
-    floats = ["tensor(float16)", "tensor(float)", "tensor(double)", "tensor(bfloat16)"]
-
-    def formal(name: str, kind: str, optional: bool = False) -> defs.OpSchema.FormalParameter:
-        option = defs.OpSchema.FormalParameterOption
-        return defs.OpSchema.FormalParameter(
-            name, kind, "", param_option=option.Optional if optional else option.Single
-        )
-
+    formal, floats = _formal, _FLOATS
     schema = defs.OpSchema(
         LEGACY_LAYERNORM,
         LEGACY_DOMAIN,
@@ -84,11 +97,7 @@ def _layernorm_schema() -> defs.OpSchema:
             formal("InvStdDev", "U", optional=True),
         ],
         type_constraints=[("T", floats, ""), ("U", ["tensor(float)", "tensor(bfloat16)"], "")],
-        attributes=[
-            defs.OpSchema.Attribute("axis", helper.make_attribute("axis", -1), ""),
-            defs.OpSchema.Attribute("epsilon", helper.make_attribute("epsilon", 1e-5), ""),
-            defs.OpSchema.Attribute("stash_type", helper.make_attribute("stash_type", 1), ""),
-        ],
+        attributes=_norm_attributes(),
     )
     schema.set_type_and_shape_inference_function(_infer_layernorm)
     return schema
@@ -134,14 +143,7 @@ _SLN = "SimplifiedLayerNormalization"
 
 
 def _simplified_layernorm_schema() -> defs.OpSchema:
-    floats = ["tensor(float16)", "tensor(float)", "tensor(double)", "tensor(bfloat16)"]
-    option = defs.OpSchema.FormalParameterOption
-
-    def formal(name: str, kind: str, optional: bool = False) -> defs.OpSchema.FormalParameter:
-        return defs.OpSchema.FormalParameter(
-            name, kind, "", param_option=option.Optional if optional else option.Single
-        )
-
+    formal, floats = _formal, _FLOATS
     schema = defs.OpSchema(
         LEGACY_SIMPLIFIED_LAYERNORM,
         LEGACY_DOMAIN,
@@ -154,11 +156,7 @@ def _simplified_layernorm_schema() -> defs.OpSchema:
             ("U", ["tensor(float)", "tensor(double)"], ""),
             ("V", floats, ""),
         ],
-        attributes=[
-            defs.OpSchema.Attribute("axis", helper.make_attribute("axis", -1), ""),
-            defs.OpSchema.Attribute("epsilon", helper.make_attribute("epsilon", 1e-5), ""),
-            defs.OpSchema.Attribute("stash_type", helper.make_attribute("stash_type", 1), ""),
-        ],
+        attributes=_norm_attributes(),
     )
     schema.set_type_and_shape_inference_function(_infer_simplified_layernorm)
     return schema
