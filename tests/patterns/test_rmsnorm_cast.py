@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from graph_builder import GraphBuilder
+from onnx import TensorProto, helper
 
 import fuser
 from fuser.fusedop import DOMAIN
@@ -21,22 +22,10 @@ D = 24
 HALF = TensorProto.FLOAT16
 
 
-class Graph:
+class Graph(GraphBuilder):
     def __init__(self, opset: int = 13, seed: int = 0) -> None:
         self.opset, self.rng = opset, np.random.default_rng(seed)
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self.outputs: list[str] = []
-
-    def const(self, value: Any, dtype: Any = np.float32) -> str:
-        name = f"c{len(self.inits)}"
-        self.inits.append(numpy_helper.from_array(np.asarray(value, dtype), name))
-        return name
-
-    def op(self, op_type: str, *inputs: str, name: str = "", **attrs: Any) -> str:
-        name = name or f"{op_type}_{len(self.nodes)}"
-        self.nodes.append(helper.make_node(op_type, list(inputs), [name], name=name, **attrs))
-        return name
+        super().__init__()
 
     def half_linear(self, a: str, width: int, bias: bool) -> str:
         w = self.const(self.rng.standard_normal((D, width)) * 0.2, np.float16)

@@ -18,7 +18,8 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from graph_builder import GraphBuilder
+from onnx import TensorProto, helper
 
 import fuser
 from fuser.compare import compare_values
@@ -30,15 +31,13 @@ D = 20
 HALF = TensorProto.FLOAT16
 
 
-class Graph:
+class Graph(GraphBuilder):
     """One SLN over x [B, S, D] in `dtype` (scale in `scale_dtype`), nothing declared after."""
 
     def __init__(self, dtype: Any, scale_dtype: Any = None, scale: str = "") -> None:
         self.dtype = np.dtype(dtype)
         self.rng = np.random.default_rng(0)
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self.outputs: list[str] = []
+        super().__init__()
         gamma = scale or self.const(self.rng.uniform(0.5, 1.5, D), scale_dtype or dtype)
         self.n = self.op(
             "SimplifiedLayerNormalization",
@@ -49,16 +48,6 @@ class Graph:
             axis=-1,
             epsilon=1e-6,
         )
-
-    def const(self, value: Any, dtype: Any) -> str:
-        name = f"c{len(self.inits)}"
-        self.inits.append(numpy_helper.from_array(np.asarray(value, dtype), name))
-        return name
-
-    def op(self, op_type: str, *inputs: str, name: str = "", **attrs: Any) -> str:
-        name = name or f"{op_type}_{len(self.nodes)}"
-        self.nodes.append(helper.make_node(op_type, list(inputs), [name], name=name, **attrs))
-        return name
 
     def linear(self, a: str, width: int, dtype: Any = np.float16, bias: bool = False) -> str:
         w = self.const(self.rng.standard_normal((D, width)) / np.sqrt(D), dtype)

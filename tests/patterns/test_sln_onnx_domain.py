@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from graph_builder import GraphBuilder
+from onnx import TensorProto, helper
 
 import fuser
 from fuser.api import validate
@@ -23,15 +24,13 @@ D = 20
 HALF = TensorProto.FLOAT16
 
 
-class Graph:
+class Graph(GraphBuilder):
     """x [B, S, D] in `dtype` -> one ONNX-domain SLN 'sln' (scale in `scale_dtype`)."""
 
     def __init__(self, dtype: Any, scale_dtype: Any = None, outputs: int = 1, **attrs: Any) -> None:
         self.dtype = np.dtype(dtype)
         self.rng = np.random.default_rng(5)
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self.outputs: list[str] = []
+        super().__init__()
         gamma = self.const(self.rng.uniform(0.5, 1.5, D), scale_dtype or dtype)
         names = ["sln", "inv"][:outputs]
         attrs = {"axis": -1, "epsilon": 1e-6, "stash_type": 1, **attrs}
@@ -41,16 +40,6 @@ class Graph:
             )
         )
         self.outputs += names[1:]
-
-    def const(self, value: Any, dtype: Any) -> str:
-        name = f"c{len(self.inits)}"
-        self.inits.append(numpy_helper.from_array(np.asarray(value, dtype), name))
-        return name
-
-    def op(self, op_type: str, *inputs: str, name: str = "", **attrs: Any) -> str:
-        name = name or f"{op_type}_{len(self.nodes)}"
-        self.nodes.append(helper.make_node(op_type, list(inputs), [name], name=name, **attrs))
-        return name
 
     def linear(self, a: str, width: int, dtype: Any, bias: bool = False) -> str:
         w = self.const(self.rng.standard_normal((D, width)) / np.sqrt(D), dtype)
