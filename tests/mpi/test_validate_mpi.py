@@ -146,5 +146,7 @@ def test_a_rank_that_hangs_ends_the_job_after_the_timeout_with_the_reason(tmp_pa
     os.mkfifo(tmp_path / "fused1.onnx")  # rank 1 blocks reading it, as on a stuck file system
     done = launch(2, tmp_path, "validate", original, fused, env={"FUSER_COLLECTIVE_TIMEOUT": "2"})
     assert done.returncode == 2 and done.rank_codes[1] is None  # rank 1 was ended by the abort
-    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, f"stderr: {done.stderr!r}"  # the reason reached the launcher's stderr
+    (line,) = lines
     assert line.startswith("error: rank 0 (") and "waited 2 s for the other ranks" in line
