@@ -38,12 +38,12 @@ class _Memo:
     """Work that repeats per match with identical inputs, done once per signature for a
     whole fuse (a large model repeats a few layer variants thousands of times).
 
-    A signature is the fused op and its attributes (`_attributes_key`): the attribute protos
-    of the fused node are built once per signature; shape inference of the fused node, a
-    function of the op, its attributes and its inputs' types, once per signature and input
-    types."""
+    A signature is the fused op and its attributes (`_attributes_key`): the fused node's op
+    and attribute protos are built once per signature (a template each node is copied from);
+    shape inference of the fused node, a function of the op, its attributes and its inputs'
+    types, once per signature and input types."""
 
-    attributes: dict[Hashable, list[onnx.AttributeProto]] = field(default_factory=dict)
+    templates: dict[Hashable, onnx.NodeProto] = field(default_factory=dict)  # op + attributes
     inferred: dict[Hashable, list[TensorInfo | None]] = field(default_factory=dict)
 
 
@@ -222,22 +222,30 @@ def _apply(
     attributes = fused_attributes(match, extra_attrs)
     for reader, old, new in match.rewires:
         index.rewire_input(reader, old, new)
-    fused = onnx.NodeProto(
-        op_type=match.op.name,
-        domain=DOMAIN,
-        name=name,
-        input=_trim(match.inputs),
-        output=_trim(match.outputs),
-        doc_string=describe(match.pattern, replaced),
-    )
-    built = memo.attributes.get(signature) if memo is not None and signature is not None else None
-    if built is not None:
-        fused.attribute.extend(built)  # a copy of each, made in C
+    template = memo.templates.get(signature) if memo is not None and signature is not None else None
+    if template is not None:  # op and attributes copied in one C call, the rest set after
+        fused = onnx.NodeProto()
+        fused.CopyFrom(template)
+        fused.name = name
+        fused.input.extend(_trim(match.inputs))
+        fused.output.extend(_trim(match.outputs))
+        fused.doc_string = describe(match.pattern, replaced)
     else:
+        fused = onnx.NodeProto(
+            op_type=match.op.name,
+            domain=DOMAIN,
+            name=name,
+            input=_trim(match.inputs),
+            output=_trim(match.outputs),
+            doc_string=describe(match.pattern, replaced),
+        )
         for key in sorted(attributes):  # filled in place: extend would copy each attribute
             fill_attribute(fused.attribute.add(), key, attributes[key])
         if memo is not None and signature is not None:
-            memo.attributes[signature] = [_copied(a) for a in fused.attribute]
+            # a copy owned by no node: a later edit of this node never reaches the next ones
+            template = onnx.NodeProto(op_type=fused.op_type, domain=fused.domain)
+            template.attribute.extend(fused.attribute)
+            memo.templates[signature] = template
     index.replace(match.nodes, fused, match.new_initializers)
     log.fusions.append(
         FusionRecord(
@@ -251,13 +259,6 @@ def _apply(
             prediction,
         )
     )
-
-
-def _copied(attr: onnx.AttributeProto) -> onnx.AttributeProto:
-    """A copy of `attr` owned by no node (a later edit of the node never reaches it)."""
-    copy = onnx.AttributeProto()
-    copy.CopyFrom(attr)
-    return copy
 
 
 def make_attribute(name: str, value: Any) -> onnx.AttributeProto:
