@@ -10,7 +10,7 @@ enclosing graph visible for constants and types.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +29,22 @@ from .fusedop import DOMAIN, VERSION, TensorInfo
 from .graph import SUBGRAPH_OPS, GraphIndex, TypeTable, node_subgraphs
 from .matcher import check_match
 from .modelio import LoadedModel
-from .pattern import Match, Pattern, Rejection
+from .pattern import Match, Pattern, Rejection, attributes_key
 from .report import FusionRecord, Prediction, RejectionRecord
+
+
+@dataclass
+class _Memo:
+    """Work that repeats per match with identical inputs, done once per signature for a
+    whole fuse (a large model repeats a few layer variants thousands of times).
+
+    A signature is the fused op and its attributes (`_attributes_key`): the fused node's op
+    and attribute protos are built once per signature (a template each node is copied from);
+    shape inference of the fused node, a function of the op, its attributes and its inputs'
+    types, once per signature and input types."""
+
+    templates: dict[Hashable, onnx.NodeProto] = field(default_factory=dict)  # op + attributes
+    inferred: dict[Hashable, list[TensorInfo | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,9 +111,10 @@ def run_passes(
     main = GraphIndex.build(loaded.model.graph, loaded, opsets, types.get("") or TypeTable())
     ticker = _Ticker(progress, max(1, len(main.nodes) * len(patterns)))
     ticker.stage("match")
+    memo = _Memo()
     for index in _walk(main, loaded, opsets, types):
         for pattern in patterns:
-            _run_pattern(index, pattern, decider, log, ticker)
+            _run_pattern(index, pattern, decider, log, ticker, memo)
         index.write_back()
     if log.fusions and DOMAIN not in opsets:
         loaded.model.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
@@ -128,7 +143,12 @@ def _walk(
 
 
 def _run_pattern(
-    index: GraphIndex, pattern: Pattern, decider: Decider, log: PassLog, ticker: _Ticker
+    index: GraphIndex,
+    pattern: Pattern,
+    decider: Decider,
+    log: PassLog,
+    ticker: _Ticker,
+    memo: _Memo,
 ) -> None:
     # Only the anchors are visited (a pass over every node read two fields of each, per
     # pattern); those a rewrite removed are skipped, those it adds are not visited.
@@ -163,8 +183,9 @@ def _run_pattern(
                 )
             )
             continue
+        signature = _attributes_key(found, decision.attributes)
         disagreement = inferred_type_disagreement(
-            index, found, fused_attributes(found, decision.attributes)
+            index, found, fused_attributes(found, decision.attributes), memo, signature
         )
         if disagreement is not None:
             log.rejected.append(
@@ -180,7 +201,7 @@ def _run_pattern(
         notes = found.notes
         if decision.reason:  # e.g. "predicted 2.3x faster (symbolic dims priced at 256 ...)"
             notes = (*notes, f"cost model: {decision.reason}")
-        _apply(index, found, decision.attributes, decision.prediction, log, notes)
+        _apply(index, found, decision.attributes, decision.prediction, log, notes, memo, signature)
     ticker.reach(start + live)
 
 
@@ -191,6 +212,8 @@ def _apply(
     prediction: Prediction | None,
     log: PassLog,
     notes: tuple[str, ...],
+    memo: _Memo | None = None,
+    signature: Hashable | None = None,
 ) -> None:
     replaced = tuple(index.describe(i) for i in match.nodes)
     anchor = index.node(match.nodes[0])
@@ -199,16 +222,30 @@ def _apply(
     attributes = fused_attributes(match, extra_attrs)
     for reader, old, new in match.rewires:
         index.rewire_input(reader, old, new)
-    fused = onnx.NodeProto(
-        op_type=match.op.name,
-        domain=DOMAIN,
-        name=name,
-        input=_trim(match.inputs),
-        output=_trim(match.outputs),
-        doc_string=describe(match.pattern, replaced),
-    )
-    for key in sorted(attributes):  # filled in place: extend would copy each attribute
-        fill_attribute(fused.attribute.add(), key, attributes[key])
+    template = memo.templates.get(signature) if memo is not None and signature is not None else None
+    if template is not None:  # op and attributes copied in one C call, the rest set after
+        fused = onnx.NodeProto()
+        fused.CopyFrom(template)
+        fused.name = name
+        fused.input.extend(_trim(match.inputs))
+        fused.output.extend(_trim(match.outputs))
+        fused.doc_string = describe(match.pattern, replaced)
+    else:
+        fused = onnx.NodeProto(
+            op_type=match.op.name,
+            domain=DOMAIN,
+            name=name,
+            input=_trim(match.inputs),
+            output=_trim(match.outputs),
+            doc_string=describe(match.pattern, replaced),
+        )
+        for key in sorted(attributes):  # filled in place: extend would copy each attribute
+            fill_attribute(fused.attribute.add(), key, attributes[key])
+        if memo is not None and signature is not None:
+            # a copy owned by no node: a later edit of this node never reaches the next ones
+            template = onnx.NodeProto(op_type=fused.op_type, domain=fused.domain)
+            template.attribute.extend(fused.attribute)
+            memo.templates[signature] = template
     index.replace(match.nodes, fused, match.new_initializers)
     log.fusions.append(
         FusionRecord(
@@ -255,11 +292,28 @@ def fused_attributes(match: Match, extra_attrs: Mapping[str, Any]) -> dict[str, 
     return attributes
 
 
+def _attributes_key(match: Match, extra_attrs: Mapping[str, Any]) -> Hashable | None:
+    """The fused op and `fused_attributes(match, extra_attrs)` as one hashable value (None
+    when the match's attributes cannot be frozen): equal keys, equal attributes."""
+    own = match.attributes_key  # made once per match, shared with the decider's memos
+    if own is None:
+        return None
+    extra = attributes_key(extra_attrs) if extra_attrs else None
+    if extra is None and extra_attrs:
+        return None
+    return (match.op.name, own, extra)
+
+
 def inferred_type_disagreement(
-    index: GraphIndex, match: Match, attributes: Mapping[str, Any]
+    index: GraphIndex,
+    match: Match,
+    attributes: Mapping[str, Any],
+    memo: _Memo | None = None,
+    signature: Hashable | None = None,
 ) -> tuple[str, str] | None:
     """Shape inference of the fused node against what the model says of its outputs: None if
-    they agree, else (reason, value).
+    they agree, else (reason, value). With `memo` and `signature` (`_attributes_key` of the
+    match and `attributes`), the inference is done once per signature and input types.
 
     Only the rewritten nodes change, so this local check is what shape inference on the whole
     result would add. A disagreement is a near-miss, not an error: the model may declare a
@@ -271,8 +325,13 @@ def inferred_type_disagreement(
     for value in match.inputs:
         vt = index.value_type(value) if value else None
         infos.append(new.get(value) or (TensorInfo(vt.elem_type, vt.shape) if vt else None))
-    full = {a.name: a.default for a in match.op.attributes} | dict(attributes)
-    inferred = match.op.infer(infos, full)
+    key = (signature, tuple(infos)) if memo is not None and signature is not None else None
+    inferred = memo.inferred.get(key) if memo is not None and key is not None else None
+    if inferred is None:
+        full = {a.name: a.default for a in match.op.attributes} | dict(attributes)
+        inferred = match.op.infer(infos, full)
+        if memo is not None and key is not None:
+            memo.inferred[key] = inferred
     for position, value in enumerate(match.outputs):
         known = index.value_type(value) if value else None
         got = inferred[position] if position < len(inferred) else None

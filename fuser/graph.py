@@ -742,42 +742,72 @@ class GraphIndex:
         The caller has checked (via `descendants_in_window`) that no cycle results.
         """
         member_set = set(members)
-        lo = min(self.pos[m] for m in member_set)
-        hi = max(self.pos[m] for m in member_set)
-        after, back_edge = self.descendants_in_window(member_set, {i for i in fused.input if i})
-        if back_edge is not None:
-            raise AssertionError(f"rewrite would create a cycle through '{back_edge}'")
+        pos, order = self.pos, self.order
+        slots = [pos[m] for m in member_set]
+        lo, hi = min(slots), max(slots)
+        if self._reads_before(fused, lo):
+            # No cycle is possible (see `_reads_before`), so only the nodes of the window
+            # that read what the members produce need moving: none when the members fill
+            # their window (a chain, the common case), and the search is skipped.
+            if hi - lo + 1 == len(member_set):
+                after: list[int] = []
+            else:
+                after = self._descendants(member_set, set())[0]
+        else:
+            after, back_edge = self.descendants_in_window(member_set, {i for i in fused.input if i})
+            if back_edge is not None:
+                raise AssertionError(f"rewrite would create a cycle through '{back_edge}'")
         removed_inputs: list[str] = []
+        nodes, reads, consumers, producer = self.nodes, self._reads, self.consumers, self.producer
         for member in member_set:
-            node = self.nodes.pop(member)
-            for name in self._reads.pop(member):
-                readers = self.consumers.get(name)
+            node = nodes.pop(member)
+            for name in reads.pop(member):
+                readers = consumers.get(name)
                 if readers is not None:
                     readers.pop(member, None)
                 removed_inputs.append(name)
             for name in node.output:
-                if self.producer.get(name) == member:
-                    del self.producer[name]
-            del self.pos[member]
+                if producer.get(name) == member:
+                    del producer[name]
+            del pos[member]
         for tensor in new_initializers:
             self.initializers[tensor.name] = tensor
             self.new_initializers.append(tensor)
             self.types[tensor.name] = ValueType(tensor.data_type, tuple(tensor.dims))
         fused_id = self._add_node(fused, at_end=False)
         self._added.add(fused_id)
-        after_set = set(after)
-        window = [i for i in self.order[lo : hi + 1] if i is not None and i not in member_set]
-        before = [i for i in window if i not in after_set]
-        new_slots: list[int | None] = [*before, fused_id, *after]
-        new_slots += [None] * (hi + 1 - lo - len(new_slots))
-        self.order[lo : hi + 1] = new_slots
-        for offset, node_id in enumerate(new_slots):
-            if node_id is not None:
-                self.pos[node_id] = lo + offset
+        if after or hi - lo + 1 != len(member_set):
+            after_set = set(after)
+            window = [i for i in order[lo : hi + 1] if i is not None and i not in member_set]
+            before = [i for i in window if i not in after_set]
+            new_slots: list[int | None] = [*before, fused_id, *after]
+            new_slots += [None] * (hi + 1 - lo - len(new_slots))
+            order[lo : hi + 1] = new_slots
+            for offset, node_id in enumerate(new_slots):
+                if node_id is not None:
+                    pos[node_id] = lo + offset
+        else:  # the members filled the window: the fused node takes its first slot
+            order[lo : hi + 1] = [fused_id] + [None] * (hi - lo)
+            pos[fused_id] = lo
         self._drop_dead(removed_inputs)
         self._version += 1
         self.modified = True
         return fused_id
+
+    def _reads_before(self, node: onnx.NodeProto, slot: int) -> bool:
+        """Whether every value `node` reads comes from before `slot` in the order (or from
+        outside this graph: an initializer, a graph input, an outer value).
+
+        Then a node placed at `slot` cannot take part in a cycle: a path from the node back
+        to its own input would end at that input's producer, which would have to read
+        (transitively) the node's output and so come after `slot`. The same holds for
+        every fused node placed at its first member's slot, one after another."""
+        pos, producer = self.pos, self.producer
+        for name in node.input:
+            node_id = producer.get(name) if name else None
+            if node_id is not None and pos[node_id] >= slot:
+                return False
+        return True
 
     def _drop_dead(self, names: Iterable[str]) -> None:
         """Remove initializers and producer nodes that the rewrite left without readers."""
