@@ -17,7 +17,7 @@ import onnx
 from .checkview import checker_view, inference_view, scan_nodes
 from .errors import FusionError, ModelLoadError
 from .graph import TypeTable, may_hold_subgraphs
-from .modelio import LoadedModel
+from .modelio import LoadedModel, unchanged_on_disk
 from .registry import ensure_fused_ops_registered
 
 
@@ -129,17 +129,25 @@ def serialized(model: onnx.ModelProto) -> Iterator[str | bytes]:
         yield path
 
 
-def check_and_infer(loaded: LoadedModel) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
+def check_and_infer(
+    loaded: LoadedModel, *, as_read: bool = False
+) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
     """`check_structure` and `infer_types` on one serialization of the model's view, when
     both tools see the same view: every graph input and output typed (then the checker needs
     no placeholder and there is no output for inference to fill in). None otherwise: call
-    them one by one. Serializing a large model costs about as much as either tool's work."""
+    them one by one. Serializing a large model costs about as much as either tool's work.
+
+    `as_read`: the caller has not changed `loaded.model` since it was parsed. Then, where the
+    view is the model itself and its file is as it was read, the tools read that file: the
+    same model, not serialized again."""
     view = checker_view(loaded.model)
     if view.warnings:
         return None
     ensure_fused_ops_registered()
     nested = view.nested
-    with serialized(view.model) as data:
+    direct = as_read and view.model is loaded.model and unchanged_on_disk(loaded)
+    source = contextlib.nullcontext(str(loaded.path)) if direct else serialized(view.model)
+    with source as data:
         del view  # a copy of the model when it hides heavy tensors: no longer needed
         try:
             onnx.checker.check_model(data, full_check=False)

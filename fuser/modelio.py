@@ -12,9 +12,10 @@ resolves outside the model's folder is refused (path traversal), as is a missing
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -45,6 +46,9 @@ class LoadedModel:
     external: bool = False  # whether any tensor lives in an external file (found at load)
     path: Path | None = None  # the file it was read from (resolved), None if in memory
     data_files: tuple[Path, ...] = ()  # its external data files (resolved), found at load
+    # The file's (device, inode, size, mtime in ns) as it was read, if a regular file: whether
+    # it still holds what was parsed (`unchanged_on_disk`).
+    signature: tuple[int, int, int, int] | None = None
 
 
 def load_model(source: ModelSource, *, label: str | None = None) -> LoadedModel:
@@ -66,15 +70,35 @@ def load_model(source: ModelSource, *, label: str | None = None) -> LoadedModel:
         if path.is_dir():
             raise ModelLoadError(f"{name}: is a directory, not an ONNX file")
         try:
-            data = path.read_bytes()
+            with path.open("rb") as handle:
+                signature = _signature(os.fstat(handle.fileno()))
+                data = handle.read()
         except OSError as exc:
             raise ModelLoadError(f"{name}: cannot read ({exc.strerror})") from exc
         resolved = path.resolve()
-        loaded = LoadedModel(_parse(data, name), resolved.parent, name, path=resolved)
+        model = _parse(data, name)
+        del data  # the parse is all that is kept
+        loaded = LoadedModel(model, resolved.parent, name, path=resolved, signature=signature)
     data_files = external_files(loaded)
-    return LoadedModel(
-        loaded.model, loaded.base_dir, loaded.label, bool(data_files), loaded.path, data_files
-    )
+    return replace(loaded, external=bool(data_files), data_files=data_files)
+
+
+def _signature(st: os.stat_result) -> tuple[int, int, int, int] | None:
+    if not stat.S_ISREG(st.st_mode):
+        return None  # a pipe or a device reads differently the second time
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def unchanged_on_disk(loaded: LoadedModel) -> bool:
+    """Whether `loaded` came from a regular file that still is as it was read (same inode, size
+    and modification time): onnx's C++ tools may then read that file instead of a new
+    serialization of a model fuser has not changed."""
+    if loaded.path is None or loaded.signature is None:
+        return False
+    try:
+        return _signature(os.stat(loaded.path)) == loaded.signature
+    except OSError:
+        return False
 
 
 def _parse(data: bytes, label: str) -> onnx.ModelProto:
