@@ -138,14 +138,16 @@ def check_and_infer(
     them one by one. Serializing a large model costs about as much as either tool's work.
 
     `as_read`: the caller has not changed `loaded.model` since it was parsed. Then, where the
-    view is the model itself and its file is as it was read, the tools read that file: the
-    same model, not serialized again."""
+    view is the model itself, no tensor is external and its file is as it was read, the tools
+    read that file: the same model, not serialized again."""
     view = checker_view(loaded.model)
     if view.warnings:
         return None
     ensure_fused_ops_registered()
     nested = view.nested
-    direct = as_read and view.model is loaded.model and unchanged_on_disk(loaded)
+    # Not with external data: the checker resolves it against the folder of the file it reads.
+    direct = as_read and not loaded.external and view.model is loaded.model
+    direct = direct and unchanged_on_disk(loaded)
     source = contextlib.nullcontext(str(loaded.path)) if direct else serialized(view.model)
     with source as data:
         del view  # a copy of the model when it hides heavy tensors: no longer needed

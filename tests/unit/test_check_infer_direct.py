@@ -89,6 +89,35 @@ def test_a_model_given_in_memory_is_never_read_from_a_file(monkeypatch):
     assert made == [1]
 
 
+def test_external_data_is_never_checked_from_the_inputs_folder(tmp_path, monkeypatch):
+    # The checker resolves external data against the folder of the file it reads: a Constant
+    # node's external tensor would be found next to the input, not next to a serialization.
+    model = _two_values("y", [2])
+    value = helper.make_tensor("c", TensorProto.FLOAT, [2], [1.0, 2.0])
+    node = helper.make_node("Constant", [], ["k"], value=value)
+    model.graph.node.insert(0, node)
+    model.graph.node[1].input[0] = "x"
+    external = next(a.t for a in model.graph.node[0].attribute if a.name == "value")
+    (tmp_path / "k.bin").write_bytes(bytes(8))  # two float zeros
+    external.ClearField("float_data")
+    external.data_location = TensorProto.EXTERNAL
+    entry = external.external_data.add()
+    entry.key, entry.value = "location", "k.bin"
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    loaded = load_model(path)
+    assert loaded.external and unchanged_on_disk(loaded)
+    made = _serializations(monkeypatch)
+    outcomes = []
+    for as_read in (True, False):
+        try:
+            outcomes.append(sorted(_table(check_infer.check_and_infer(loaded, as_read=as_read))))
+        except ModelLoadError as exc:
+            outcomes.append([str(exc)])
+    assert made == [1, 1]  # serialized both times
+    assert outcomes[0] == outcomes[1]
+
+
 def test_an_invalid_file_gets_the_same_message_either_way(tmp_path):
     bad = _two_values("y", [2])
     bad.graph.node[0].op_type = "NoSuchOp"
