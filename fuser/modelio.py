@@ -174,10 +174,29 @@ def external_files(loaded: LoadedModel) -> tuple[Path, ...]:
     """The model's external data files; absolute, escaping or missing locations are refused
     before any is read."""
     found: dict[Path, None] = {}
-    for tensor in iter_all_tensors(loaded.model.graph):
-        if _is_external(tensor):
-            found[_safe_location(loaded, tensor)] = None
+    for tensor in _external_tensors(loaded.model.graph):
+        found[_safe_location(loaded, tensor)] = None
     return tuple(found)
+
+
+# The standard ops whose schemas declare a tensor or graph attribute (at every opset of onnx
+# 1.23; tests/unit/test_check_infer_direct.py checks it against onnx's schemas). onnx's checker
+# refuses an attribute a schema does not declare, so a standard node of another type carries
+# no tensor in a model fuser goes on with.
+TENSOR_ATTRIBUTE_OPS = frozenset(
+    {"Constant", "ConstantOfShape", "If", "Loop", "Scan", "SequenceMap"}
+)
+
+
+def _external_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """The external tensors of `iter_all_tensors`, reading the attributes only of nodes that
+    may carry tensors (reading every node's attributes was most of a large model's load). A
+    tensor this skips sits on a node the checker refuses, before anything is written; and
+    every read of external data checks its location again (`read_external_bytes`)."""
+    yield from (t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    for node in graph.node:
+        if node.op_type in TENSOR_ATTRIBUTE_OPS or node.domain not in ("", "ai.onnx"):
+            yield from (t for t in node_tensors(node) if _is_external(t))
 
 
 def read_external_bytes(loaded: LoadedModel, tensor: onnx.TensorProto) -> bytes:

@@ -9,12 +9,12 @@ import os
 import onnx
 import pytest
 from fuser.models.synthetic import cnn_graph, transformer_graph
-from onnx import TensorProto, helper
+from onnx import TensorProto, defs, helper
 
 from fuser import api, check_infer
 from fuser.checkview import LEGACY_LAYERNORM, checker_view, scan_nodes
-from fuser.errors import ModelLoadError
-from fuser.modelio import load_model, unchanged_on_disk
+from fuser.errors import ModelLoadError, UnsafeExternalDataError
+from fuser.modelio import TENSOR_ATTRIBUTE_OPS, load_model, unchanged_on_disk
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_TMPFILE"), reason="Linux's O_TMPFILE")
 
@@ -204,3 +204,40 @@ def test_a_graph_of_standard_ops_holds_no_subgraph_and_renames_nothing():
     custom = _two_values("y", [2])
     custom.graph.node[0].domain = "com.example"  # another domain's node may carry graphs
     assert scan_nodes(custom).nested and not scan_nodes(custom).legacy
+
+
+def test_the_ops_whose_attributes_are_read_at_load_are_those_onnx_declares():
+    kinds = {
+        defs.OpSchema.AttrType.TENSOR,
+        defs.OpSchema.AttrType.TENSORS,
+        defs.OpSchema.AttrType.GRAPH,
+        defs.OpSchema.AttrType.GRAPHS,
+        defs.OpSchema.AttrType.SPARSE_TENSOR,
+        defs.OpSchema.AttrType.SPARSE_TENSORS,
+    }
+    declared = {
+        schema.name
+        for schema in defs.get_all_schemas_with_history()
+        if schema.domain in ("", "ai.onnx")
+        and any(a.type in kinds for a in schema.attributes.values())
+    }
+    assert declared == TENSOR_ATTRIBUTE_OPS
+
+
+@pytest.mark.parametrize("domain", ["", "com.example"])
+def test_an_escaping_location_on_a_node_is_refused_at_load(tmp_path, domain):
+    model = _two_values("y", [2])
+    value = helper.make_tensor("c", TensorProto.FLOAT, [2], [1.0, 2.0])
+    op = "Constant" if not domain else "Custom"
+    model.graph.node.insert(0, helper.make_node(op, [], ["k"], value=value, domain=domain))
+    if domain:
+        model.opset_import.append(helper.make_opsetid(domain, 1))
+    tensor = next(a.t for a in model.graph.node[0].attribute if a.name == "value")
+    tensor.ClearField("float_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    entry = tensor.external_data.add()
+    entry.key, entry.value = "location", "../outside.bin"
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    with pytest.raises(UnsafeExternalDataError, match=r"'\.\./outside\.bin' outside the model's"):
+        load_model(path)
