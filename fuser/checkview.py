@@ -29,6 +29,7 @@ own tools see a *view* of the model (a copy; the model itself is never changed h
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -266,12 +267,13 @@ def _scan_graph(
     holders = []
     for node in graph.node:
         op = node.op_type
-        if node.domain in _STANDARD:
+        domain = node.domain
+        if domain in _STANDARD:
             if op in wanted:
                 found.append(node)
             if op in SUBGRAPH_OPS:
                 holders.append(node)
-        else:
+        elif not _graph_free(op, domain):
             holders.append(node)
     for node in holders:
         for attr in node.attribute:
@@ -281,6 +283,22 @@ def _scan_graph(
                 for sub in attr.graphs:
                     _scan_graph(sub, wanted, found)
     return bool(holders)
+
+
+_GRAPH_KINDS = (defs.OpSchema.AttrType.GRAPH, defs.OpSchema.AttrType.GRAPHS)
+
+
+@functools.cache
+def _graph_free(op_type: str, domain: str) -> bool:
+    """Whether an op of another domain has a schema (fuser's fused ops, onnx's ML ops, ...)
+    that declares no graph attribute: the checker refuses any graph attribute on its nodes,
+    so a walk skips reading their attributes (most of a walk over a fused model). Looked up
+    once per op (fuser never removes a schema; an op registered after its first look-up is
+    only walked as before)."""
+    if not defs.has(op_type, domain):
+        return False
+    schema = defs.get_schema(op_type, domain=domain)
+    return all(a.type not in _GRAPH_KINDS for a in schema.attributes.values())
 
 
 def _move_legacy_layernorms(model: onnx.ModelProto) -> bool:

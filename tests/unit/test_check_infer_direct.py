@@ -14,7 +14,9 @@ from onnx import TensorProto, defs, helper
 from fuser import api, check_infer
 from fuser.checkview import LEGACY_LAYERNORM, checker_view, scan_nodes
 from fuser.errors import ModelLoadError, UnsafeExternalDataError
+from fuser.fusedop import DOMAIN
 from fuser.modelio import TENSOR_ATTRIBUTE_OPS, load_model, unchanged_on_disk
+from fuser.registry import ensure_fused_ops_registered
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_TMPFILE"), reason="Linux's O_TMPFILE")
 
@@ -89,20 +91,28 @@ def test_a_model_given_in_memory_is_never_read_from_a_file(monkeypatch):
     assert made == [1]
 
 
+def _with_external_constant(location: str, domain: str = "") -> onnx.ModelProto:
+    """`_two_values` plus a node (a Constant, or a custom op of `domain`) whose tensor attribute
+    is external data at `location`."""
+    model = _two_values("y", [2])
+    value = helper.make_tensor("c", TensorProto.FLOAT, [2], [1.0, 2.0])
+    op = "Custom" if domain else "Constant"
+    model.graph.node.insert(0, helper.make_node(op, [], ["k"], value=value, domain=domain))
+    if domain:
+        model.opset_import.append(helper.make_opsetid(domain, 1))
+    tensor = next(a.t for a in model.graph.node[0].attribute if a.name == "value")
+    tensor.ClearField("float_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    entry = tensor.external_data.add()
+    entry.key, entry.value = "location", location
+    return model
+
+
 def test_external_data_is_never_checked_from_the_inputs_folder(tmp_path, monkeypatch):
     # The checker resolves external data against the folder of the file it reads: a Constant
     # node's external tensor would be found next to the input, not next to a serialization.
-    model = _two_values("y", [2])
-    value = helper.make_tensor("c", TensorProto.FLOAT, [2], [1.0, 2.0])
-    node = helper.make_node("Constant", [], ["k"], value=value)
-    model.graph.node.insert(0, node)
-    model.graph.node[1].input[0] = "x"
-    external = next(a.t for a in model.graph.node[0].attribute if a.name == "value")
     (tmp_path / "k.bin").write_bytes(bytes(8))  # two float zeros
-    external.ClearField("float_data")
-    external.data_location = TensorProto.EXTERNAL
-    entry = external.external_data.add()
-    entry.key, entry.value = "location", "k.bin"
+    model = _with_external_constant("k.bin")
     path = tmp_path / "m.onnx"
     onnx.save(model, path)
     loaded = load_model(path)
@@ -226,18 +236,18 @@ def test_the_ops_whose_attributes_are_read_at_load_are_those_onnx_declares():
 
 @pytest.mark.parametrize("domain", ["", "com.example"])
 def test_an_escaping_location_on_a_node_is_refused_at_load(tmp_path, domain):
-    model = _two_values("y", [2])
-    value = helper.make_tensor("c", TensorProto.FLOAT, [2], [1.0, 2.0])
-    op = "Constant" if not domain else "Custom"
-    model.graph.node.insert(0, helper.make_node(op, [], ["k"], value=value, domain=domain))
-    if domain:
-        model.opset_import.append(helper.make_opsetid(domain, 1))
-    tensor = next(a.t for a in model.graph.node[0].attribute if a.name == "value")
-    tensor.ClearField("float_data")
-    tensor.data_location = TensorProto.EXTERNAL
-    entry = tensor.external_data.add()
-    entry.key, entry.value = "location", "../outside.bin"
+    model = _with_external_constant("../outside.bin", domain)
     path = tmp_path / "m.onnx"
     onnx.save(model, path)
     with pytest.raises(UnsafeExternalDataError, match=r"'\.\./outside\.bin' outside the model's"):
         load_model(path)
+
+
+def test_nodes_of_a_schema_without_graph_attributes_are_not_walked_into():
+    ensure_fused_ops_registered()
+    model = _two_values("y", [2])
+    node = model.graph.node[0]
+    node.op_type, node.domain = "ConvBnRelu", DOMAIN  # a fused op: its schema has no graph
+    assert not scan_nodes(model).nested
+    node.op_type = "NoSuchFusedOp"  # no schema: it may carry graphs
+    assert scan_nodes(model).nested
