@@ -147,7 +147,7 @@ def check_and_infer(
     nested = view.nested
     # Not with external data: the checker resolves it against the folder of the file it reads.
     direct = as_read and not loaded.external and view.model is loaded.model
-    direct = direct and unchanged_on_disk(loaded)
+    direct = direct and _utf8(loaded.path) and unchanged_on_disk(loaded)
     source = contextlib.nullcontext(str(loaded.path)) if direct else serialized(view.model)
     with source as data:
         del view  # a copy of the model when it hides heavy tensors: no longer needed
@@ -156,6 +156,16 @@ def check_and_infer(
         except onnx.checker.ValidationError as exc:
             raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
         return _infer_view(data, loaded.model, nested), ()
+
+
+def _utf8(path: os.PathLike[str] | None) -> bool:
+    """Whether onnx's C++ tools can be given `path` (a name with bytes that are not UTF-8 is
+    refused by their bindings)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return path is not None
 
 
 def _collect_types(graph: onnx.GraphProto, path: str, out: dict[str, TypeTable]) -> None:

@@ -83,6 +83,14 @@ def test_a_file_replaced_after_it_was_read_is_not_trusted(tmp_path, monkeypatch)
     assert types["y"].shape == (2, 3)
 
 
+def test_a_file_name_that_is_not_utf8_is_serialized_instead(tmp_path, monkeypatch):
+    path = tmp_path / os.fsdecode(b"m\xff.onnx")  # onnx's bindings take UTF-8 paths only
+    onnx.save(_two_values("y", [3]), path)
+    made = _serializations(monkeypatch)
+    assert _table(check_infer.check_and_infer(load_model(path), as_read=True))["y"].shape == (3,)
+    assert made == [1]
+
+
 def test_a_model_given_in_memory_is_never_read_from_a_file(monkeypatch):
     made = _serializations(monkeypatch)
     loaded = load_model(_two_values("y", [4]))
