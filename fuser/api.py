@@ -105,7 +105,8 @@ def fuse(
     check_target(target)
     loaded = load_model(model)
     normalized = normalize(loaded)  # what onnxruntime tolerates, fixed in fuser's copy
-    checked = engine.check_and_infer(loaded)  # one serialization for both, where it can
+    # One serialization for both tools, where it can; none when the file is the model as is.
+    checked = engine.check_and_infer(loaded, as_read=not normalized)
     if checked is not None:
         types, warnings = checked
     else:  # an untyped graph input or output: inference types outputs before the checker

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import onnx
 
-from .checkview import checker_view, inference_view
+from .checkview import checker_view, inference_view, scan_nodes
 from .errors import FusionError, ModelLoadError
 from .graph import TypeTable, may_hold_subgraphs
-from .modelio import LoadedModel
+from .modelio import LoadedModel, unchanged_on_disk
 from .registry import ensure_fused_ops_registered
 
 
@@ -41,14 +41,16 @@ def _first_line(exc: Exception) -> str:
 def infer_types(model: onnx.ModelProto) -> dict[str, TypeTable]:
     """Element types and shapes of every value, per graph path (shape inference on a copy)."""
     ensure_fused_ops_registered()
-    return _infer_view(inference_view(model), model)
+    scan = scan_nodes(model)
+    return _infer_view(inference_view(model, scan), model, scan.nested)
 
 
 def _infer_view(
-    view: onnx.ModelProto | bytes | str, model: onnx.ModelProto
+    view: onnx.ModelProto | bytes | str, model: onnx.ModelProto, nested: bool
 ) -> dict[str, TypeTable]:
     """Types from shape inference on `view` (a model, its serialization, or the path of a file
-    holding it); `model`'s own annotations where inference fails."""
+    holding it); `model`'s own annotations where inference fails. `nested`: whether a node of
+    the view may hold a subgraph (`NodeScan.nested`)."""
     inferred = _inferred_by_path(view) if isinstance(view, str) else None
     if inferred is None:
         if isinstance(view, str):
@@ -59,7 +61,7 @@ def _infer_view(
         except Exception:  # inference is best-effort here; patterns refuse what they cannot type
             inferred = model
     types: dict[str, TypeTable] = {}
-    if inferred is model or any(may_hold_subgraphs(n) for n in inferred.graph.node):
+    if inferred is model or nested:
         _collect_types(inferred.graph, "", types)
         return types
     # No subgraph: keep the inferred values' protos alone (the type table holds the protos it
@@ -71,8 +73,7 @@ def _infer_view(
     slim.value_info.extend(inferred.graph.value_info)
     del inferred
     _collect_types(slim, "", types)
-    for tensor in model.graph.initializer:
-        types[""].add_proto(tensor.name, tensor)
+    types[""].add_protos(model.graph.initializer)
     return types
 
 
@@ -128,30 +129,49 @@ def serialized(model: onnx.ModelProto) -> Iterator[str | bytes]:
         yield path
 
 
-def check_and_infer(loaded: LoadedModel) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
+def check_and_infer(
+    loaded: LoadedModel, *, as_read: bool = False
+) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
     """`check_structure` and `infer_types` on one serialization of the model's view, when
     both tools see the same view: every graph input and output typed (then the checker needs
     no placeholder and there is no output for inference to fill in). None otherwise: call
-    them one by one. Serializing a large model costs about as much as either tool's work."""
+    them one by one. Serializing a large model costs about as much as either tool's work.
+
+    `as_read`: the caller has not changed `loaded.model` since it was parsed. Then, where the
+    view is the model itself, no tensor is external and its file is as it was read, the tools
+    read that file: the same model, not serialized again."""
     view = checker_view(loaded.model)
     if view.warnings:
         return None
     ensure_fused_ops_registered()
-    with serialized(view.model) as data:
+    nested = view.nested
+    # Not with external data: the checker resolves it against the folder of the file it reads.
+    direct = as_read and not loaded.external and view.model is loaded.model
+    direct = direct and _utf8(loaded.path) and unchanged_on_disk(loaded)
+    source = contextlib.nullcontext(str(loaded.path)) if direct else serialized(view.model)
+    with source as data:
         del view  # a copy of the model when it hides heavy tensors: no longer needed
         try:
             onnx.checker.check_model(data, full_check=False)
         except onnx.checker.ValidationError as exc:
             raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
-        return _infer_view(data, loaded.model), ()
+        return _infer_view(data, loaded.model, nested), ()
+
+
+def _utf8(path: os.PathLike[str] | None) -> bool:
+    """Whether onnx's C++ tools can be given `path` (a name with bytes that are not UTF-8 is
+    refused by their bindings)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return path is not None
 
 
 def _collect_types(graph: onnx.GraphProto, path: str, out: dict[str, TypeTable]) -> None:
     table = TypeTable()
-    for value in (*graph.input, *graph.output, *graph.value_info):
-        table.add_proto(value.name, value)
-    for tensor in graph.initializer:
-        table.add_proto(tensor.name, tensor)
+    for values in (graph.input, graph.output, graph.value_info, graph.initializer):
+        table.add_protos(values)
     out[path] = table
     for node in graph.node:
         if not may_hold_subgraphs(node):

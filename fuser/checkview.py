@@ -29,6 +29,7 @@ own tools see a *view* of the model (a copy; the model itself is never changed h
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from onnx import defs, helper
 
-from .graph import may_hold_subgraphs
+from .graph import SUBGRAPH_OPS
 
 LEGACY_DOMAIN = "fuser.ort_legacy"
 # The op's name there: not "LayerNormalization", since a second schema of an ONNX op's name in
@@ -53,6 +54,7 @@ class View:
 
     model: onnx.ModelProto
     warnings: tuple[str, ...] = ()
+    nested: bool = True  # whether a node may hold a subgraph (`NodeScan.nested`)
 
 
 def onnx_opset(model: onnx.ModelProto) -> int:
@@ -195,14 +197,7 @@ def _infer_simplified_layernorm(ctx: onnx.shape_inference.InferenceContext) -> N
 def simplified_layernorms(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """SimplifiedLayerNormalization nodes of the ONNX domain (onnxruntime's; onnx has no schema
     for them)."""
-    if defs.has(_SLN):  # an onnx that defines it checks it itself
-        return []
-    return [
-        node
-        for graph in _graphs(model.graph)
-        for node in graph.node
-        if node.op_type == _SLN and node.domain in ("", "ai.onnx")
-    ]
+    return scan_nodes(model).simplified
 
 
 def _move_simplified_layernorms(model: onnx.ModelProto) -> None:
@@ -217,10 +212,6 @@ def _move_simplified_layernorms(model: onnx.ModelProto) -> None:
         model.opset_import.append(helper.make_opsetid(LEGACY_DOMAIN, 1))
 
 
-def _has_legacy_ops(model: onnx.ModelProto) -> bool:
-    return bool(legacy_layernorms(model) or simplified_layernorms(model))
-
-
 def _move_legacy_ops(model: onnx.ModelProto) -> None:
     _move_legacy_layernorms(model)
     _move_simplified_layernorms(model)
@@ -229,29 +220,85 @@ def _move_legacy_ops(model: onnx.ModelProto) -> None:
 # -- walking graphs ---------------------------------------------------------------------------
 
 
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    yield graph
-    for node in graph.node:
-        if not may_hold_subgraphs(node):
-            continue
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from _graphs(sub)
-
-
 def legacy_layernorms(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """LayerNormalization nodes of the ONNX domain the model's opset does not define."""
-    if onnx_opset(model) >= LAYERNORM_OPSET:
-        return []
-    return [
-        node
-        for graph in _graphs(model.graph)
-        for node in graph.node
-        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx")
-    ]
+    return scan_nodes(model).layernorms
+
+
+@dataclass(frozen=True)
+class NodeScan:
+    """What one walk over a model's nodes (subgraphs' included) found for its view."""
+
+    layernorms: list[onnx.NodeProto]  # `legacy_layernorms`
+    simplified: list[onnx.NodeProto]  # `simplified_layernorms`
+    # Whether any node of the view may hold a subgraph (`may_hold_subgraphs`; the legacy nodes
+    # count, since the view moves them out of the ONNX domain).
+    nested: bool
+
+    @property
+    def legacy(self) -> bool:
+        """Whether the view renames any node."""
+        return bool(self.layernorms or self.simplified)
+
+
+_STANDARD = ("", "ai.onnx")
+
+
+def scan_nodes(model: onnx.ModelProto) -> NodeScan:
+    """One walk over every node, graphs in pre-order: two attribute reads per node (a
+    large model's walks were a tenth of its check and inference)."""
+    wanted = set()
+    if onnx_opset(model) < LAYERNORM_OPSET:
+        wanted.add("LayerNormalization")
+    if not defs.has(_SLN):  # an onnx that defines it checks it itself
+        wanted.add(_SLN)
+    found: list[onnx.NodeProto] = []
+    nested = _scan_graph(model.graph, frozenset(wanted), found)
+    layernorms = [n for n in found if n.op_type == "LayerNormalization"]
+    simplified = [n for n in found if n.op_type == _SLN]
+    return NodeScan(layernorms, simplified, nested or bool(found))
+
+
+def _scan_graph(
+    graph: onnx.GraphProto, wanted: frozenset[str], found: list[onnx.NodeProto]
+) -> bool:
+    """Append `graph`'s standard-domain nodes of a `wanted` type to `found`, then its
+    subgraphs' (depth first, in node order); whether any node may hold a subgraph."""
+    holders = []
+    for node in graph.node:
+        op = node.op_type
+        domain = node.domain
+        if domain in _STANDARD:
+            if op in wanted:
+                found.append(node)
+            if op in SUBGRAPH_OPS:
+                holders.append(node)
+        elif not _graph_free(op, domain):
+            holders.append(node)
+    for node in holders:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _scan_graph(attr.g, wanted, found)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    _scan_graph(sub, wanted, found)
+    return bool(holders)
+
+
+_GRAPH_KINDS = (defs.OpSchema.AttrType.GRAPH, defs.OpSchema.AttrType.GRAPHS)
+
+
+@functools.cache
+def _graph_free(op_type: str, domain: str) -> bool:
+    """Whether an op of another domain has a schema (fuser's fused ops, onnx's ML ops, ...)
+    that declares no graph attribute: the checker refuses any graph attribute on its nodes,
+    so a walk skips reading their attributes (most of a walk over a fused model). Looked up
+    once per op (fuser never removes a schema; an op registered after its first look-up is
+    only walked as before)."""
+    if not defs.has(op_type, domain):
+        return False
+    schema = defs.get_schema(op_type, domain=domain)
+    return all(a.type not in _GRAPH_KINDS for a in schema.attributes.values())
 
 
 def _move_legacy_layernorms(model: onnx.ModelProto) -> bool:
@@ -266,17 +313,19 @@ def _move_legacy_layernorms(model: onnx.ModelProto) -> bool:
     return True
 
 
-def inference_view(model: onnx.ModelProto) -> onnx.ModelProto:
+def inference_view(model: onnx.ModelProto, scan: NodeScan | None = None) -> onnx.ModelProto:
     """`model` as shape inference should see it: legacy LayerNormalization and ONNX-domain
     SimplifiedLayerNormalization nodes typed like onnxruntime's, and large or external
     initializers as typed graph inputs (inference reads only small constants' values, and
     copying megabytes of weights to read their types would cost more than the inference). The
-    model itself when none of that applies."""
+    model itself when none of that applies. `scan`: `scan_nodes(model)`, if made already."""
+    scan = scan or scan_nodes(model)
     hidden = _heavy_initializers(model.graph)
-    if not hidden and not _has_legacy_ops(model):
+    if not hidden and not scan.legacy:
         return model
     view = _copy_hiding(model, hidden)
-    _move_legacy_ops(view)
+    if scan.legacy:
+        _move_legacy_ops(view)
     return view
 
 
@@ -350,13 +399,15 @@ def _untyped_io(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.ValueInfoPro
 
 def checker_view(model: onnx.ModelProto) -> View:
     """`model` as onnx's checker should see it (the model itself when nothing needs hiding)."""
+    scan = scan_nodes(model)
     hidden = _heavy_initializers(model.graph)
     untyped = list(_untyped_io(model.graph))
-    if not hidden and not untyped and not _has_legacy_ops(model):
-        return View(model)
+    if not hidden and not untyped and not scan.legacy:
+        return View(model, nested=scan.nested)
     view = _copy_hiding(model, hidden)
     graph = view.graph
-    _move_legacy_ops(view)
+    if scan.legacy:
+        _move_legacy_ops(view)
     warnings = []
     by_name = {(k, v.name): v for k, v in _view_io(graph)}
     for kind, value, missing in untyped:
@@ -368,7 +419,7 @@ def checker_view(model: onnx.ModelProto) -> View:
         if not placeholder.elem_type:
             placeholder.elem_type = onnx.TensorProto.FLOAT  # seen only by the checker
         placeholder.shape.SetInParent()
-    return View(view, tuple(warnings))
+    return View(view, tuple(warnings), scan.nested)
 
 
 def _checker_says(value: onnx.ValueInfoProto) -> str:

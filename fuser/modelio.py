@@ -12,9 +12,10 @@ resolves outside the model's folder is refused (path traversal), as is a missing
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -45,6 +46,9 @@ class LoadedModel:
     external: bool = False  # whether any tensor lives in an external file (found at load)
     path: Path | None = None  # the file it was read from (resolved), None if in memory
     data_files: tuple[Path, ...] = ()  # its external data files (resolved), found at load
+    # The file's (device, inode, size, mtime in ns) as it was read, if a regular file: whether
+    # it still holds what was parsed (`unchanged_on_disk`).
+    signature: tuple[int, int, int, int] | None = None
 
 
 def load_model(source: ModelSource, *, label: str | None = None) -> LoadedModel:
@@ -66,15 +70,35 @@ def load_model(source: ModelSource, *, label: str | None = None) -> LoadedModel:
         if path.is_dir():
             raise ModelLoadError(f"{name}: is a directory, not an ONNX file")
         try:
-            data = path.read_bytes()
+            with path.open("rb") as handle:
+                signature = _signature(os.fstat(handle.fileno()))
+                data = handle.read()
         except OSError as exc:
             raise ModelLoadError(f"{name}: cannot read ({exc.strerror})") from exc
         resolved = path.resolve()
-        loaded = LoadedModel(_parse(data, name), resolved.parent, name, path=resolved)
+        model = _parse(data, name)
+        del data  # the parse is all that is kept
+        loaded = LoadedModel(model, resolved.parent, name, path=resolved, signature=signature)
     data_files = external_files(loaded)
-    return LoadedModel(
-        loaded.model, loaded.base_dir, loaded.label, bool(data_files), loaded.path, data_files
-    )
+    return replace(loaded, external=bool(data_files), data_files=data_files)
+
+
+def _signature(st: os.stat_result) -> tuple[int, int, int, int] | None:
+    if not stat.S_ISREG(st.st_mode):
+        return None  # a pipe or a device reads differently the second time
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def unchanged_on_disk(loaded: LoadedModel) -> bool:
+    """Whether `loaded` came from a regular file that still is as it was read (same inode, size
+    and modification time): onnx's C++ tools may then read that file instead of a new
+    serialization of a model fuser has not changed."""
+    if loaded.path is None or loaded.signature is None:
+        return False
+    try:
+        return _signature(os.stat(loaded.path)) == loaded.signature
+    except OSError:
+        return False
 
 
 def _parse(data: bytes, label: str) -> onnx.ModelProto:
@@ -150,10 +174,29 @@ def external_files(loaded: LoadedModel) -> tuple[Path, ...]:
     """The model's external data files; absolute, escaping or missing locations are refused
     before any is read."""
     found: dict[Path, None] = {}
-    for tensor in iter_all_tensors(loaded.model.graph):
-        if _is_external(tensor):
-            found[_safe_location(loaded, tensor)] = None
+    for tensor in _external_tensors(loaded.model.graph):
+        found[_safe_location(loaded, tensor)] = None
     return tuple(found)
+
+
+# The standard ops whose schemas declare a tensor or graph attribute (at every opset of onnx
+# 1.23; tests/unit/test_check_infer_direct.py checks it against onnx's schemas). onnx's checker
+# refuses an attribute a schema does not declare, so a standard node of another type carries
+# no tensor in a model fuser goes on with.
+TENSOR_ATTRIBUTE_OPS = frozenset(
+    {"Constant", "ConstantOfShape", "If", "Loop", "Scan", "SequenceMap"}
+)
+
+
+def _external_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """The external tensors of `iter_all_tensors`, reading the attributes only of nodes that
+    may carry tensors (reading every node's attributes was most of a large model's load). A
+    tensor this skips sits on a node the checker refuses, before anything is written; and
+    every read of external data checks its location again (`read_external_bytes`)."""
+    yield from (t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    for node in graph.node:
+        if node.op_type in TENSOR_ATTRIBUTE_OPS or node.domain not in ("", "ai.onnx"):
+            yield from (t for t in node_tensors(node) if _is_external(t))
 
 
 def read_external_bytes(loaded: LoadedModel, tensor: onnx.TensorProto) -> bytes:

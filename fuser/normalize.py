@@ -25,7 +25,7 @@ from onnx import defs
 
 from .checkview import LAYERNORM_OPSET, legacy_layernorms, missing_type, onnx_opset
 from .errors import ModelLoadError
-from .graph import GraphIndex, TypeTable, ValueType, subgraph_free_names
+from .graph import GraphIndex, TypeTable, ValueType, may_hold_subgraphs, subgraph_free_names
 from .modelio import LoadedModel
 
 # IR version from which initializers need not be graph inputs.
@@ -94,15 +94,17 @@ def _sub_graphs(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
 def _in_order(graph: onnx.GraphProto, visible: set[str]) -> bool:
     """Whether every node reads only values defined before it (or outside the graph).
 
-    One pass over the nodes (this runs on every input, sorted or not)."""
+    One pass over the nodes (this runs on every input, sorted or not); only the nodes that may
+    hold a subgraph have their attributes read (see `may_hold_subgraphs`: the checker refuses a
+    graph attribute on any other node)."""
     known = visible | {v.name for v in graph.input} | {t.name for t in graph.initializer}
     known |= {s.values.name for s in graph.sparse_initializer}
+    known.add("")  # an omitted optional input
     nested: list[onnx.GraphProto] = []
     for node in graph.node:
-        for name in node.input:
-            if name and name not in known:
-                return False
-        if node.attribute:
+        if not known.issuperset(node.input):
+            return False
+        if may_hold_subgraphs(node):
             for _, sub in _sub_graphs(node):
                 if not subgraph_free_names(sub) <= known:
                     return False
@@ -167,12 +169,14 @@ def _set_type(value: onnx.ValueInfoProto, found: ValueType) -> None:
 
 
 def _type_inputs_from_initializers(graph: onnx.GraphProto) -> list[str]:
+    untyped = [(v, m) for v in graph.input if (m := missing_type(v)) is not None]
+    if not untyped:  # the common case: no need to index the initializers
+        return []
     tensors = {t.name: t for t in graph.initializer}
     notes = []
-    for value in graph.input:
-        missing = missing_type(value)
+    for value, missing in untyped:
         tensor = tensors.get(value.name)
-        if missing is None or tensor is None:
+        if tensor is None:
             continue
         _set_type(value, ValueType(tensor.data_type, tuple(tensor.dims)))
         notes.append(f"graph input '{value.name}' had no {missing}: taken from its initializer")
