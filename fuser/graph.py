@@ -178,6 +178,11 @@ class TypeTable(MutableMapping[str, ValueType]):
         found = self._entries.get(name)
         if type(found) is ValueType:
             return found.elem_type
+        if type(found) is onnx.ValueInfoProto:  # read in place: converting the shape costs more
+            type_proto = found.type
+            if type_proto.WhichOneof("value") != "tensor_type":
+                return None
+            return int(type_proto.tensor_type.elem_type)
         if isinstance(found, onnx.TensorProto):
             return int(found.data_type)
         converted = self.get(name)
