@@ -158,14 +158,17 @@ def run_one(path: str, out_dir: str) -> list[tuple[str, int, int]]:
     return stages.rows
 
 
-def _rows_of(command: list[str]) -> list[tuple[str, int, int]]:
+def _rows_of(command: list[str]) -> Rows:
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr}")
     return [tuple(r) for r in json.loads(done.stdout.strip().splitlines()[-1])]  # type: ignore[misc]
 
 
-def _table(path: str, fuse_rows: list[tuple[str, int, int]], floor: list[tuple[str, int, int]]) -> None:
+Rows = list[tuple[str, int, int]]
+
+
+def _table(path: str, fuse_rows: Rows, floor: Rows) -> None:
     print(f"\n{Path(path).name}")
     print(f"  {'stage':<28} {'RSS after':>10} {'peak in stage':>14}")
     for stage, rss, peak in fuse_rows:
