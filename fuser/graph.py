@@ -11,6 +11,7 @@ node that owns the subgraph: a fusion must never hide a value a subgraph still n
 from __future__ import annotations
 
 import heapq
+import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -67,13 +68,17 @@ def subgraph_free_names(graph: onnx.GraphProto) -> set[str]:
 
 
 def all_value_names(graph: onnx.GraphProto) -> set[str]:
-    """Every value name defined or read in `graph` and, recursively, in its subgraphs."""
-    names = {v.name for v in (*graph.input, *graph.output, *graph.value_info)}
-    names.update(t.name for t in graph.initializer)
-    names.update(s.values.name for s in graph.sparse_initializer)
+    """Every value name defined or read in `graph` and, recursively, in its subgraphs.
+
+    Interned: the names are those the index keys its edges and types by, so the set costs its
+    table, not another copy of every name."""
+    intern = sys.intern
+    names = {intern(v.name) for v in (*graph.input, *graph.output, *graph.value_info)}
+    names.update(intern(t.name) for t in graph.initializer)
+    names.update(intern(s.values.name) for s in graph.sparse_initializer)
     for node in graph.node:
-        names.update(node.input)
-        names.update(node.output)
+        names.update(map(intern, node.input))
+        names.update(map(intern, node.output))
         for sub in _node_subgraphs(node):
             names |= all_value_names(sub)
     names.discard("")
@@ -156,13 +161,15 @@ class TypeTable(MutableMapping[str, ValueType]):
 
     def add_proto(self, name: str, proto: onnx.ValueInfoProto | onnx.TensorProto) -> None:
         """Remember `proto` as the source of `name`'s type, unless one is known already."""
-        self._entries.setdefault(name, proto)
+        self._entries.setdefault(sys.intern(name), proto)
 
     def add_protos(self, protos: Iterable[onnx.ValueInfoProto | onnx.TensorProto]) -> None:
         """`add_proto(p.name, p)` for each of `protos`."""
-        entries = self._entries
+        entries, intern = self._entries, sys.intern
         for proto in protos:
-            entries.setdefault(proto.name, proto)
+            # interned: the index keys its edges by the same names (one str per name, not
+            # one per table; a large graph has hundreds of thousands)
+            entries.setdefault(intern(proto.name), proto)
 
     def get(self, name: str, default: ValueType | None = None) -> ValueType | None:  # type: ignore[override]
         found = self._entries.get(name)
@@ -268,9 +275,10 @@ class GraphIndex:
     ) -> GraphIndex:
         """Index `graph`, sorting its nodes topologically; a cycle or dangling input is an error."""
         index = cls(graph=graph, source=source, opsets=opsets, types=types, outer=outer, path=path)
-        index.initializers = {t.name: t for t in graph.initializer}
-        index.graph_inputs = {v.name for v in graph.input}
-        index.graph_outputs = {v.name for v in graph.output}
+        intern = sys.intern  # one str per name, shared with the type table and the edges
+        index.initializers = {intern(t.name): t for t in graph.initializer}
+        index.graph_inputs = {intern(v.name) for v in graph.input}
+        index.graph_outputs = {intern(v.name) for v in graph.output}
         types.add_protos(graph.input)
         types.add_protos(graph.output)
         types.add_protos(graph.value_info)
@@ -295,11 +303,13 @@ class GraphIndex:
         producer, consumers, reads_of = self.producer, self.consumers, self._reads
         by_kind, names, index_of = self.by_kind, self.node_names, self.nodes
         early: set[str] = set()  # read before any node produced it
+        intern = sys.intern  # each read of a name makes a new str: one copy of each is kept
         node_id = self._next_id
         for node in nodes:
             index_of[node_id] = node
-            if node.name:
-                names.add(node.name)
+            name = node.name
+            if name:
+                names.add(name)
             op_type, domain = node.op_type, node.domain
             kind = (domain or "", op_type)
             same = by_kind.get(kind)
@@ -310,7 +320,7 @@ class GraphIndex:
             if op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx"):
                 reads = self.read_names(node)
             else:
-                reads = [name for name in node.input if name]
+                reads = [intern(name) for name in node.input if name]
             reads_of[node_id] = reads
             for name in reads:
                 readers = consumers.get(name)
@@ -324,10 +334,15 @@ class GraphIndex:
                 if name:
                     if name in producer:
                         self._twice_produced(name, node)
-                    producer[name] = node_id
+                    producer[intern(name)] = node_id
             node_id += 1
         self._next_id = node_id
-        return not any(name in producer or not self._known_outside(name) for name in early)
+        # In order unless a name read early is produced later, or is not known outside (set
+        # operations: `early` holds every initializer and input read, most of a large graph).
+        if not early.isdisjoint(producer):
+            return False
+        outside = early.difference(self.graph_inputs, self.initializers)
+        return all(self.outer is not None and self.outer.defines(name) for name in outside)
 
     def _twice_produced(self, name: str, node: onnx.NodeProto) -> None:
         raise ModelLoadError(
