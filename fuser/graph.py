@@ -122,8 +122,15 @@ def _constant_node_value(node: onnx.NodeProto, source: LoadedModel) -> np.ndarra
     return None  # sparse_value or strings: not a tensor fuser folds
 
 
-def _value_type(proto: onnx.ValueInfoProto) -> ValueType | None:
-    type_proto = proto.type
+def _type_source(proto: onnx.ValueInfoProto | onnx.TensorProto) -> object:
+    """What a TypeTable keeps of `proto` until asked: a tensor as is, a value info's type as
+    bytes (b"" when it has none: converted, an untyped value)."""
+    if isinstance(proto, onnx.TensorProto):
+        return proto
+    return proto.type.SerializeToString()
+
+
+def _type_proto_value_type(type_proto: onnx.TypeProto) -> ValueType | None:
     if type_proto.WhichOneof("value") != "tensor_type":
         return None
     tensor = type_proto.tensor_type
@@ -151,9 +158,14 @@ class TypeTable(MutableMapping[str, ValueType]):
 
     Shape inference annotates every value; converting all of them up front costs more than the
     whole fusion pass on a large model, and a pass asks about a small fraction. One dict holds
-    each value's proto until its first lookup, then the converted `ValueType` in its place, so
+    each value's type until its first lookup, then the converted `ValueType` in its place, so
     a lookup is one dict access and a type check (`get` is direct, not Mapping's try/except
     around `__getitem__`: a fusion pass asks several times per match).
+
+    A value info is kept as its TypeProto's serialization (some 20 bytes), not as the proto:
+    holding the protos kept every inferred value info alive, with a Python object for each
+    (about 75 MB at 100k nodes, through every pass). An initializer is kept as the model's
+    own TensorProto (its dims are read when asked).
     """
 
     def __init__(self) -> None:
@@ -161,7 +173,9 @@ class TypeTable(MutableMapping[str, ValueType]):
 
     def add_proto(self, name: str, proto: onnx.ValueInfoProto | onnx.TensorProto) -> None:
         """Remember `proto` as the source of `name`'s type, unless one is known already."""
-        self._entries.setdefault(sys.intern(name), proto)
+        name = sys.intern(name)
+        if name not in self._entries:
+            self._entries[name] = _type_source(proto)
 
     def add_protos(self, protos: Iterable[onnx.ValueInfoProto | onnx.TensorProto]) -> None:
         """`add_proto(p.name, p)` for each of `protos`."""
@@ -169,7 +183,9 @@ class TypeTable(MutableMapping[str, ValueType]):
         for proto in protos:
             # interned: the index keys its edges by the same names (one str per name, not
             # one per table; a large graph has hundreds of thousands)
-            entries.setdefault(intern(proto.name), proto)
+            name = intern(proto.name)
+            if name not in entries:
+                entries[name] = _type_source(proto)
 
     def get(self, name: str, default: ValueType | None = None) -> ValueType | None:  # type: ignore[override]
         found = self._entries.get(name)
@@ -185,22 +201,17 @@ class TypeTable(MutableMapping[str, ValueType]):
         found = self._entries.get(name)
         if type(found) is ValueType:
             return found.elem_type
-        if type(found) is onnx.ValueInfoProto:  # read in place: converting the shape costs more
-            type_proto = found.type
-            if type_proto.WhichOneof("value") != "tensor_type":
-                return None
-            return int(type_proto.tensor_type.elem_type)
         if isinstance(found, onnx.TensorProto):
             return int(found.data_type)
         converted = self.get(name)
         return None if converted is None else converted.elem_type
 
-    def _convert(self, name: str, proto: object) -> ValueType | None:
-        if isinstance(proto, onnx.TensorProto):
-            found: ValueType | None = ValueType(proto.data_type, tuple(proto.dims))
+    def _convert(self, name: str, source: object) -> ValueType | None:
+        if isinstance(source, onnx.TensorProto):
+            found: ValueType | None = ValueType(source.data_type, tuple(source.dims))
         else:
-            assert isinstance(proto, onnx.ValueInfoProto)
-            found = _value_type(proto)
+            assert type(source) is bytes
+            found = _type_proto_value_type(onnx.TypeProto.FromString(source))
         self._entries[name] = _UNTYPED if found is None else found
         return found
 
