@@ -109,6 +109,7 @@ def fuse(
     checked = engine.check_and_infer(loaded, as_read=not normalized)
     if checked is not None:
         types, warnings = checked
+        del checked
     else:  # an untyped graph input or output: inference types outputs before the checker
         types = engine.infer_types(loaded.model)
         normalized += fill_outputs(loaded.model, types.get(""))
@@ -139,6 +140,10 @@ def fuse(
             FuseOptions(target, tuple(p.name for p in chosen), force, functions),
         )
     seconds["finish"] = next(clock)
+    # The type tables (the inferred value infos: about a model's node count of protos) and
+    # the decider are done with: let go of them before the checker serializes the output.
+    kept_types = types if keep_original else None
+    del types, decider
     report("verify", 0, 1)
     if log.fusions or normalized:
         engine.verify(loaded.model, loaded.label)
@@ -153,9 +158,7 @@ def fuse(
         seconds=seconds,
         normalized=(*normalized, *warnings),
     )
-    return FusionResult(
-        loaded.model, summary, loaded, warnings, original, types if keep_original else None
-    )
+    return FusionResult(loaded.model, summary, loaded, warnings, original, kept_types)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from . import fusedop
 from .bodies.builder import Body, BodyError, BodyRequest
 from .errors import FusionError
 from .fusedop import DOMAIN, VERSION
-from .graph import TypeTable, may_hold_subgraphs
+from .graph import SUBGRAPH_OPS, TypeTable, may_hold_subgraphs
 from .registry import ensure_fused_ops_registered
 
 # NodeProto.overload and FunctionProto.overload exist from IR version 10 on.
@@ -36,24 +36,54 @@ def graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     for node in graph.node:
         if not may_hold_subgraphs(node):  # no other node has graph attributes (see there)
             continue
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from graphs(sub)
+        yield from _subgraphs_of(node)
+
+
+def _subgraphs_of(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield from graphs(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for sub in attr.graphs:
+                yield from graphs(sub)
 
 
 def fused_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
-    """Every node of domain `fuser`, in the graph and its subgraphs."""
-    for graph in graphs(model.graph):
-        yield from (n for n in graph.node if n.domain == DOMAIN)
+    """Every node of domain `fuser`, in the graph and its subgraphs (in the order of
+    `graphs`: a graph's own nodes, then its subgraphs' nodes)."""
+    yield from _fused_nodes_of(model.graph)
+
+
+def _fused_nodes_of(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    # One read of each node's domain (and op_type) serves both questions: is it fused, may it
+    # hold subgraphs. Two walks (`graphs`, then each graph's nodes) read every node twice.
+    # A registered fused op declares no graph attribute (and the checker refuses undeclared
+    # ones, on the input and on the output): its nodes hold no subgraph.
+    holders, registered = [], fusedop.registered()
+    for node in graph.node:
+        domain = node.domain
+        if domain == DOMAIN:
+            yield node
+            if node.op_type in registered:
+                continue
+        if domain not in ("", "ai.onnx") or node.op_type in SUBGRAPH_OPS:
+            holders.append(node)
+    for holder in holders:
+        for sub in _subgraphs_of(holder):
+            yield from (n for n in sub.node if n.domain == DOMAIN)
 
 
 def elem_types_from(tables: Mapping[str, Mapping[str, Any]]) -> ElemTypes:
     """A lookup of element types over the per-graph type tables of `engine.infer_types`."""
 
     typed = [t for t in tables.values() if isinstance(t, TypeTable)]
+    if len(typed) == 1 == len(tables):  # a graph without subgraphs: one table to ask
+        only = typed[0].elem_type
+
+        def one_table_lookup(name: str) -> int:
+            return only(name) or 0  # None (unknown) and 0 (undefined) both answer 0
+
+        return one_table_lookup
     if len(typed) == len(tables):  # the usual case: `TypeTable.elem_type`, no TensorInfo made
 
         def typed_lookup(name: str) -> int:
@@ -95,59 +125,36 @@ def attach(model: onnx.ModelProto, elem_types: ElemTypes) -> int:
     imports = {o.domain or "": o.version for o in model.opset_import}
     opset = imports.get("", imports.get("ai.onnx", 0))
     found: dict[tuple[str, str], onnx.FunctionProto] = {}
-    # Nodes of one model share a handful of bodies: build each (op, request) once.
+    # Nodes of one model share a handful of bodies: build each (op, request) once. A node is
+    # first looked up by its raw attributes (serialized; the tiling ones left out), which
+    # costs a few microseconds; only a node unlike any before converts them to values.
     built: dict[tuple[Any, ...], Body] = {}
+    variants: dict[tuple[Any, ...], str] = {}
+    registered = fusedop.registered()
     for node in fused_nodes(model):
-        op = fusedop.registered().get(node.op_type)
+        op = registered.get(node.op_type)
         if op is None or op.body is None:
             node.ClearField("overload")
             continue
-        attributes = op.attribute_values(node)
-        request = BodyRequest(
-            op=op,
-            attributes=attributes,
-            inputs=tuple(bool(n) for n in node.input),
-            outputs=tuple(bool(n) for n in node.output),
-            input_types=tuple(elem_types(n) if n else 0 for n in node.input),
-            opset=opset,
-            domains={d: v for d, v in imports.items() if d},
-        )
-        memo = (
+        prefix = op.tiling_prefix
+        inputs = list(node.input)  # each read of a repeated string field makes new strs
+        raw = (
             op.name,
-            # tiling (tile_*) is the kernel's business: bodies ignore it
             tuple(
-                (k, repr(v))
-                for k, v in sorted(attributes.items())
-                if not k.startswith(op.tiling_prefix)
+                [
+                    (a.name, a.SerializeToString())
+                    for a in node.attribute
+                    if not a.name.startswith(prefix)
+                ]
             ),
-            request.inputs,
-            request.outputs,
-            request.input_types,
+            tuple(map(bool, inputs)),
+            tuple(map(bool, node.output)),
+            tuple([elem_types(n) if n else 0 for n in inputs]),
         )
-        body = built.get(memo)
-        if body is None:
-            try:
-                body = built[memo] = op.body(request)
-            except BodyError as exc:
-                raise FusionError(
-                    f"node '{node.name}' ({node.op_type}): no function body at opset {opset}: "
-                    f"{exc}; fuse with --no-functions (functions=False) to write the bare op"
-                ) from exc
-            key = (op.name, body.variant)
-            function = function_proto(op, body, opset)
-            if key in found and found[key] != function:
-                raise FusionError(
-                    f"{op.name}: two different bodies named '{body.variant}' (node "
-                    f"'{node.name}'). This is a bug in fuser: please report it with the model"
-                )
-            found[key] = function
-            for domain, version in body.domains:
-                if imports.setdefault(domain, version) != version:
-                    raise FusionError(
-                        f"{op.name}'s body uses {domain} version {version}, the model imports "
-                        f"version {imports[domain]}"
-                    )
-        node.overload = body.variant
+        variant = variants.get(raw)
+        if variant is None:
+            variant = variants[raw] = _build(node, op, raw, opset, imports, built, found).variant
+        node.overload = variant
     kept = [f for f in model.functions if f.domain != DOMAIN]
     del model.functions[:]
     model.functions.extend([*kept, *(found[k] for k in sorted(found))])
@@ -159,6 +166,70 @@ def attach(model: onnx.ModelProto, elem_types: ElemTypes) -> int:
             model.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
         model.ir_version = max(model.ir_version, OVERLOAD_IR_VERSION)
     return len(found)
+
+
+def _build(
+    node: onnx.NodeProto,
+    op: fusedop.FusedOp,
+    raw: tuple[Any, ...],
+    opset: int,
+    imports: dict[str, int],
+    built: dict[tuple[Any, ...], Body],
+    found: dict[tuple[str, str], onnx.FunctionProto],
+) -> Body:
+    """The body of a node unlike any before it (`raw`: op, attributes, which inputs and
+    outputs it has, input types); bodies are shared by nodes whose attribute values agree
+    (e.g. one naming an attribute at its default, one omitting it)."""
+    _, _, inputs, outputs, input_types = raw
+    attributes = op.attribute_values(node)
+    memo = (
+        op.name,
+        # tiling (tile_*) is the kernel's business: bodies ignore it
+        tuple(
+            (k, repr(v))
+            for k, v in sorted(attributes.items())
+            if not k.startswith(op.tiling_prefix)
+        ),
+        inputs,
+        outputs,
+        input_types,
+    )
+    body = built.get(memo)
+    if body is not None:
+        return body
+    builder = op.body
+    assert builder is not None  # attach passes only ops with a body
+    request = BodyRequest(
+        op=op,
+        attributes=attributes,
+        inputs=inputs,
+        outputs=outputs,
+        input_types=input_types,
+        opset=opset,
+        domains={d: v for d, v in imports.items() if d},
+    )
+    try:
+        body = built[memo] = builder(request)
+    except BodyError as exc:
+        raise FusionError(
+            f"node '{node.name}' ({node.op_type}): no function body at opset {opset}: "
+            f"{exc}; fuse with --no-functions (functions=False) to write the bare op"
+        ) from exc
+    key = (op.name, body.variant)
+    function = function_proto(op, body, opset)
+    if key in found and found[key] != function:
+        raise FusionError(
+            f"{op.name}: two different bodies named '{body.variant}' (node "
+            f"'{node.name}'). This is a bug in fuser: please report it with the model"
+        )
+    found[key] = function
+    for domain, version in body.domains:
+        if imports.setdefault(domain, version) != version:
+            raise FusionError(
+                f"{op.name}'s body uses {domain} version {version}, the model imports "
+                f"version {imports[domain]}"
+            )
+    return body
 
 
 def function_proto(op: fusedop.FusedOp, body: Body, opset: int) -> onnx.FunctionProto:

@@ -11,6 +11,7 @@ node that owns the subgraph: a fusion must never hide a value a subgraph still n
 from __future__ import annotations
 
 import heapq
+import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -67,13 +68,17 @@ def subgraph_free_names(graph: onnx.GraphProto) -> set[str]:
 
 
 def all_value_names(graph: onnx.GraphProto) -> set[str]:
-    """Every value name defined or read in `graph` and, recursively, in its subgraphs."""
-    names = {v.name for v in (*graph.input, *graph.output, *graph.value_info)}
-    names.update(t.name for t in graph.initializer)
-    names.update(s.values.name for s in graph.sparse_initializer)
+    """Every value name defined or read in `graph` and, recursively, in its subgraphs.
+
+    Interned: the names are those the index keys its edges and types by, so the set costs its
+    table, not another copy of every name."""
+    intern = sys.intern
+    names = {intern(v.name) for v in (*graph.input, *graph.output, *graph.value_info)}
+    names.update(intern(t.name) for t in graph.initializer)
+    names.update(intern(s.values.name) for s in graph.sparse_initializer)
     for node in graph.node:
-        names.update(node.input)
-        names.update(node.output)
+        names.update(map(intern, node.input))
+        names.update(map(intern, node.output))
         for sub in _node_subgraphs(node):
             names |= all_value_names(sub)
     names.discard("")
@@ -117,8 +122,15 @@ def _constant_node_value(node: onnx.NodeProto, source: LoadedModel) -> np.ndarra
     return None  # sparse_value or strings: not a tensor fuser folds
 
 
-def _value_type(proto: onnx.ValueInfoProto) -> ValueType | None:
-    type_proto = proto.type
+def _type_source(proto: onnx.ValueInfoProto | onnx.TensorProto) -> object:
+    """What a TypeTable keeps of `proto` until asked: a tensor as is, a value info's type as
+    bytes (b"" when it has none: converted, an untyped value)."""
+    if isinstance(proto, onnx.TensorProto):
+        return proto
+    return proto.type.SerializeToString()
+
+
+def _type_proto_value_type(type_proto: onnx.TypeProto) -> ValueType | None:
     if type_proto.WhichOneof("value") != "tensor_type":
         return None
     tensor = type_proto.tensor_type
@@ -146,9 +158,14 @@ class TypeTable(MutableMapping[str, ValueType]):
 
     Shape inference annotates every value; converting all of them up front costs more than the
     whole fusion pass on a large model, and a pass asks about a small fraction. One dict holds
-    each value's proto until its first lookup, then the converted `ValueType` in its place, so
+    each value's type until its first lookup, then the converted `ValueType` in its place, so
     a lookup is one dict access and a type check (`get` is direct, not Mapping's try/except
     around `__getitem__`: a fusion pass asks several times per match).
+
+    A value info is kept as its TypeProto's serialization (some 20 bytes), not as the proto:
+    holding the protos kept every inferred value info alive, with a Python object for each
+    (about 75 MB at 100k nodes, through every pass). An initializer is kept as the model's
+    own TensorProto (its dims are read when asked).
     """
 
     def __init__(self) -> None:
@@ -156,13 +173,19 @@ class TypeTable(MutableMapping[str, ValueType]):
 
     def add_proto(self, name: str, proto: onnx.ValueInfoProto | onnx.TensorProto) -> None:
         """Remember `proto` as the source of `name`'s type, unless one is known already."""
-        self._entries.setdefault(name, proto)
+        name = sys.intern(name)
+        if name not in self._entries:
+            self._entries[name] = _type_source(proto)
 
     def add_protos(self, protos: Iterable[onnx.ValueInfoProto | onnx.TensorProto]) -> None:
         """`add_proto(p.name, p)` for each of `protos`."""
-        entries = self._entries
+        entries, intern = self._entries, sys.intern
         for proto in protos:
-            entries.setdefault(proto.name, proto)
+            # interned: the index keys its edges by the same names (one str per name, not
+            # one per table; a large graph has hundreds of thousands)
+            name = intern(proto.name)
+            if name not in entries:
+                entries[name] = _type_source(proto)
 
     def get(self, name: str, default: ValueType | None = None) -> ValueType | None:  # type: ignore[override]
         found = self._entries.get(name)
@@ -183,12 +206,12 @@ class TypeTable(MutableMapping[str, ValueType]):
         converted = self.get(name)
         return None if converted is None else converted.elem_type
 
-    def _convert(self, name: str, proto: object) -> ValueType | None:
-        if isinstance(proto, onnx.TensorProto):
-            found: ValueType | None = ValueType(proto.data_type, tuple(proto.dims))
+    def _convert(self, name: str, source: object) -> ValueType | None:
+        if isinstance(source, onnx.TensorProto):
+            found: ValueType | None = ValueType(source.data_type, tuple(source.dims))
         else:
-            assert isinstance(proto, onnx.ValueInfoProto)
-            found = _value_type(proto)
+            assert type(source) is bytes
+            found = _type_proto_value_type(onnx.TypeProto.FromString(source))
         self._entries[name] = _UNTYPED if found is None else found
         return found
 
@@ -263,9 +286,10 @@ class GraphIndex:
     ) -> GraphIndex:
         """Index `graph`, sorting its nodes topologically; a cycle or dangling input is an error."""
         index = cls(graph=graph, source=source, opsets=opsets, types=types, outer=outer, path=path)
-        index.initializers = {t.name: t for t in graph.initializer}
-        index.graph_inputs = {v.name for v in graph.input}
-        index.graph_outputs = {v.name for v in graph.output}
+        intern = sys.intern  # one str per name, shared with the type table and the edges
+        index.initializers = {intern(t.name): t for t in graph.initializer}
+        index.graph_inputs = {intern(v.name) for v in graph.input}
+        index.graph_outputs = {intern(v.name) for v in graph.output}
         types.add_protos(graph.input)
         types.add_protos(graph.output)
         types.add_protos(graph.value_info)
@@ -290,11 +314,13 @@ class GraphIndex:
         producer, consumers, reads_of = self.producer, self.consumers, self._reads
         by_kind, names, index_of = self.by_kind, self.node_names, self.nodes
         early: set[str] = set()  # read before any node produced it
+        intern = sys.intern  # each read of a name makes a new str: one copy of each is kept
         node_id = self._next_id
         for node in nodes:
             index_of[node_id] = node
-            if node.name:
-                names.add(node.name)
+            name = node.name
+            if name:
+                names.add(name)
             op_type, domain = node.op_type, node.domain
             kind = (domain or "", op_type)
             same = by_kind.get(kind)
@@ -305,7 +331,7 @@ class GraphIndex:
             if op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx"):
                 reads = self.read_names(node)
             else:
-                reads = [name for name in node.input if name]
+                reads = [intern(name) for name in node.input if name]
             reads_of[node_id] = reads
             for name in reads:
                 readers = consumers.get(name)
@@ -319,10 +345,15 @@ class GraphIndex:
                 if name:
                     if name in producer:
                         self._twice_produced(name, node)
-                    producer[name] = node_id
+                    producer[intern(name)] = node_id
             node_id += 1
         self._next_id = node_id
-        return not any(name in producer or not self._known_outside(name) for name in early)
+        # In order unless a name read early is produced later, or is not known outside (set
+        # operations: `early` holds every initializer and input read, most of a large graph).
+        if not early.isdisjoint(producer):
+            return False
+        outside = early.difference(self.graph_inputs, self.initializers)
+        return all(self.outer is not None and self.outer.defines(name) for name in outside)
 
     def _twice_produced(self, name: str, node: onnx.NodeProto) -> None:
         raise ModelLoadError(

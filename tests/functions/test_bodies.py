@@ -175,3 +175,73 @@ def test_a_node_omitting_trailing_inputs_gets_its_own_body_that_equals_the_refer
     attrs = CONV_BN_RELU.attribute_values(model.graph.node[0])
     (expected,) = CONV_BN_RELU.reference([x, numpy_helper.to_array(w)], attrs)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def _conv_bn_relu_model(nodes: list[onnx.NodeProto]) -> onnx.ModelProto:
+    """ConvBnRelu nodes side by side, each reading x (float) or h (float16) and its own w."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    weights = []
+    for node in nodes:
+        dtype = np.float16 if node.input[0] == "h" else np.float32
+        weights.append(
+            numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(dtype), node.input[1])
+        )
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 5, 7]),
+            helper.make_tensor_value_info("h", TensorProto.FLOAT16, [1, 3, 5, 7]),
+        ],
+        [
+            helper.make_tensor_value_info(
+                n.output[0], TensorProto.FLOAT16 if n.input[0] == "h" else TensorProto.FLOAT, None
+            )
+            for n in nodes
+        ],
+        weights,
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid(DOMAIN, 1)]
+    )
+
+
+def test_nodes_share_a_body_exactly_when_their_values_agree_and_each_gets_its_own_variant() -> None:
+    """attach looks nodes up by their raw attributes first: tiling attributes, attribute order
+    and an attribute written at its default must not split a body, while a different value,
+    input type or set of inputs must; every node gets the variant it gets alone."""
+    from onnx import helper
+
+    from fuser import engine, functions
+
+    def conv(name: str, x: str, **attrs: object) -> onnx.NodeProto:
+        return helper.make_node(
+            "ConvBnRelu", [x, f"w_{name}"], [f"y_{name}"], domain=DOMAIN, name=name, **attrs
+        )
+
+    nodes = [
+        conv("a", "x", relu=1, pads=[1, 0, 1, 2], tile_m=16),
+        conv("b", "x", pads=[1, 0, 1, 2], relu=1, tile_m=32, tile_n=8),  # order, tiling differ
+        conv("c", "x", relu=1, pads=[1, 0, 1, 2], group=1),  # group at its default
+        conv("d", "x", relu=0, pads=[1, 0, 1, 2]),  # another value
+        conv("e", "h", relu=1, pads=[1, 0, 1, 2]),  # float16 input
+        conv("f", "x", relu=1, pads=[0, 0, 0, 0], tile_m=16),
+    ]
+    model = _conv_bn_relu_model(nodes)
+    written = functions.attach(model, functions.elem_types_from(engine.infer_types(model)))
+    overloads = {n.name: n.overload for n in model.graph.node}
+    alone = {}
+    for node in nodes:
+        single = _conv_bn_relu_model([node])
+        functions.attach(single, functions.elem_types_from(engine.infer_types(single)))
+        alone[node.name] = single.graph.node[0].overload
+    assert overloads == alone
+    assert overloads["a"] == overloads["b"] == overloads["c"]
+    assert overloads["d"] != overloads["a"]
+    assert written == len(set(overloads.values()))
+    assert sorted((f.name, f.overload) for f in model.functions) == sorted(
+        {("ConvBnRelu", v) for v in overloads.values()}
+    )

@@ -147,3 +147,21 @@ def test_type_table_keeps_the_first_proto_and_knows_untyped_values() -> None:
     assert table.elem_type("a") == TensorProto.FLOAT
     del table["w"]
     assert sorted(table) == ["a", "u"] and len(table) == 2
+
+
+def test_type_table_keeps_a_copy_of_each_value_info_type_not_the_proto() -> None:
+    """The table keeps each value info's type as bytes, so the inferred value infos (one per
+    value of the graph) can be freed: a change to the proto after adding it is not seen."""
+    graph = onnx.GraphProto()
+    graph.value_info.append(helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["b", 7]))
+    graph.value_info.append(helper.make_tensor_value_info("y", TensorProto.INT8, []))
+    table = TypeTable()
+    table.add_protos(graph.value_info)
+    table.add_proto("z", helper.make_tensor_value_info("z", TensorProto.DOUBLE, None))
+    graph.value_info[0].type.tensor_type.elem_type = TensorProto.FLOAT
+    graph.value_info[0].type.tensor_type.shape.dim[1].dim_value = 9
+    del graph.value_info[:]
+    assert table.elem_type("x") == TensorProto.FLOAT16
+    assert table.get("x") == ValueType(TensorProto.FLOAT16, ("b", 7))
+    assert table.get("y") == ValueType(TensorProto.INT8, ())
+    assert table.get("z") == ValueType(TensorProto.DOUBLE, None)
