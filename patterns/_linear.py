@@ -26,6 +26,7 @@ from ._walk import (
     NearMiss,
     attr,
     const,
+    const_shape,
     constant_why,
     is_cast_to,
     only_reader,
@@ -78,22 +79,26 @@ def _row_bias(
     return tensor.name, (tensor,)
 
 
-def _weight(graph: GraphIndex, node_id: int, value: str, nodes: tuple[int, ...]) -> np.ndarray:
+def _weight_shape(graph: GraphIndex, node_id: int, nodes: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D shape of the constant weight of MatMul/Gemm `node_id`, or a near miss. Only the
+    shape: a plain initializer's data is not read (a match needs its values only to fold
+    Gemm's transB or alpha)."""
     node = graph.node(node_id)
     weight = node.input[1]
-    w = const(graph, weight)
+    shape = const_shape(graph, weight)
     where = f"{node.op_type} '{graph.describe(node_id)}'"
-    if w is None:
+    if shape is None:
         raise NearMiss(
             f"weight '{weight}' of {where} is {constant_why(graph, weight)}", weight, nodes
         )
-    if w.ndim != 2:
+    if len(shape) != 2:
         raise NearMiss(
-            f"weight '{weight}' of {where} has rank {w.ndim}; a fused Linear takes a 2-D weight",
+            f"weight '{weight}' of {where} has rank {len(shape)}; a fused Linear takes a 2-D "
+            "weight",
             weight,
             nodes,
         )
-    return w
+    return shape[0], shape[1]
 
 
 def _matmul(
@@ -108,7 +113,7 @@ def _matmul(
             value,
             nodes,
         )
-    w = _weight(graph, node_id, value, nodes)
+    n = _weight_shape(graph, node_id, nodes)[1]
     out = node.output[0]
     add = only_reader(graph, out)
     if add is not None:
@@ -121,7 +126,7 @@ def _matmul(
                 else (None if graph.shape(out) is None else len(graph.shape(out) or ()))
             )
             base = f"{graph.describe(node_id)}.bias"
-            bias = _row_bias(graph, other, int(w.shape[1]), out_rank, base)
+            bias = _row_bias(graph, other, n, out_rank, base)
             if bias is not None:
                 return Linear((*nodes, add), node.input[1], bias[0], a.output[0], flatten, bias[1])
     return Linear(nodes, node.input[1], "", out, flatten)
@@ -137,16 +142,18 @@ def _gemm(graph: GraphIndex, node_id: int, pre: tuple[int, ...], flatten: int) -
             node.input[0],
             nodes,
         )
-    w = _weight(graph, node_id, node.input[0], nodes)
+    rows, cols = _weight_shape(graph, node_id, nodes)
     weight = node.input[1]
     alpha, beta = float(attr(node, "alpha", 1.0)), float(attr(node, "beta", 1.0))
     trans_b = int(attr(node, "transB", 0))
     inits: list[onnx.TensorProto] = []
     if trans_b or alpha != 1.0:
+        w = const(graph, weight)
+        assert w is not None  # a constant: its shape was read above
         folded = (alpha * (w.T if trans_b else w).astype(np.float64)).astype(w.dtype)
         inits.append(_tensor(graph, folded, f"{name}.W_folded"))
         weight = inits[-1].name
-    n = int(w.shape[0] if trans_b else w.shape[1])
+    n = rows if trans_b else cols
     bias = node.input[2] if len(node.input) > 2 else ""
     if bias:
         c = const(graph, bias)

@@ -63,6 +63,18 @@ def operand_const(graph: GraphIndex, name: str) -> np.ndarray | None:
     return const(graph, name)
 
 
+def const_shape(graph: GraphIndex, name: str, *, operand: bool = False) -> tuple[int, ...] | None:
+    """The shape of `name` if it is a constant (`operand_const` if `operand`, else `const`),
+    else None. A plain initializer of this graph is a constant whose shape is its dims: the
+    data is not read (a match asks for weights' and gammas' shapes, not their values)."""
+    if name in graph.initializers and name not in graph.producer:
+        if name in graph.graph_inputs:
+            return None  # overridable at run time: not a constant
+        return tuple(graph.initializers[name].dims)
+    found = operand_const(graph, name) if operand else const(graph, name)
+    return None if found is None else tuple(found.shape)
+
+
 def constant_why(graph: GraphIndex, value: str) -> str:
     """Why `value` is not a constant, in words."""
     if value in graph.graph_inputs:

@@ -67,13 +67,12 @@ from ._walk import (
     Epsilon,
     NearMiss,
     attr,
-    const,
+    const_shape,
     epsilon,
     follow,
     is_cast_to,
     is_noop_cast,
     only_reader,
-    operand_const,
     readers_of,
     reduce_axes,
     scalar,
@@ -270,18 +269,6 @@ def _broadcast_problem(shape: Sequence[Dim], rank: int | None, k: int) -> str | 
     return None
 
 
-def _const_shape(graph: GraphIndex, name: str, *, operand: bool = False) -> tuple[int, ...] | None:
-    """The shape of `name` if it is a constant (`operand_const` if `operand`, else `const`),
-    else None. A plain initializer of this graph is a constant whose shape is its dims: the
-    data is not read (a match only asks gamma's and beta's shapes, several times)."""
-    if name in graph.initializers and name not in graph.producer:
-        if name in graph.graph_inputs:
-            return None  # overridable at run time: not a constant
-        return tuple(graph.initializers[name].dims)
-    found = operand_const(graph, name) if operand else const(graph, name)
-    return None if found is None else tuple(found.shape)
-
-
 def _affine(
     graph: GraphIndex, value: str, op_type: str, rank: int | None, k: int, what: str
 ) -> tuple[int, str, NearMiss | None] | None:
@@ -294,14 +281,14 @@ def _affine(
     if node.op_type != op_type or node.domain != "" or list(node.input).count(value) != 1:
         return None
     param = node.input[1] if node.input[0] == value else node.input[0]
-    const_shape = _const_shape(graph, param, operand=True)
-    shape = const_shape if const_shape is not None else graph.shape(param)
+    known = const_shape(graph, param, operand=True)
+    shape = known if known is not None else graph.shape(param)
     if shape is None:
         return None
     problem = _broadcast_problem(shape, rank, k)
     if problem is None:
         return reader, param, None
-    if const_shape is None:
+    if known is None:
         return None  # a run-time tensor of activation shape: a residual, not the affine part
     why = f"{what} '{param}' of {op_type} '{graph.describe(reader)}' {problem}"
     return reader, param, NearMiss(why, param, (reader,))
@@ -509,8 +496,8 @@ def _keeps_x_shape(graph: GraphIndex, norm: _Norm) -> bool | str | None:
     for name, what in ((norm.scale, "gamma"), (norm.bias, "beta")):
         if not name:
             continue
-        const_shape = _const_shape(graph, name)
-        shape = const_shape if const_shape is not None else graph.shape(name)
+        known = const_shape(graph, name)
+        shape = known if known is not None else graph.shape(name)
         if shape is None or x_shape is None:
             proven = False
             continue
@@ -544,7 +531,7 @@ def _last_dim(graph: GraphIndex, norm: _Norm) -> int | None:
     for name in (norm.x, norm.scale, norm.bias):
         dims = graph.shape(name) if name else None
         if dims is None and name and name != norm.x:
-            dims = _const_shape(graph, name)
+            dims = const_shape(graph, name)
         if dims and isinstance(dims[-1], int):
             sizes.append(dims[-1])
     return max(sizes) if sizes else None
