@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from fuser.patterns import layernorm_matmul
+from fuser.patterns import layernorm_matmul, softmax_topk
 from onnx import TensorProto, helper, numpy_helper
 
 from fuser import engine
@@ -123,3 +123,16 @@ def test_gemm_weight_is_read_only_to_fold_trans_b(
         w2 = numpy_helper.to_array(next(t for t in index.graph.initializer if t.name == "w2"))
         np.testing.assert_array_equal(numpy_helper.to_array(folded), w2.T)
         assert folded.name in found.inputs
+
+
+def test_attention_softmax_scores_type_is_not_read(reads: tuple[list[str], list[str]]) -> None:
+    nodes = [
+        helper.make_node("Softmax", ["x"], ["p"], axis=-1),
+        helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["p", "xt"], ["y"]),
+    ]
+    index = _index(_model(nodes, [], ["y"]))
+    _, asked = reads
+    asked.clear()
+    assert softmax_topk.PATTERN.match(index, _anchor(index, "Softmax")) is None
+    assert "p" not in asked, asked
