@@ -22,6 +22,7 @@ None (the caller then tries the plain Softmax -> TopK).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,10 +111,15 @@ def _last_axis(axes: list[int] | None, rank: int) -> bool:
 
 
 def selection(
-    graph: GraphIndex, scores: str, experts: int | None, uncast: str | None = None
+    graph: GraphIndex,
+    scores: str,
+    experts: int | Callable[[], int | None] | None,
+    uncast: str | None = None,
 ) -> Selection | Problem | None:
     """The bias/group/gather form reading `scores` [N, E], or why it does not fit, or None.
-    `uncast`: the value a Cast read to make `scores`; the weights may be gathered from it."""
+    `uncast`: the value a Cast read to make `scores`; the weights may be gathered from it.
+    `experts` (E, if known) may be a function telling it: asked only once a TopK is found
+    ranking the scores (most Softmaxes are no gate's)."""
     nodes: list[int] = []
     choice, bias = scores, None
     # Only an Add or a Where on the way to a TopK makes a gate: a Sigmoid + residual Add, or a
@@ -122,6 +128,8 @@ def selection(
         a for a in _readers(graph, scores, "Add") if _feeds_topk(graph, graph.node(a).output[0])
     ]
     if adds:
+        if callable(experts):
+            experts = experts()
         add_id = adds[0]
         add = graph.node(add_id)
         other = add.input[1] if add.input[0] == scores else add.input[0]
@@ -141,7 +149,11 @@ def selection(
             )
         nodes.append(add_id)
         choice, bias = add.output[0], other
-    group = _group_limit(graph, choice, experts) if _feeds_topk(graph, choice, True) else None
+    group = None
+    if _feeds_topk(graph, choice, True):
+        if callable(experts):
+            experts = experts()
+        group = _group_limit(graph, choice, experts)
     if isinstance(group, Problem):
         return group
     n_group, topk_group, mask_value, where_out = 1, 1, float("-inf"), choice

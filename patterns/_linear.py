@@ -14,6 +14,7 @@ N).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,12 +27,17 @@ from ._walk import (
     NearMiss,
     attr,
     const,
+    const_shape,
     constant_why,
     is_cast_to,
     only_reader,
     operand_const,
     rank,
 )
+
+#: The normalized value's last dim, or a function telling it (asked only when a Reshape reads
+#: the value: working it out reads types nothing else needs).
+Width = int | None | Callable[[], int | None]
 
 
 @dataclass(frozen=True)
@@ -64,36 +70,47 @@ def _tensor(graph: GraphIndex, array: np.ndarray, base: str) -> onnx.TensorProto
 
 
 def _row_bias(
-    graph: GraphIndex, name: str, n: int, out_rank: int | None, base: str
+    graph: GraphIndex, name: str, n: int, out_rank: Callable[[], int | None], matmul: int
 ) -> tuple[str, tuple[onnx.TensorProto, ...]] | None:
-    """`name` as an [n] bias if it is a constant broadcasting along the last axis only."""
+    """`name` as an [n] bias if it is a constant broadcasting along the last axis only (no
+    more axes than the output's rank, asked of `out_rank` only for a bias of rank 2 or more:
+    the usual [n] bias needs no type lookup)."""
     c = operand_const(graph, name)
-    if c is None or c.ndim > (1 if out_rank is None else out_rank):
+    if c is None:
         return None
+    if c.ndim > 1:
+        known = out_rank()
+        if c.ndim > (1 if known is None else known):
+            return None
     if any(d != 1 for d in c.shape[:-1]) or (c.ndim and c.shape[-1] not in (1, n)):
         return None
     if c.shape == (n,):
         return name, ()
-    tensor = _tensor(graph, np.broadcast_to(c.reshape(-1), (n,)), base)
+    tensor = _tensor(graph, np.broadcast_to(c.reshape(-1), (n,)), f"{graph.describe(matmul)}.bias")
     return tensor.name, (tensor,)
 
 
-def _weight(graph: GraphIndex, node_id: int, value: str, nodes: tuple[int, ...]) -> np.ndarray:
+def _weight_shape(graph: GraphIndex, node_id: int, nodes: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D shape of the constant weight of MatMul/Gemm `node_id`, or a near miss. Only the
+    shape: a plain initializer's data is not read (a match needs its values only to fold
+    Gemm's transB or alpha)."""
     node = graph.node(node_id)
     weight = node.input[1]
-    w = const(graph, weight)
-    where = f"{node.op_type} '{graph.describe(node_id)}'"
-    if w is None:
+    shape = const_shape(graph, weight)
+    if shape is None:
+        where = f"{node.op_type} '{graph.describe(node_id)}'"
         raise NearMiss(
             f"weight '{weight}' of {where} is {constant_why(graph, weight)}", weight, nodes
         )
-    if w.ndim != 2:
+    if len(shape) != 2:
+        where = f"{node.op_type} '{graph.describe(node_id)}'"
         raise NearMiss(
-            f"weight '{weight}' of {where} has rank {w.ndim}; a fused Linear takes a 2-D weight",
+            f"weight '{weight}' of {where} has rank {len(shape)}; a fused Linear takes a 2-D "
+            "weight",
             weight,
             nodes,
         )
-    return w
+    return shape[0], shape[1]
 
 
 def _matmul(
@@ -108,20 +125,21 @@ def _matmul(
             value,
             nodes,
         )
-    w = _weight(graph, node_id, value, nodes)
+    n = _weight_shape(graph, node_id, nodes)[1]
     out = node.output[0]
     add = only_reader(graph, out)
     if add is not None:
         a = graph.node(add)
         if a.op_type == "Add" and a.domain == "" and list(a.input).count(out) == 1:
             other = a.input[1] if a.input[0] == out else a.input[0]
-            out_rank = (
-                2
-                if flatten
-                else (None if graph.shape(out) is None else len(graph.shape(out) or ()))
-            )
-            base = f"{graph.describe(node_id)}.bias"
-            bias = _row_bias(graph, other, int(w.shape[1]), out_rank, base)
+
+            def out_rank() -> int | None:
+                if flatten:
+                    return 2
+                shape = graph.shape(out)
+                return None if shape is None else len(shape)
+
+            bias = _row_bias(graph, other, n, out_rank, node_id)
             if bias is not None:
                 return Linear((*nodes, add), node.input[1], bias[0], a.output[0], flatten, bias[1])
     return Linear(nodes, node.input[1], "", out, flatten)
@@ -137,16 +155,18 @@ def _gemm(graph: GraphIndex, node_id: int, pre: tuple[int, ...], flatten: int) -
             node.input[0],
             nodes,
         )
-    w = _weight(graph, node_id, node.input[0], nodes)
+    rows, cols = _weight_shape(graph, node_id, nodes)
     weight = node.input[1]
     alpha, beta = float(attr(node, "alpha", 1.0)), float(attr(node, "beta", 1.0))
     trans_b = int(attr(node, "transB", 0))
     inits: list[onnx.TensorProto] = []
     if trans_b or alpha != 1.0:
+        w = const(graph, weight)
+        assert w is not None  # a constant: its shape was read above
         folded = (alpha * (w.T if trans_b else w).astype(np.float64)).astype(w.dtype)
         inits.append(_tensor(graph, folded, f"{name}.W_folded"))
         weight = inits[-1].name
-    n = int(w.shape[0] if trans_b else w.shape[1])
+    n = rows if trans_b else cols
     bias = node.input[2] if len(node.input) > 2 else ""
     if bias:
         c = const(graph, bias)
@@ -261,7 +281,7 @@ def _is_linear_reader(graph: GraphIndex, reader: int, value: str) -> bool:
 
 
 def _flatten_reshape(
-    graph: GraphIndex, node_id: int, value: str, width: int | None
+    graph: GraphIndex, node_id: int, value: str, lazy_width: Width
 ) -> list[Linear] | None:
     """Reshape(value, [-1, K]) -> Gemm/MatMul (one or several, as Qwen's shared-expert gate/up)
     as flattened Linears; None if no Linear reads the Reshape; a near miss if its target does
@@ -289,6 +309,7 @@ def _flatten_reshape(
             flat,
             (node_id, first),
         )
+    width = lazy_width() if callable(lazy_width) else lazy_width
     shape_nodes: list[int] = []
     items = _shape_items(graph, node.input[1], value, shape_nodes)
     if items is None:
@@ -393,7 +414,7 @@ def _selected_for_linear(graph: GraphIndex, node_id: int, value: str) -> NearMis
 
 
 def _untyped_cast(
-    graph: GraphIndex, r: int, value: str, width: int | None, narrow: bool, selects: bool
+    graph: GraphIndex, r: int, value: str, width: Width, narrow: bool, selects: bool
 ) -> None:
     """A near miss if Cast `r` of `value`, whose element type nothing declares, leads to a
     Linear: whether it narrows, widens or does nothing cannot be known."""
@@ -412,12 +433,13 @@ def _untyped_cast(
 def classify(
     graph: GraphIndex,
     value: str,
-    width: int | None,
+    width: Width,
     narrow: bool = False,
     selects: bool = False,
     value_type: int = 0,
 ) -> Readers:
-    """Sort the readers of `value` (whose last axis has `width` elements, if known).
+    """Sort the readers of `value` (whose last axis has `width` elements, if known; `width`
+    may be a function telling it, asked only when a Reshape reads `value`).
 
     Looked through on the way to a Linear (they join the match): no-op Casts, Reshapes that
     provably keep the shape, and with `narrow` Casts to a narrower float type (autocast's
@@ -428,16 +450,17 @@ def classify(
     of an op onnx has no schema for, as com.microsoft SimplifiedLayerNormalization, worked out
     by the pattern from the op's schema); a Cast of a value of unknown type on the way to a
     Linear is a near miss: it cannot be checked to narrow or to be a no-op."""
-    known = graph.elem_type(value) or value_type
+    known = -1  # `value`'s element type, looked up at the first Cast reader (0: unknown)
     groups: list[_Group] = []
     misses: list[NearMiss] = []
     outside: list[str] = ["the graph output"] if graph.is_graph_output(value) else []
     for r in graph.readers(value):
         node = graph.node(r)
-        left_out = f"'{graph.describe(r)}' ({node.op_type})"
         try:
             found: list[Linear] | None = None
             cast = node.op_type == "Cast" and node.domain == ""
+            if cast and known < 0:
+                known = graph.elem_type(value) or value_type
             to = _narrowing_to(known, node) if narrow and cast else None
             through = node.domain == "" and (
                 (cast and bool(known) and is_cast_to(node, known))  # a no-op Cast
@@ -474,12 +497,12 @@ def classify(
                 if why is not None:
                     raise why
             if found is None:
-                outside.append(left_out)
+                outside.append(f"'{graph.describe(r)}' ({node.op_type})")
             else:
                 groups.append(_Group(0, tuple(found), (), r))
         except NearMiss as miss:
             misses.append(miss)
-            outside.append(left_out)
+            outside.append(f"'{graph.describe(r)}' ({node.op_type})")
     kept = groups[0].cast_to if groups else 0
     if any(g.cast_to == 0 for g in groups):
         kept = 0

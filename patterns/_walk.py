@@ -30,10 +30,20 @@ class NearMiss(Exception):  # noqa: N818 - a control-flow signal, not an error
         self.reason, self.value, self.nodes = reason, value, nodes
 
 
+_INT, _FLOAT = onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT
+
+
 def attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
     """The value of attribute `name` of `node`, or `default`."""
     for a in node.attribute:
         if a.name == name:
+            # An int or a float is read directly: get_attribute_value's dispatch costs more
+            # than the read, and these are most of the attributes a match asks for.
+            kind = a.type
+            if kind == _INT and not a.ref_attr_name:
+                return a.i
+            if kind == _FLOAT and not a.ref_attr_name:
+                return a.f
             return onnx.helper.get_attribute_value(a)
     return default
 
@@ -63,6 +73,18 @@ def operand_const(graph: GraphIndex, name: str) -> np.ndarray | None:
     return const(graph, name)
 
 
+def const_shape(graph: GraphIndex, name: str, *, operand: bool = False) -> tuple[int, ...] | None:
+    """The shape of `name` if it is a constant (`operand_const` if `operand`, else `const`),
+    else None. A plain initializer of this graph is a constant whose shape is its dims: the
+    data is not read (a match asks for weights' and gammas' shapes, not their values)."""
+    if name in graph.initializers and name not in graph.producer:
+        if name in graph.graph_inputs:
+            return None  # overridable at run time: not a constant
+        return tuple(graph.initializers[name].dims)
+    found = operand_const(graph, name) if operand else const(graph, name)
+    return None if found is None else tuple(found.shape)
+
+
 def constant_why(graph: GraphIndex, value: str) -> str:
     """Why `value` is not a constant, in words."""
     if value in graph.graph_inputs:
@@ -72,18 +94,25 @@ def constant_why(graph: GraphIndex, value: str) -> str:
     return "computed at run time, not a constant"
 
 
+# The walks below run for every anchor of every pattern: they read `graph.consumers` and
+# `graph.nodes` directly rather than through `readers()` (a list copy per call) and `node()`.
+
+
 def only_reader(graph: GraphIndex, value: str) -> int | None:
     """The one node reading `value` (None if several, none, or it is a graph output)."""
-    readers = graph.readers(value)
-    return readers[0] if len(readers) == 1 and not graph.is_graph_output(value) else None
+    readers = graph.consumers.get(value)
+    if not readers or len(readers) != 1 or value in graph.graph_outputs:
+        return None
+    return next(iter(readers))
 
 
 def readers_of(graph: GraphIndex, value: str, op_type: str) -> list[int]:
     """The standard-domain readers of `value` of type `op_type`."""
+    nodes = graph.nodes
     return [
         r
-        for r in graph.readers(value)
-        if graph.node(r).op_type == op_type and graph.node(r).domain == ""
+        for r in graph.consumers.get(value, ())
+        if (node := nodes[r]).op_type == op_type and node.domain == ""
     ]
 
 
@@ -102,11 +131,12 @@ def is_noop_cast(graph: GraphIndex, node: onnx.NodeProto) -> bool:
 
 def follow(graph: GraphIndex, value: str, members: list[int]) -> str:
     """Step forward through no-op Casts that are a value's only reader (they join `members`)."""
-    while (reader := only_reader(graph, value)) is not None and is_noop_cast(
-        graph, graph.node(reader)
-    ):
+    while (reader := only_reader(graph, value)) is not None:
+        node = graph.nodes[reader]
+        if node.op_type != "Cast" or not is_noop_cast(graph, node):
+            return value
         members.append(reader)
-        value = graph.node(reader).output[0]
+        value = node.output[0]
     return value
 
 
@@ -118,22 +148,26 @@ def rank(graph: GraphIndex, value: str) -> int | None:
 
 def scalar(graph: GraphIndex, value: str, what: str, node_id: int, max_rank: int | None) -> float:
     """The value of a one-element constant (that does not raise the rank of a rank-`max_rank`
-    operand), or a near miss naming it."""
+    operand), or a near miss naming it. (Names are looked up only for a near miss, here and
+    in `reduce_axes`: a match reads them for nothing else.)"""
     c = const(graph, value)
-    name = graph.describe(node_id)
     if c is None:
         raise NearMiss(
-            f"{what} '{value}' of '{name}' is {constant_why(graph, value)}", value, (node_id,)
+            f"{what} '{value}' of '{graph.describe(node_id)}' is {constant_why(graph, value)}",
+            value,
+            (node_id,),
         )
     if c.size != 1:
         raise NearMiss(
-            f"{what} '{value}' of '{name}' has shape {list(c.shape)}, expected a single value",
+            f"{what} '{value}' of '{graph.describe(node_id)}' has shape {list(c.shape)}, "
+            "expected a single value",
             value,
             (node_id,),
         )
     if max_rank is not None and c.ndim > max_rank:
         raise NearMiss(
-            f"{what} '{value}' of '{name}' has rank {c.ndim}, more than the input's {max_rank}",
+            f"{what} '{value}' of '{graph.describe(node_id)}' has rank {c.ndim}, more than the "
+            f"input's {max_rank}",
             value,
             (node_id,),
         )
@@ -144,12 +178,11 @@ def reduce_axes(graph: GraphIndex, node_id: int, x_rank: int | None) -> list[int
     """The axes a Reduce* node averages over (attribute or input; empty = all), negative when
     the rank is known; a near miss if keepdims is not 1 or the axes are not constant."""
     node = graph.node(node_id)
-    name = graph.describe(node_id)
     keepdims = attr(node, "keepdims", 1)
     if keepdims != 1:
         raise NearMiss(
-            f"{node.op_type} '{name}' has keepdims={keepdims}; the statistic must keep its axis "
-            "to broadcast back over the row (keepdims=1)",
+            f"{node.op_type} '{graph.describe(node_id)}' has keepdims={keepdims}; the statistic "
+            "must keep its axis to broadcast back over the row (keepdims=1)",
             node.output[0],
             (node_id,),
         )
@@ -157,7 +190,8 @@ def reduce_axes(graph: GraphIndex, node_id: int, x_rank: int | None) -> list[int
         c = const(graph, node.input[1])
         if c is None:
             raise NearMiss(
-                f"axes '{node.input[1]}' of {node.op_type} '{name}' are computed at run time",
+                f"axes '{node.input[1]}' of {node.op_type} '{graph.describe(node_id)}' are "
+                "computed at run time",
                 node.input[1],
                 (node_id,),
             )
@@ -168,15 +202,15 @@ def reduce_axes(graph: GraphIndex, node_id: int, x_rank: int | None) -> list[int
     if not axes:
         if attr(node, "noop_with_empty_axes", 0):
             raise NearMiss(
-                f"{node.op_type} '{name}' has no axes and noop_with_empty_axes=1 (it reduces "
-                "nothing)",
+                f"{node.op_type} '{graph.describe(node_id)}' has no axes and "
+                "noop_with_empty_axes=1 (it reduces nothing)",
                 node.output[0],
                 (node_id,),
             )
         if x_rank is None:
             raise NearMiss(
-                f"{node.op_type} '{name}' reduces all axes of '{node.input[0]}', whose rank is "
-                "unknown",
+                f"{node.op_type} '{graph.describe(node_id)}' reduces all axes of "
+                f"'{node.input[0]}', whose rank is unknown",
                 node.input[0],
                 (node_id,),
             )

@@ -67,13 +67,12 @@ from ._walk import (
     Epsilon,
     NearMiss,
     attr,
-    const,
+    const_shape,
     epsilon,
     follow,
     is_cast_to,
     is_noop_cast,
     only_reader,
-    operand_const,
     readers_of,
     reduce_axes,
     scalar,
@@ -223,8 +222,10 @@ _WIDER: dict[int, tuple[int, ...]] = {
 def _widening_cast(graph: GraphIndex, value: str) -> int | None:
     """The only reader of `value` if it is a Cast to a wider float type, else None."""
     reader = only_reader(graph, value)
+    if reader is None or graph.nodes[reader].op_type != "Cast":  # before the type lookup
+        return None
     source = graph.elem_type(value)
-    if reader is None or source is None:
+    if source is None:
         return None
     node = graph.node(reader)
     return reader if any(is_cast_to(node, t) for t in _WIDER.get(source, ())) else None
@@ -233,12 +234,11 @@ def _widening_cast(graph: GraphIndex, value: str) -> int | None:
 def _reduced_axes(graph: GraphIndex, node_id: int, rank: int | None) -> int:
     """How many trailing axes a ReduceMean averages over, or a near miss saying why not."""
     node = graph.node(node_id)
-    name = graph.describe(node_id)
     axes = reduce_axes(graph, node_id, rank)
     if rank is None and any(a >= 0 for a in axes):
         raise NearMiss(
-            f"ReduceMean '{name}' has axes {axes} but the rank of '{node.input[0]}' "
-            "is unknown, so they cannot be checked to be the trailing axes",
+            f"ReduceMean '{graph.describe(node_id)}' has axes {axes} but the rank of "
+            f"'{node.input[0]}' is unknown, so they cannot be checked to be the trailing axes",
             node.input[0],
             (node_id,),
         )
@@ -246,8 +246,8 @@ def _reduced_axes(graph: GraphIndex, node_id: int, rank: int | None) -> int:
     if negative != list(range(-len(negative), 0)):
         where = f"a rank-{rank} input" if rank is not None else "its input"
         raise NearMiss(
-            f"ReduceMean '{name}' averages over axes {axes} of {where}; LayerNorm "
-            "needs the trailing axes (e.g. [-1])",
+            f"ReduceMean '{graph.describe(node_id)}' averages over axes {axes} of {where}; "
+            "LayerNorm needs the trailing axes (e.g. [-1])",
             node.output[0],
             (node_id,),
         )
@@ -270,18 +270,6 @@ def _broadcast_problem(shape: Sequence[Dim], rank: int | None, k: int) -> str | 
     return None
 
 
-def _const_shape(graph: GraphIndex, name: str, *, operand: bool = False) -> tuple[int, ...] | None:
-    """The shape of `name` if it is a constant (`operand_const` if `operand`, else `const`),
-    else None. A plain initializer of this graph is a constant whose shape is its dims: the
-    data is not read (a match only asks gamma's and beta's shapes, several times)."""
-    if name in graph.initializers and name not in graph.producer:
-        if name in graph.graph_inputs:
-            return None  # overridable at run time: not a constant
-        return tuple(graph.initializers[name].dims)
-    found = operand_const(graph, name) if operand else const(graph, name)
-    return None if found is None else tuple(found.shape)
-
-
 def _affine(
     graph: GraphIndex, value: str, op_type: str, rank: int | None, k: int, what: str
 ) -> tuple[int, str, NearMiss | None] | None:
@@ -294,14 +282,14 @@ def _affine(
     if node.op_type != op_type or node.domain != "" or list(node.input).count(value) != 1:
         return None
     param = node.input[1] if node.input[0] == value else node.input[0]
-    const_shape = _const_shape(graph, param, operand=True)
-    shape = const_shape if const_shape is not None else graph.shape(param)
+    known = const_shape(graph, param, operand=True)
+    shape = known if known is not None else graph.shape(param)
     if shape is None:
         return None
     problem = _broadcast_problem(shape, rank, k)
     if problem is None:
         return reader, param, None
-    if const_shape is None:
+    if known is None:
         return None  # a run-time tensor of activation shape: a residual, not the affine part
     why = f"{what} '{param}' of {op_type} '{graph.describe(reader)}' {problem}"
     return reader, param, NearMiss(why, param, (reader,))
@@ -309,27 +297,24 @@ def _affine(
 
 def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     """The decomposed LayerNorm starting at its mean ReduceMean, or None if it is not one."""
-    r1 = graph.node(anchor)
+    nodes = graph.nodes  # read directly: this walk runs for every ReduceMean anchor
+    r1 = nodes[anchor]
     x = r1.input[0]
     members = [anchor]
     mean = follow(graph, r1.output[0], members)
-    subs = [
-        s
-        for s in readers_of(graph, mean, "Sub")
-        if graph.node(s).input[1] == mean and graph.node(s).input[0] == x
-    ]
+    subs = [s for s in readers_of(graph, mean, "Sub") if list(nodes[s].input[:2]) == [x, mean]]
     if not subs:
         return None
     sub = subs[0]
     members.append(sub)
-    d = graph.node(sub).output[0]
+    d = nodes[sub].output[0]
     widen = _widening_cast(graph, d)
     if widen is not None:  # TorchScript's float16 LayerNorm: variance in float64
         members.append(widen)
-        d = graph.node(widen).output[0]
+        d = nodes[widen].output[0]
     square = divide = None
-    for r in graph.readers(d):
-        node = graph.node(r)
+    for r in graph.consumers.get(d, ()):
+        node = nodes[r]
         if node.domain != "":
             continue
         if (node.op_type == "Pow" and node.input[0] == d) or (
@@ -343,31 +328,31 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     if square is None or divide is None:
         return None
     members.append(square)
-    r2 = readers_of(graph, follow(graph, graph.node(square).output[0], members), "ReduceMean")
+    r2 = readers_of(graph, follow(graph, nodes[square].output[0], members), "ReduceMean")
     if not r2:
         return None
     members.append(r2[0])
-    var = follow(graph, graph.node(r2[0]).output[0], members)
+    var = follow(graph, nodes[r2[0]].output[0], members)
     adds = readers_of(graph, var, "Add")
     if not adds:
         return None
     add_eps = adds[0]
     members.append(add_eps)
-    var_eps = follow(graph, graph.node(add_eps).output[0], members)
+    var_eps = follow(graph, nodes[add_eps].output[0], members)
     sqrts = readers_of(graph, var_eps, "Sqrt") or [
-        r for r in readers_of(graph, var_eps, "Pow") if graph.node(r).input[0] == var_eps
+        r for r in readers_of(graph, var_eps, "Pow") if nodes[r].input[0] == var_eps
     ]  # Sqrt written as Pow(v, 0.5): the exponent is checked below
     if not sqrts:
         return None
     members.append(sqrts[0])
-    std = follow(graph, graph.node(sqrts[0]).output[0], members)
-    div_node = graph.node(divide)
+    std = follow(graph, nodes[sqrts[0]].output[0], members)
+    div_node = nodes[divide]
     if div_node.op_type == "Mul":  # d * Reciprocal(std)
         recips = readers_of(graph, std, "Reciprocal")
         if not recips:
             return None
         members.append(recips[0])
-        std = follow(graph, graph.node(recips[0]).output[0], members)
+        std = follow(graph, nodes[recips[0]].output[0], members)
     operands = list(div_node.input)
     if operands != [d, std] and (div_node.op_type == "Div" or operands != [std, d]):
         return None
@@ -509,8 +494,8 @@ def _keeps_x_shape(graph: GraphIndex, norm: _Norm) -> bool | str | None:
     for name, what in ((norm.scale, "gamma"), (norm.bias, "beta")):
         if not name:
             continue
-        const_shape = _const_shape(graph, name)
-        shape = const_shape if const_shape is not None else graph.shape(name)
+        known = const_shape(graph, name)
+        shape = known if known is not None else graph.shape(name)
         if shape is None or x_shape is None:
             proven = False
             continue
@@ -544,7 +529,7 @@ def _last_dim(graph: GraphIndex, norm: _Norm) -> int | None:
     for name in (norm.x, norm.scale, norm.bias):
         dims = graph.shape(name) if name else None
         if dims is None and name and name != norm.x:
-            dims = _const_shape(graph, name)
+            dims = const_shape(graph, name)
         if dims and isinstance(dims[-1], int):
             sizes.append(dims[-1])
     return max(sizes) if sizes else None
@@ -575,7 +560,9 @@ class LayerNormMatMulPattern:
             norm = _decomposed(graph, node_id)
         if norm is None:
             return None
-        readers = classify(graph, norm.out, _last_dim(graph, norm), narrow=True, selects=True)
+        readers = classify(
+            graph, norm.out, lambda: _last_dim(graph, norm), narrow=True, selects=True
+        )
         if norm.problem is not None:
             if not readers.linears and not readers.misses:
                 return None  # no Linear after it: not this pattern, whatever its constants

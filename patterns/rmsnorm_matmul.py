@@ -555,7 +555,7 @@ class RmsNormMatMulPattern:
         if norm is None:
             return None
         readers = classify(
-            graph, norm.out, _width(graph, norm), narrow=True, value_type=norm.out_type
+            graph, norm.out, lambda: _width(graph, norm), narrow=True, value_type=norm.out_type
         )
         if not readers.linears and not readers.misses:
             return None  # no Linear after it: not this pattern, whatever its constants

@@ -659,13 +659,19 @@ class SoftmaxTopKPattern:
         ]  # fmt: skip
         for cast_id in [None, *casts, *views]:
             scores = softmax.output[0] if cast_id is None else graph.node(cast_id).output[0]
-            shape = graph.shape(scores)
-            experts = shape[-1] if shape and isinstance(shape[-1], int) else None
             uncast = softmax.output[0] if cast_id is not None else None
             view = cast_id is not None and cast_id in views
-            if view and experts is None:  # a view keeps the experts (checked below)
-                unviewed = graph.shape(softmax.output[0])
-                experts = unviewed[-1] if unviewed and isinstance(unviewed[-1], int) else None
+
+            def experts(scores: str = scores, view: bool = view) -> int | None:
+                """The experts' count, from the scores' shape: asked only of a gate's scores
+                (an attention Softmax's shape is not looked up)."""
+                shape = graph.shape(scores)
+                found = shape[-1] if shape and isinstance(shape[-1], int) else None
+                if view and found is None:  # a view keeps the experts (checked below)
+                    unviewed = graph.shape(softmax.output[0])
+                    found = unviewed[-1] if unviewed and isinstance(unviewed[-1], int) else None
+                return found
+
             found = _gating.selection(graph, scores, experts, uncast)
             ids = [node_id, *([cast_id] if cast_id is not None else [])]
             if view and found is not None:
