@@ -283,12 +283,15 @@ class CostModelDecider:
         kernel = get_kernel(domain, node.op_type)
         inputs = self._with_constants(graph, node, metas) if kernel is not None else metas
         # The node's signature: op, input shapes and dtypes (and the small constants a kernel
-        # reads, e.g. TopK's k), attributes. Priced once per run, and kept in the tuning
-        # cache across runs (a warm-cache fuse then searches neither side).
+        # reads, e.g. TopK's k: the ones its `value_inputs` names, all of them where it names
+        # none), attributes. Priced once per run (a LayerNorm repeated with other weights is
+        # priced once), and kept in the tuning cache across runs (a warm-cache fuse then
+        # searches neither side).
+        reads = kernel.value_inputs if kernel is not None else None
         consts = {
             f"input{i}": np.asarray(x).tolist()
             for i, x in enumerate(inputs)
-            if isinstance(x, np.ndarray)
+            if isinstance(x, np.ndarray) and (reads is None or i in reads)
         }
         key = (domain, node.op_type, _freeze(metas), _freeze(attrs), _freeze(consts))
         if key in self._memo:
