@@ -283,12 +283,15 @@ class CostModelDecider:
         kernel = get_kernel(domain, node.op_type)
         inputs = self._with_constants(graph, node, metas) if kernel is not None else metas
         # The node's signature: op, input shapes and dtypes (and the small constants a kernel
-        # reads, e.g. TopK's k), attributes. Priced once per run, and kept in the tuning
-        # cache across runs (a warm-cache fuse then searches neither side).
+        # reads, e.g. TopK's k: the ones its `value_inputs` names, all of them where it names
+        # none), attributes. Priced once per run (a LayerNorm repeated with other weights is
+        # priced once), and kept in the tuning cache across runs (a warm-cache fuse then
+        # searches neither side).
+        reads = kernel.value_inputs if kernel is not None else None
         consts = {
             f"input{i}": np.asarray(x).tolist()
             for i, x in enumerate(inputs)
-            if isinstance(x, np.ndarray)
+            if isinstance(x, np.ndarray) and (reads is None or i in reads)
         }
         key = (domain, node.op_type, _freeze(metas), _freeze(attrs), _freeze(consts))
         if key in self._memo:
@@ -519,35 +522,39 @@ def _freeze(value: Any) -> Hashable:
 
 def _signature(graph: GraphIndex, match: Match) -> Hashable:
     """What a decision depends on, cheaply: pattern, matched nodes and their attributes, the
-    fused node's attributes, and each input's element type and shape."""
+    fused node's attributes, and each input's element type and shape.
+
+    Made for every match (thousands per model), so written for speed: plain loops, the
+    folded weights looked up only where the match makes any."""
     new: dict[str, tuple[int, tuple[Any, ...] | None]] = {
         t.name: (t.data_type, tuple(t.dims)) for t in match.new_initializers
     }
+    value_type = graph.value_type
     inputs: list[tuple[int, tuple[Any, ...] | None] | None] = []
     for name in match.inputs:
         if not name:
             inputs.append(None)
             continue
-        found = new.get(name)
+        found = new.get(name) if new else None
         if found is None:
-            vt = graph.value_type(name)
-            # Symbolic dims are all priced at one representative size, whatever their names
-            # (shape inference invents a fresh `unk__N` per value), so they sign alike.
-            shape = (
-                None
-                if vt is None or vt.shape is None
-                else tuple(d if isinstance(d, int) else "?" for d in vt.shape)
-            )
-            found = (vt.elem_type if vt is not None else 0, shape)
+            vt = value_type(name)
+            if vt is None:
+                found = (0, None)
+            elif vt.shape is None:
+                found = (vt.elem_type, None)
+            else:
+                # Symbolic dims are all priced at one representative size, whatever their
+                # names (shape inference invents a fresh `unk__N` per value): they sign alike.
+                found = (vt.elem_type, tuple(d if isinstance(d, int) else "?" for d in vt.shape))
         inputs.append(found)
-    nodes = tuple(
-        (n.op_type, n.domain, tuple(a.SerializeToString() for a in n.attribute))
-        for n in (graph.node(i) for i in match.nodes)
-    )
+    nodes = []
+    for node_id in match.nodes:
+        n = graph.node(node_id)
+        nodes.append((n.op_type, n.domain, tuple([a.SerializeToString() for a in n.attribute])))
     attributes = match.attributes_key  # shared with the body check: made once per match
     if attributes is None:
         attributes = repr(sorted(match.attributes.items()))
-    return (match.pattern, nodes, attributes, tuple(inputs))
+    return (match.pattern, tuple(nodes), attributes, tuple(inputs))
 
 
 def _static(shape: Any) -> bool:

@@ -17,7 +17,7 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -100,6 +100,8 @@ class StreamKernel(Kernel):
     """Base of streamed vector kernels (elementwise, BatchNormalization, Relu...)."""
 
     tiling_type = VectorTiling
+    # The layout and the program read shapes; input data is copied only in functional mode.
+    value_inputs: ClassVar[frozenset[int] | None] = frozenset()
 
     @abstractmethod
     def layout(

@@ -134,6 +134,10 @@ class Kernel(ABC):
     op_type: ClassVar[str]
     domain: ClassVar[str]
     tiling_type: ClassVar[type[Tiling]]
+    #: The inputs whose values (not only shapes) a timing-only run reads, e.g. TopK's k; None:
+    #: any of them may be (the safe default). The cost model times a node once per distinct
+    #: values of these and shapes of the others (`fuser.costmodel`).
+    value_inputs: ClassVar[frozenset[int] | None] = None
 
     def run(
         self,

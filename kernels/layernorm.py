@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -170,6 +170,8 @@ class LayerNormalizationKernel(Kernel):
     op_type = "LayerNormalization"
     domain = ""
     tiling_type = RowTiling
+    # The plan reads shapes; scale and bias data go to the cores only in functional mode.
+    value_inputs: ClassVar[frozenset[int] | None] = frozenset()
 
     def _spec(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]

@@ -1,0 +1,66 @@
+"""A staged schedule's stage without a cost model (LayerNorm, Cast, ...) is timed once per
+process per (op, input metas, attributes, target): `search.timed_cycles` gives what the
+unmemoized timing-only run of `_staged.stage` gives, and runs the kernel only on a miss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from fuser.kernels import _staged
+from fuser.kernels import search as ks
+from fuser.kernels.api import Kernel, TensorMeta
+from fuser.kernels.npu.machine import load_target
+from fuser.kernels.registry import get_kernel
+
+B910 = load_target("ascend910b")
+F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
+
+
+def counted_runs(monkeypatch: pytest.MonkeyPatch, kernel: Kernel) -> list[tuple[Any, ...]]:
+    """Every `run` of `kernel`'s class from now on, by input shapes."""
+    calls: list[tuple[Any, ...]] = []
+    original = type(kernel).run
+
+    def run(self: Kernel, machine: Any, inputs: Any, attrs: Any, **kw: Any) -> Any:
+        calls.append(tuple(None if x is None else tuple(x.shape) for x in inputs))
+        return original(self, machine, inputs, attrs, **kw)
+
+    monkeypatch.setattr(type(kernel), "run", run)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((1, 1, 8), F32), ((3, 17, 13), F16), ((256, 256, 8), F32)]
+)
+def test_timed_cycles_equal_the_stage_run(shape: tuple[int, ...], dtype: np.dtype) -> None:
+    ks.clear_memo()
+    metas = [TensorMeta(shape, dtype), TensorMeta(shape[-1:], dtype), TensorMeta(shape[-1:], dtype)]
+    attrs = {"axis": -1, "epsilon": 1e-5}
+    direct = _staged.stage(B910, "LayerNormalization", metas, attrs, False, False).stats.cycles
+    kernel = get_kernel("", "LayerNormalization")
+    assert kernel is not None
+    assert ks.timed_cycles(kernel, metas, attrs, B910) == direct
+    assert _staged.stage_cycles(B910, "LayerNormalization", metas, attrs) == direct
+
+
+def test_a_repeated_stage_runs_its_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = get_kernel("", "LayerNormalization")
+    assert kernel is not None
+    ks.clear_memo()
+    calls = counted_runs(monkeypatch, kernel)
+    x = [TensorMeta((5, 9, 24), F16), TensorMeta((24,), F16), TensorMeta((24,), F16)]
+    first = _staged.stage_cycles(B910, "LayerNormalization", x, {"axis": -1, "epsilon": 1e-5})
+    again = _staged.stage_cycles(B910, "LayerNormalization", x, {"axis": -1, "epsilon": 1e-5})
+    assert first == again and len(calls) == 1
+    # Another epsilon, another width or a cleared memo is another run.
+    _staged.stage_cycles(B910, "LayerNormalization", x, {"axis": -1, "epsilon": 1e-3})
+    wider = [TensorMeta((5, 9, 40), F16), TensorMeta((40,), F16), TensorMeta((40,), F16)]
+    _staged.stage_cycles(B910, "LayerNormalization", wider, {"axis": -1, "epsilon": 1e-5})
+    assert len(calls) == 3
+    ks.clear_memo()
+    assert (
+        _staged.stage_cycles(B910, "LayerNormalization", x, {"axis": -1, "epsilon": 1e-5}) == first
+    )
+    assert len(calls) == 4 and calls[-1] == ((5, 9, 24), (24,), (24,))
