@@ -381,7 +381,9 @@ def _memo_key(
         op_type,
         tuple(None if m is None else (tuple(m.shape), m.dtype.str) for m in metas),
         _freeze(dict(attrs)),
-        machine,
+        # the target by its numbers: `Machine` equality leaves out `vector_ops`, so two targets
+        # that differ only in their vector costs would share each other's results
+        cache_target(machine),
         keep,
     )
     try:
