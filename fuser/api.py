@@ -146,7 +146,7 @@ def fuse(
     del types, decider
     report("verify", 0, 1)
     if log.fusions or normalized:
-        engine.verify(loaded.model, loaded.label)
+        engine.verify(loaded.model, loaded.label, loaded)
     seconds["verify"] = next(clock)
     summary = FusionReport(
         target=target,

@@ -25,7 +25,7 @@ def check_structure(loaded: LoadedModel) -> tuple[str, ...]:
     """onnx's checker on the model as `checkview` presents it (external tensors unread,
     onnxruntime's legacy ops typed); one line on failure. Returns what the checker would have
     refused but onnxruntime runs (warnings: fuser fuses such a model anyway)."""
-    view = checker_view(loaded.model)
+    view = checker_view(loaded.model, loaded)
     try:
         onnx.checker.check_model(view.model, full_check=False)
     except onnx.checker.ValidationError as exc:
@@ -140,7 +140,7 @@ def check_and_infer(
     `as_read`: the caller has not changed `loaded.model` since it was parsed. Then, where the
     view is the model itself, no tensor is external and its file is as it was read, the tools
     read that file: the same model, not serialized again."""
-    view = checker_view(loaded.model)
+    view = checker_view(loaded.model, loaded)
     if view.warnings:
         return None
     ensure_fused_ops_registered()
@@ -189,12 +189,13 @@ def sub_path(path: str, node: onnx.NodeProto, attr: str, i: int, n: int) -> str:
     return f"{path}/{name}.{suffix}" if path else f"{name}.{suffix}"
 
 
-def verify(model: onnx.ModelProto, label: str) -> None:
-    """The checker on the rewritten model, seen as the input was (`checkview`): the output is
-    never less valid than the input. Each fused node's shape inference was checked against the
+def verify(model: onnx.ModelProto, label: str, source: LoadedModel | None = None) -> None:
+    """The checker on the rewritten model, seen as the input was (`checkview`; `source`: the
+    input, whose folder holds the external data it still refers to): the output is never less
+    valid than the input. Each fused node's shape inference was checked against the
     original graph when it was made; a failure here is fuser's bug, so say so."""
     try:
-        with serialized(checker_view(model).model) as data:
+        with serialized(checker_view(model, source).model) as data:
             onnx.checker.check_model(data, full_check=False)
     except Exception as exc:
         raise FusionError(

@@ -7,6 +7,12 @@ own tools see a *view* of the model (a copy; the model itself is never changed h
   external files against the working directory (fuser has validated those locations itself,
   in modelio), and neither tool needs the values of large tensors, whose copying into each
   tool's protobuf would be most of a large model's load time.
+- External tensors in node attributes (a Constant's value, written so by exporters that store
+  every large tensor outside the file; onnxruntime runs such a model): the checker would
+  resolve their files against the folder of the serialization it reads, not the input's. A
+  main-graph Constant holding one becomes a typed graph input, as a heavy initializer does;
+  any other (a Constant in a subgraph, ConstantOfShape, a custom op's attribute) is read into
+  the view inline from its validated data file.
 - ``LayerNormalization`` below opset 17: onnxruntime registers it in the ONNX domain from
   version 1 (it began as a contrib op), with opset 17's inputs, outputs, attributes and
   results (checked on onnxruntime 1.32: the same outputs at opsets 1-16 as at 17, Mean and
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx
 from google.protobuf.descriptor import FieldDescriptor
@@ -39,6 +45,7 @@ from google.protobuf.message import Message
 from onnx import defs, helper
 
 from .graph import SUBGRAPH_OPS
+from .modelio import LoadedModel, read_external_bytes
 
 LEGACY_DOMAIN = "fuser.ort_legacy"
 # The op's name there: not "LayerNormalization", since a second schema of an ONNX op's name in
@@ -234,6 +241,8 @@ class NodeScan:
     # Whether any node of the view may hold a subgraph (`may_hold_subgraphs`; the legacy nodes
     # count, since the view moves them out of the ONNX domain).
     nested: bool
+    # Nodes (subgraphs' included) with an external tensor among their attributes.
+    external: list[onnx.NodeProto] = field(default_factory=list)
 
     @property
     def legacy(self) -> bool:
@@ -253,17 +262,22 @@ def scan_nodes(model: onnx.ModelProto) -> NodeScan:
     if not defs.has(_SLN):  # an onnx that defines it checks it itself
         wanted.add(_SLN)
     found: list[onnx.NodeProto] = []
-    nested = _scan_graph(model.graph, frozenset(wanted), found)
+    external: list[onnx.NodeProto] = []
+    nested = _scan_graph(model.graph, frozenset(wanted), found, external)
     layernorms = [n for n in found if n.op_type == "LayerNormalization"]
     simplified = [n for n in found if n.op_type == _SLN]
-    return NodeScan(layernorms, simplified, nested or bool(found))
+    return NodeScan(layernorms, simplified, nested or bool(found), external)
 
 
 def _scan_graph(
-    graph: onnx.GraphProto, wanted: frozenset[str], found: list[onnx.NodeProto]
+    graph: onnx.GraphProto,
+    wanted: frozenset[str],
+    found: list[onnx.NodeProto],
+    external: list[onnx.NodeProto],
 ) -> bool:
-    """Append `graph`'s standard-domain nodes of a `wanted` type to `found`, then its
-    subgraphs' (depth first, in node order); whether any node may hold a subgraph."""
+    """Append `graph`'s standard-domain nodes of a `wanted` type to `found` and its nodes with
+    an external attribute tensor to `external`, then its subgraphs' (depth first, in node
+    order); whether any node may hold a subgraph."""
     holders = []
     for node in graph.node:
         op = node.op_type
@@ -273,19 +287,44 @@ def _scan_graph(
                 found.append(node)
             if op in SUBGRAPH_OPS:
                 holders.append(node)
+            elif op in _CONSTANT_OPS and _has_external_tensor(node):
+                external.append(node)
         elif not _graph_free(op, domain):
             holders.append(node)
+            if _has_external_tensor(node):
+                external.append(node)
+        elif not _tensor_free(op, domain) and _has_external_tensor(node):
+            external.append(node)
     for node in holders:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                _scan_graph(attr.g, wanted, found)
+                _scan_graph(attr.g, wanted, found, external)
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for sub in attr.graphs:
-                    _scan_graph(sub, wanted, found)
+                    _scan_graph(sub, wanted, found, external)
     return bool(holders)
 
 
+# The standard ops with a tensor attribute and no graph attribute (modelio's
+# TENSOR_ATTRIBUTE_OPS less SUBGRAPH_OPS, whose tensors sit on their subgraphs' nodes).
+_CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
+
+
+def _has_external_tensor(node: onnx.NodeProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in _attribute_tensors(node))
+
+
+def _attribute_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+    """The tensors of `node`'s own attributes (not those of its subgraphs' nodes)."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.TENSOR:
+            yield attr.t
+        elif attr.type == onnx.AttributeProto.TENSORS:
+            yield from attr.tensors
+
+
 _GRAPH_KINDS = (defs.OpSchema.AttrType.GRAPH, defs.OpSchema.AttrType.GRAPHS)
+_TENSOR_KINDS = (defs.OpSchema.AttrType.TENSOR, defs.OpSchema.AttrType.TENSORS)
 
 
 @functools.cache
@@ -299,6 +338,14 @@ def _graph_free(op_type: str, domain: str) -> bool:
         return False
     schema = defs.get_schema(op_type, domain=domain)
     return all(a.type not in _GRAPH_KINDS for a in schema.attributes.values())
+
+
+@functools.cache
+def _tensor_free(op_type: str, domain: str) -> bool:
+    """Whether an op of another domain with a schema declares no tensor attribute (as
+    `_graph_free`: the checker refuses an undeclared attribute)."""
+    schema = defs.get_schema(op_type, domain=domain)
+    return all(a.type not in _TENSOR_KINDS for a in schema.attributes.values())
 
 
 def _move_legacy_layernorms(model: onnx.ModelProto) -> bool:
@@ -377,6 +424,54 @@ def _copy_hiding(model: onnx.ModelProto, hidden: set[str]) -> onnx.ModelProto:
     return view
 
 
+def _hide_external_attributes(view: onnx.ModelProto, source: LoadedModel | None) -> None:
+    """The view's external attribute tensors out of the checker's reach (see the module
+    docstring): main-graph Constants lifted to typed graph inputs, the others read inline
+    (left as they are without a `source`: the checker then names them)."""
+    graph = view.graph
+    lifted = [i for i, node in enumerate(graph.node) if _liftable(node)]
+    for i in lifted:
+        tensor = graph.node[i].attribute[0].t
+        name, dims = graph.node[i].output[0], list(tensor.dims)
+        graph.input.append(helper.make_tensor_value_info(name, tensor.data_type, dims))
+    for i in reversed(lifted):
+        del graph.node[i]
+    if source is None:
+        return
+    for tensor in _external_attribute_tensors(graph):
+        data = read_external_bytes(source, tensor)
+        tensor.ClearField("external_data")
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        tensor.raw_data = data
+
+
+def _liftable(node: onnx.NodeProto) -> bool:
+    """A Constant whose one attribute, `value`, is an external tensor."""
+    return (
+        node.op_type == "Constant"
+        and node.domain in _STANDARD
+        and len(node.attribute) == 1
+        and node.attribute[0].name == "value"
+        and node.attribute[0].t.data_location == onnx.TensorProto.EXTERNAL
+        and len(node.output) == 1
+    )
+
+
+def _external_attribute_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every external tensor of a node attribute in `graph` and its subgraphs (a full walk:
+    made only for a model `scan_nodes` found such a tensor in)."""
+    for node in graph.node:
+        for tensor in _attribute_tensors(node):
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                yield tensor
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _external_attribute_tensors(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _external_attribute_tensors(sub)
+
+
 def missing_type(value: onnx.ValueInfoProto) -> str | None:
     """What the checker misses on a main-graph input/output: "type", "shape" or None."""
     if not value.HasField("type") or value.type.WhichOneof("value") is None:
@@ -397,15 +492,19 @@ def _untyped_io(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.ValueInfoPro
             yield kind, value, missing
 
 
-def checker_view(model: onnx.ModelProto) -> View:
-    """`model` as onnx's checker should see it (the model itself when nothing needs hiding)."""
+def checker_view(model: onnx.ModelProto, source: LoadedModel | None = None) -> View:
+    """`model` as onnx's checker should see it (the model itself when nothing needs hiding).
+    `source`: where the model's external data files are (the input fuser read), for the
+    external attribute tensors the view reads inline."""
     scan = scan_nodes(model)
     hidden = _heavy_initializers(model.graph)
     untyped = list(_untyped_io(model.graph))
-    if not hidden and not untyped and not scan.legacy:
+    if not hidden and not untyped and not scan.legacy and not scan.external:
         return View(model, nested=scan.nested)
     view = _copy_hiding(model, hidden)
     graph = view.graph
+    if scan.external:
+        _hide_external_attributes(view, source)
     if scan.legacy:
         _move_legacy_ops(view)
     warnings = []

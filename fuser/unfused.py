@@ -52,5 +52,5 @@ def unfuse(model: ModelSource | FusionResult) -> UnfuseResult:
     counts = Counter(n.op_type for n in functions.fused_nodes(loaded.model))
     types = engine.infer_types(loaded.model)
     plain = functions.inline(loaded.model, types)
-    engine.verify(plain, loaded.label)
+    engine.verify(plain, loaded.label, loaded)
     return UnfuseResult(plain, loaded, dict(sorted(counts.items())))
