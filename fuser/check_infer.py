@@ -8,15 +8,19 @@ rewritten model is checked again before anything is written (`verify`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from collections.abc import Iterator
 
 import onnx
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import Message
 
 from .checkview import checker_view, inference_view, scan_nodes
 from .errors import FusionError, ModelLoadError
 from .graph import TypeTable, may_hold_subgraphs
+from .heap import release_freed
 from .modelio import LoadedModel, unchanged_on_disk
 from .registry import ensure_fused_ops_registered
 
@@ -30,6 +34,8 @@ def check_structure(loaded: LoadedModel) -> tuple[str, ...]:
         onnx.checker.check_model(view.model, full_check=False)
     except onnx.checker.ValidationError as exc:
         raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
+    finally:
+        release_freed()
     return view.warnings
 
 
@@ -42,7 +48,9 @@ def infer_types(model: onnx.ModelProto) -> dict[str, TypeTable]:
     """Element types and shapes of every value, per graph path (shape inference on a copy)."""
     ensure_fused_ops_registered()
     scan = scan_nodes(model)
-    return _infer_view(inference_view(model, scan), model, scan.nested)
+    types = _infer_view(inference_view(model, scan), model, scan.nested)
+    release_freed()
+    return types
 
 
 def _infer_view(
@@ -51,7 +59,11 @@ def _infer_view(
     """Types from shape inference on `view` (a model, its serialization, or the path of a file
     holding it); `model`'s own annotations where inference fails. `nested`: whether a node of
     the view may hold a subgraph (`NodeScan.nested`)."""
-    inferred = _inferred_by_path(view) if isinstance(view, str) else None
+    if isinstance(view, str) and not nested:
+        values = _inferred_values_by_path(view)
+        if values is not None:
+            return {"": _values_table(values, model)}
+    inferred = _inferred_by_path(view) if isinstance(view, str) and nested else None
     if inferred is None:
         if isinstance(view, str):
             with open(view, "rb") as handle:
@@ -64,17 +76,77 @@ def _infer_view(
     if inferred is model or nested:
         _collect_types(inferred.graph, "", types)
         return types
-    # No subgraph: keep the inferred values' protos alone (the type table holds the protos it
-    # converts lazily, and holding any of the inferred copy keeps all of it alive); the
-    # initializers' types come from the model's own tensors.
-    slim = onnx.GraphProto()
-    slim.input.extend(inferred.graph.input)
-    slim.output.extend(inferred.graph.output)
-    slim.value_info.extend(inferred.graph.value_info)
-    del inferred
-    _collect_types(slim, "", types)
-    types[""].add_protos(model.graph.initializer)
-    return types
+    return {"": _values_table(inferred.graph, model)}
+
+
+def _values_table(values: Message, model: onnx.ModelProto) -> TypeTable:
+    """The main graph's types: the inferred graph's inputs, outputs and value infos (kept as
+    bytes: nothing of the inferred copy stays alive), then the initializers' types from the
+    model's own tensors."""
+    table = TypeTable()
+    for protos in (values.input, values.output, values.value_info):
+        table.add_protos(protos)
+    table.add_protos(model.graph.initializer)
+    return table
+
+
+def _inferred_values_by_path(path: str) -> Message | None:
+    """Shape inference from file to file, and of its result only the main graph's inputs,
+    outputs and value infos read back (a message with those three fields: the nodes and
+    tensors are not made into Python messages, only kept as unparsed bytes until it is
+    freed); None where that fails for any reason."""
+    with _anonymous_file() as out:
+        if out is None:
+            return None
+        try:
+            onnx.shape_inference.infer_shapes_path(path, out, check_type=False, strict_mode=False)
+            with open(out, "rb") as handle:
+                data = handle.read()
+            values = _typed_values_class()()
+            values.ParseFromString(data)
+        except Exception:
+            return None
+    del data
+    graph: Message = values.graph
+    return graph
+
+
+@functools.cache
+def _typed_values_class() -> type[Message]:
+    """A message type laid out as ModelProto whose `graph` holds only GraphProto's `input`,
+    `output` and `value_info` (same field numbers and element type): parsing a model into it
+    makes Python messages of the value infos alone."""
+    graph_fields = onnx.GraphProto.DESCRIPTOR.fields_by_name
+    value_info = onnx.ValueInfoProto.DESCRIPTOR
+    file = descriptor_pb2.FileDescriptorProto(
+        name="fuser/typed_values.proto",
+        package="fuser.typed_values",
+        dependency=[value_info.file.name],
+        syntax="proto2",
+    )
+    graph = file.message_type.add(name="Values")
+    for name in ("input", "output", "value_info"):
+        graph.field.add(
+            name=name,
+            number=graph_fields[name].number,
+            label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED,
+            type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
+            type_name=f".{value_info.full_name}",
+        )
+    model = file.message_type.add(name="Model")
+    model.field.add(
+        name="graph",
+        number=onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number,
+        label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
+        type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
+        type_name=".fuser.typed_values.Values",
+    )
+    pool = descriptor_pool.Default()
+    try:
+        found = pool.FindMessageTypeByName("fuser.typed_values.Model")
+    except KeyError:
+        found = pool.Add(file).message_types_by_name["Model"]
+    return message_factory.GetMessageClass(found)
 
 
 def _inferred_by_path(path: str) -> onnx.ModelProto | None:
@@ -155,7 +227,9 @@ def check_and_infer(
             onnx.checker.check_model(data, full_check=False)
         except onnx.checker.ValidationError as exc:
             raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
-        return _infer_view(data, loaded.model, nested), ()
+        types = _infer_view(data, loaded.model, nested)
+    release_freed()  # the C++ tools' copies of the model, freed but kept by the allocator
+    return types, ()
 
 
 def _utf8(path: os.PathLike[str] | None) -> bool:
@@ -202,3 +276,5 @@ def verify(model: onnx.ModelProto, label: str, source: LoadedModel | None = None
             f"{label}: the fused model failed verification ({_first_line(exc)}); nothing was "
             "written. This is a bug in fuser: please report it with the model"
         ) from exc
+    finally:
+        release_freed()

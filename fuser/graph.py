@@ -259,14 +259,12 @@ class GraphIndex:
     node_names: set[str] = field(default_factory=set)
     reserved_names: set[str] = field(default_factory=set)
     dead_initializers: set[str] = field(default_factory=set)
-    new_initializers: list[onnx.TensorProto] = field(default_factory=list)
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
     _runtime_swept: bool = False  # `_sweep_runtime` done
     _reads: dict[int, list[str]] = field(default_factory=dict)
     _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
     _next_id: int = 0
-    _added: set[int] = field(default_factory=set)  # ids of nodes made by rewrites
     _version: int = 0  # bumped by every change to nodes or edges (`_window_memo`'s validity)
     _window_memo: tuple[Any, list[int], str | None] | None = None  # descendants_in_window's last
     # ids of the nodes of each (domain, op_type) ever added, dead ones included (`anchored`)
@@ -801,12 +799,17 @@ class GraphIndex:
                 if producer.get(name) == member:
                     del producer[name]
             del pos[member]
+        # The new node and tensors are copied into the graph now, and the index keeps the
+        # graph's copies: the caller's are freed with the match (held until `write_back`,
+        # each in its own protobuf arena, they were about 4 KB per Conv fusion).
         for tensor in new_initializers:
-            self.initializers[tensor.name] = tensor
-            self.new_initializers.append(tensor)
+            placed = self.graph.initializer.add()
+            placed.CopyFrom(tensor)
+            self.initializers[tensor.name] = placed
             self.types[tensor.name] = ValueType(tensor.data_type, tuple(tensor.dims))
-        fused_id = self._add_node(fused, at_end=False)
-        self._added.add(fused_id)
+        placed_node = self.graph.node.add()
+        placed_node.CopyFrom(fused)
+        fused_id = self._add_node(placed_node, at_end=False)
         if after or hi - lo + 1 != len(member_set):
             after_set = set(after)
             window = [i for i in order[lo : hi + 1] if i is not None and i not in member_set]
@@ -870,31 +873,21 @@ class GraphIndex:
                 stack.append(read)
 
     def write_back(self) -> None:
-        """Write nodes and initializers back into the GraphProto; untouched graphs stay as is."""
+        """Put the graph's nodes in the index's order and cut off the dead nodes and
+        initializers; untouched graphs stay as is. The rewrites already appended their new
+        nodes and tensors to the graph (`replace`): nothing is copied here."""
         if not self.modified:
             return
-        # The graph's own messages are moved, never copied (protobuf copies on extend: a
-        # rebuilt list would hold the model's nodes twice until the model is freed). Only the
-        # new nodes are added (copied); then one in-place sort puts every node at its place,
-        # the dead ones last, and they are cut off.
+        # One in-place sort puts every node at its place, the dead ones last, and they are
+        # cut off (a rebuilt list would be a copy of every node: protobuf copies on extend).
         live_ids = list(self.live_nodes())
-        added = [i for i in live_ids if i in self._added]
-        start = len(self.graph.node)
-        self.graph.node.extend(self.nodes[i] for i in added)
-        for offset, node_id in enumerate(added):
-            # point the index at the graph's copy, so later edits (subgraph rewrites) land
-            # in the model
-            self.nodes[node_id] = self.graph.node[start + offset]
-        self._added.clear()
         rank = {id(self.nodes[node_id]): r for r, node_id in enumerate(live_ids)}
         dead = len(live_ids)
         self.graph.node.sort(key=lambda node: rank.get(id(node), dead))
         del self.graph.node[len(live_ids) :]
         if self.dead_initializers:
+            # the kept ones in their order: the input's, then the new ones as they were made
             gone = self.dead_initializers
             kept = sum(1 for t in self.graph.initializer if t.name not in gone)
             self.graph.initializer.sort(key=lambda t: t.name in gone)  # stable: order kept
             del self.graph.initializer[kept:]
-        new = [t for t in self.new_initializers if t.name in self.initializers]
-        self.graph.initializer.extend(new)
-        self.new_initializers = []

@@ -70,3 +70,17 @@ def test_an_invalid_input_gets_the_same_message(monkeypatch):
     assert str(by_file.value) == str(by_bytes.value)
     assert str(by_file.value).startswith("bad.onnx: invalid ONNX model: ")
     assert "NoSuchOp" in str(by_file.value)
+
+
+def test_the_inferred_model_is_not_read_back_whole(monkeypatch):
+    # Only the inferred graph's value types are kept: reading the whole inferred file back
+    # (its nodes and tensors as Python messages) was a second model's worth of memory.
+    model = cnn_graph(150, batch=1, channels=3)
+    expected = _types(model)
+
+    loads: list[object] = []
+    for name in ("load_model", "load"):
+        monkeypatch.setattr(onnx, name, lambda *args, **kwargs: loads.append(args))
+    assert _types(model) == expected
+    assert loads == []  # (a failing load would be caught: the bytes route would type it all)
+    assert len(expected) > 100
