@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from types import MappingProxyType, ModuleType
+from typing import Any
 
 from ._cost_base import CostModel
 from .api import Kernel, TensorMeta
@@ -71,32 +72,28 @@ def all_models() -> Mapping[tuple[str, str], CostModel]:
 def get_kernel(domain: str, op_type: str) -> Kernel | None:
     """The kernel for `op_type` in `domain` ("" or "ai.onnx" for ONNX ops), or None. Imports
     only the kernel module that holds it (`fuser.kernels.manifest`)."""
-    if domain == "ai.onnx":
-        domain = ""
-    module = KERNEL_MODULES.get((domain, op_type))
-    if module is None:
-        return None
-    found = importlib.import_module(f"{__package__}.{module}")
-    return next(
-        (k for k in getattr(found, "KERNELS", ()) if (k.domain, k.op_type) == (domain, op_type)),
-        None,
-    )
+    found = _listed(KERNEL_MODULES, "KERNELS", domain, op_type)
+    assert found is None or isinstance(found, Kernel)
+    return found
 
 
 @cache
 def get_model(domain: str, op_type: str) -> CostModel | None:
     """The cost model of `op_type` in `domain` ("" or "ai.onnx" for ONNX ops), or None; imports
     only its module, as `get_kernel` does."""
-    if domain == "ai.onnx":
-        domain = ""
-    module = MODEL_MODULES.get((domain, op_type))
+    found: CostModel | None = _listed(MODEL_MODULES, "MODELS", domain, op_type)
+    return found
+
+
+def _listed(modules: Mapping[tuple[str, str], str], listing: str, domain: str, op: str) -> Any:
+    """The entry for (domain, op) of the `listing` tuple (KERNELS, MODELS) of the module the
+    manifest names for it, or None."""
+    key = ("" if domain == "ai.onnx" else domain, op)
+    module = modules.get(key)
     if module is None:
         return None
     found = importlib.import_module(f"{__package__}.{module}")
-    return next(
-        (m for m in getattr(found, "MODELS", ()) if (m.domain, m.op_type) == (domain, op_type)),
-        None,
-    )
+    return next((x for x in getattr(found, listing, ()) if (x.domain, x.op_type) == key), None)
 
 
 def tiling_fields(domain: str, op_type: str) -> tuple[str, ...] | None:
