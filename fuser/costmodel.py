@@ -333,10 +333,17 @@ class CostModelDecider:
         self, graph: GraphIndex, node: onnx.NodeProto, metas: Sequence[Any]
     ) -> list[Any]:
         """Inputs for a timing-only run: metas, but small constants as arrays (TopK's k, axes
-        given as inputs: kernels read their values)."""
+        given as inputs: kernels read their values). A value whose inferred shape has a
+        symbolic dim is computed at run time (as `patterns._walk.operand_const` judges), and
+        is not looked up: it is small here only because its symbolic dims are priced small,
+        and the first such question on a graph makes `graph.constant` sweep all of it."""
         out: list[Any] = []
         for name, meta in zip(node.input, metas, strict=False):
-            value = graph.constant(name) if name and meta is not None and meta.size <= 64 else None
+            value = None
+            if name and meta is not None and meta.size <= 64:
+                shape = graph.shape(name)
+                if shape is None or _static(shape):
+                    value = graph.constant(name)
             out.append(value if value is not None else meta)
         return out
 

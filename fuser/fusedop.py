@@ -165,20 +165,18 @@ def _formal(param: Param, *, min_arity: int) -> defs.OpSchema.FormalParameter:
 def _tiling_attributes(op: FusedOp) -> list[defs.OpSchema.Attribute]:
     """Optional int attributes `tile_<field>` for the fields of the op's kernel's tiling (the
     cost model stores its choice there), so the checker accepts a tiled node."""
-    import dataclasses
+    from .kernels.registry import tiling_fields  # the manifest's: imports no kernel module
 
-    from .kernels.registry import get_kernel
-
-    kernel = get_kernel(DOMAIN, op.name)
-    if kernel is None:
+    fields = tiling_fields(DOMAIN, op.name)
+    if fields is None:
         return []
     declared = {a.name for a in op.attributes}
     return [
         defs.OpSchema.Attribute(
-            f"{op.tiling_prefix}{f.name}", _ATTR_TYPES["int"], "tiling (cost model)", required=False
+            f"{op.tiling_prefix}{name}", _ATTR_TYPES["int"], "tiling (cost model)", required=False
         )
-        for f in dataclasses.fields(kernel.tiling_type)
-        if f"{op.tiling_prefix}{f.name}" not in declared
+        for name in fields
+        if f"{op.tiling_prefix}{name}" not in declared
     ]
 
 

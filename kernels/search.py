@@ -51,7 +51,7 @@ from ._columns import TilingColumns
 from ._cost_base import CostModel
 from .api import Kernel, TensorMeta, Tiling, TilingError
 from .npu.machine import Machine
-from .registry import all_models, get_kernel
+from .registry import all_models, get_kernel, get_model
 
 #: Bumped when a cost model or the simulated machine changes what a tiling costs, so that
 #: tuning-cache entries priced by an older model are not reused (`cache_target`).
@@ -79,8 +79,8 @@ def models() -> Mapping[tuple[str, str], CostModel]:
 
 
 def model_for(domain: str, op_type: str) -> CostModel | None:
-    """The cost model of (domain, op_type), or None."""
-    return models().get(("" if domain == "ai.onnx" else domain, op_type))
+    """The cost model of (domain, op_type), or None (importing only its module)."""
+    return get_model(domain, op_type)
 
 
 @dataclass(frozen=True)
