@@ -165,3 +165,44 @@ def test_type_table_keeps_a_copy_of_each_value_info_type_not_the_proto() -> None
     assert table.get("x") == ValueType(TensorProto.FLOAT16, ("b", 7))
     assert table.get("y") == ValueType(TensorProto.INT8, ())
     assert table.get("z") == ValueType(TensorProto.DOUBLE, None)
+
+
+def test_type_table_converts_each_distinct_type_once() -> None:
+    """Values of equal types (most of a large model) share one conversion and one ValueType;
+    values of other types, untyped values and initializers keep their own answers."""
+    graph = onnx.GraphProto()
+    for name, elem, shape in [
+        ("a", TensorProto.FLOAT, ["n", 3]),
+        ("b", TensorProto.FLOAT, ["n", 3]),
+        ("c", TensorProto.FLOAT, ["n", 4]),
+        ("d", TensorProto.FLOAT16, ["n", 3]),
+    ]:
+        graph.value_info.append(helper.make_tensor_value_info(name, elem, shape))
+    graph.value_info.extend([onnx.ValueInfoProto(name="u"), onnx.ValueInfoProto(name="v")])
+    table = TypeTable()
+    table.add_protos(graph.value_info)
+    tensors = [
+        numpy_helper.from_array(np.zeros((2, 3), dtype), n)
+        for n, dtype in [("w0", np.float32), ("w1", np.float32), ("w2", np.int64)]
+    ]
+    table.add_protos(tensors)
+    assert table.get("a") == ValueType(TensorProto.FLOAT, ("n", 3))
+    assert table.get("b") is table.get("a")
+    assert table.get("c") == ValueType(TensorProto.FLOAT, ("n", 4))
+    assert table.get("d") == ValueType(TensorProto.FLOAT16, ("n", 3))
+    assert table.get("u") is None and table.get("v") is None and "v" in table
+    assert table.get("w0") == ValueType(TensorProto.FLOAT, (2, 3))
+    assert table.get("w1") is table.get("w0")
+    assert table.get("w2") == ValueType(TensorProto.INT64, (2, 3))
+
+
+def test_add_tensors_returns_them_by_name_and_keeps_known_types() -> None:
+    """`add_tensors` gives the index its initializers and the table their types, except where
+    a value info came first (as `add_protos` in that order would)."""
+    table = TypeTable()
+    table.add_proto("w", helper.make_tensor_value_info("w", TensorProto.FLOAT, ["n"]))
+    tensors = [numpy_helper.from_array(np.zeros((5,), np.float32), n) for n in ("w", "k")]
+    by_name = table.add_tensors(tensors)
+    assert list(by_name) == ["w", "k"] and by_name["k"] is tensors[1]
+    assert table.get("w") == ValueType(TensorProto.FLOAT, ("n",))
+    assert table.get("k") == ValueType(TensorProto.FLOAT, (5,))
