@@ -93,6 +93,11 @@ def may_hold_subgraphs(node: onnx.NodeProto) -> bool:
     return node.op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx")
 
 
+def may_hold_kind(domain: str, op_type: str) -> bool:
+    """`may_hold_subgraphs` of the nodes of one (domain, op_type) kind (`GraphIndex.by_kind`)."""
+    return op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx")
+
+
 def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
     if not may_hold_subgraphs(node):
         return
@@ -615,20 +620,22 @@ class GraphIndex:
         most of it anyway, and a forward pass does that work at a fraction of the walk's cost
         per node. Values made by later rewrites are answered by the walk."""
         self._runtime_swept = True
-        memo, nodes = self._runtime, self.nodes
+        memo, nodes, reads = self._runtime, self.nodes, self._reads
+        # The nodes that may be dependent whatever their inputs, found by kind: the others'
+        # op_type and domain are not read (two strs made per node, most of a sweep's cost).
+        kinds = [k for k in self.by_kind if k[1] in _NONDETERMINISTIC or may_hold_kind(*k)]
+        special = {i for kind in kinds for i in self.by_kind[kind]}
         for node_id in self.order:
             if node_id is None:
                 continue
             node = nodes[node_id]
-            op_type = node.op_type
-            dependent = op_type in _NONDETERMINISTIC or (
-                (op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"))
-                and any(True for _ in _node_subgraphs(node))
+            dependent = node_id in special and (
+                node.op_type in _NONDETERMINISTIC or any(True for _ in _node_subgraphs(node))
             )
             if not dependent:
-                for value in node.input:
-                    if not value:
-                        continue
+                # `_reads`: the node's inputs, interned (and what its subgraphs read: only
+                # nodes with a subgraph have any, and those are dependent already)
+                for value in reads[node_id]:
                     known = memo.get(value)
                     if known is None:  # not produced before this node: a leaf
                         known = memo[value] = self._leaf_runtime_dependent(value)

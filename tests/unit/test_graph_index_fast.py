@@ -206,3 +206,31 @@ def test_add_tensors_returns_them_by_name_and_keeps_known_types() -> None:
     assert list(by_name) == ["w", "k"] and by_name["k"] is tensors[1]
     assert table.get("w") == ValueType(TensorProto.FLOAT, ("n",))
     assert table.get("k") == ValueType(TensorProto.FLOAT, (5,))
+
+
+def test_the_runtime_sweep_judges_subgraph_and_custom_nodes_as_the_walk() -> None:
+    """The sweep reads op types only for the kinds that may be dependent whatever their
+    inputs: an If (a subgraph), a custom-domain node without one, a RandomNormalLike."""
+    w = numpy_helper.from_array(np.ones((2,), np.float32), "w")
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["b_out"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("b_out", TensorProto.FLOAT, [2])],
+    )
+    cond = numpy_helper.from_array(np.array(True), "cond")
+    nodes = [
+        helper.make_node("Neg", ["w"], ["c0"]),  # constant
+        helper.make_node("If", ["cond"], ["c1"], then_branch=branch, else_branch=branch),
+        helper.make_node("Add", ["c0", "c1"], ["c2"]),  # dependent through the If
+        helper.make_node("Scale", ["c0"], ["c3"], domain="custom"),  # custom, no subgraph
+        helper.make_node("RandomNormalLike", ["c3"], ["c4"]),
+        helper.make_node("Relu", ["c3"], ["c5"]),
+    ]
+    model = _model(nodes, [w, cond])
+    swept, walked = _index(model), _index(model)
+    walked._runtime_swept = True
+    names = ["c0", "c1", "c2", "c3", "c4", "c5"]
+    answers = [swept._runtime_dependent(n) for n in reversed(names)][::-1]
+    assert answers == [walked._runtime_dependent(n) for n in names]
+    assert answers == [False, True, True, False, True, False]
