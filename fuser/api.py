@@ -127,7 +127,6 @@ def fuse(
         warnings = engine.check_structure(loaded)
     original = _copy_of(loaded) if keep_original else None
     seconds = {"load": next(clock)}
-    before = engine.count_nodes(loaded.model.graph)
     decider = decider or _default_decider(target, force, cache, dims)
     if functions:  # a fusion that could not carry its body is refused now, with its reason
         imports = {o.domain or "": o.version for o in loaded.model.opset_import}
@@ -164,8 +163,8 @@ def fuse(
         patterns=tuple(p.name for p in chosen),
         fusions=tuple(log.fusions),
         rejected=tuple(log.rejected),
-        nodes_before=before,
-        nodes_after=engine.count_nodes(loaded.model.graph),
+        nodes_before=log.nodes_before,
+        nodes_after=log.nodes_after,
         seconds=seconds,
         normalized=(*normalized, *warnings),
     )
