@@ -16,11 +16,11 @@ from . import engine
 from . import functions as functions_mod
 from .body_check import BodyCheckedDecider
 from .decide import Decider
-from .errors import UsageError
+from .errors import ModelLoadError, UsageError
 from .finish import FuseOptions, finish
 from .graph import TypeTable
 from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
-from .normalize import fill_outputs, normalize
+from .normalize import fill_outputs, normalize, sort_nodes
 from .registry import select
 from .report import FusionRecord, FusionReport, RejectionRecord, fusion_dict, near_miss_dict
 
@@ -104,9 +104,20 @@ def fuse(
     chosen = select(pattern_names(patterns), pattern_names(disable) or ())
     check_target(target)
     loaded = load_model(model)
-    normalized = normalize(loaded)  # what onnxruntime tolerates, fixed in fuser's copy
+    # What onnxruntime tolerates, fixed in fuser's copy. Nodes out of order are sorted only
+    # once the checker refuses the model (or before inference where it does not check first):
+    # finding that they are in order is a walk over every node, which the checker makes anyway.
+    normalized = normalize(loaded, sort=False)
     # One serialization for both tools, where it can; none when the file is the model as is.
-    checked = engine.check_and_infer(loaded, as_read=not normalized)
+    try:
+        checked = engine.check_and_infer(loaded, as_read=not normalized)
+    except ModelLoadError:
+        if not (order := sort_nodes(loaded)):
+            raise  # in order: refused for another reason
+        normalized = [*order, *normalized]
+        checked = engine.check_and_infer(loaded, as_read=False)
+    if checked is None:
+        normalized = [*sort_nodes(loaded), *normalized]
     if checked is not None:
         types, warnings = checked
         del checked
@@ -116,7 +127,6 @@ def fuse(
         warnings = engine.check_structure(loaded)
     original = _copy_of(loaded) if keep_original else None
     seconds = {"load": next(clock)}
-    before = engine.count_nodes(loaded.model.graph)
     decider = decider or _default_decider(target, force, cache, dims)
     if functions:  # a fusion that could not carry its body is refused now, with its reason
         imports = {o.domain or "": o.version for o in loaded.model.opset_import}
@@ -153,8 +163,8 @@ def fuse(
         patterns=tuple(p.name for p in chosen),
         fusions=tuple(log.fusions),
         rejected=tuple(log.rejected),
-        nodes_before=before,
-        nodes_after=engine.count_nodes(loaded.model.graph),
+        nodes_before=log.nodes_before,
+        nodes_after=log.nodes_after,
         seconds=seconds,
         normalized=(*normalized, *warnings),
     )

@@ -26,7 +26,7 @@ from .check_infer import verify as verify
 from .decide import Decider
 from .finish import describe
 from .fusedop import DOMAIN, VERSION, TensorInfo
-from .graph import SUBGRAPH_OPS, GraphIndex, TypeTable, node_subgraphs
+from .graph import SUBGRAPH_OPS, GraphIndex, TypeTable, may_hold_kind, node_subgraphs
 from .matcher import check_match
 from .modelio import LoadedModel
 from .pattern import Match, Pattern, Rejection, attributes_key
@@ -53,6 +53,10 @@ class PassLog:
 
     fusions: list[FusionRecord] = field(default_factory=list)
     rejected: list[RejectionRecord] = field(default_factory=list)
+    # `count_nodes` of the model's graph as the passes found it and as they left it, counted
+    # from the main graph's index (see `indexed_count`)
+    nodes_before: int = 0
+    nodes_after: int = 0
 
 
 def count_nodes(graph: onnx.GraphProto) -> int:
@@ -62,6 +66,20 @@ def count_nodes(graph: onnx.GraphProto) -> int:
         # may_hold_subgraphs, inline: this runs over every node of the model, twice per fuse
         if node.op_type in SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):
             total += sum(count_nodes(g) for g in node_subgraphs(node))
+    return total
+
+
+def indexed_count(index: GraphIndex) -> int:
+    """`count_nodes(index.graph)` of a graph whose index is current (just built, or written
+    back): its node count plus the nodes of the subgraphs its nodes hold, the holders found
+    by kind (`GraphIndex.by_kind`) rather than by reading every node's op_type and domain.
+    Fused ops are not holders: their attributes are ints, floats and strings (`AttrKind`), and
+    the checker refuses any other on a node of their domain (reading the attributes of every
+    fused node was most of this count after the passes)."""
+    holders = [kind for kind in index.by_kind if may_hold_kind(*kind) and kind[0] != DOMAIN]
+    total = len(index.graph.node)
+    for node_id in index.anchored(holders):
+        total += sum(count_nodes(g) for g in node_subgraphs(index.node(node_id)))
     return total
 
 
@@ -109,6 +127,7 @@ def run_passes(
     log = PassLog()
     opsets = opset_map(loaded.model)
     main = GraphIndex.build(loaded.model.graph, loaded, opsets, types.get("") or TypeTable())
+    log.nodes_before = indexed_count(main)
     ticker = _Ticker(progress, max(1, len(main.nodes) * len(patterns)))
     ticker.stage("match")
     memo = _Memo()
@@ -116,6 +135,7 @@ def run_passes(
         for pattern in patterns:
             _run_pattern(index, pattern, decider, log, ticker, memo)
         index.write_back()
+    log.nodes_after = indexed_count(main)
     if log.fusions and DOMAIN not in opsets:
         loaded.model.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
     return log

@@ -93,6 +93,11 @@ def may_hold_subgraphs(node: onnx.NodeProto) -> bool:
     return node.op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx")
 
 
+def may_hold_kind(domain: str, op_type: str) -> bool:
+    """`may_hold_subgraphs` of the nodes of one (domain, op_type) kind (`GraphIndex.by_kind`)."""
+    return op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx")
+
+
 def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
     if not may_hold_subgraphs(node):
         return
@@ -120,14 +125,6 @@ def _constant_node_value(node: onnx.NodeProto, source: LoadedModel) -> np.ndarra
         if attr.name == "value_ints":
             return np.array(list(attr.ints), dtype=np.int64)
     return None  # sparse_value or strings: not a tensor fuser folds
-
-
-def _type_source(proto: onnx.ValueInfoProto | onnx.TensorProto) -> object:
-    """What a TypeTable keeps of `proto` until asked: a tensor as is, a value info's type as
-    bytes (b"" when it has none: converted, an untyped value)."""
-    if isinstance(proto, onnx.TensorProto):
-        return proto
-    return proto.type.SerializeToString()
 
 
 def _type_proto_value_type(type_proto: onnx.TypeProto) -> ValueType | None:
@@ -164,28 +161,57 @@ class TypeTable(MutableMapping[str, ValueType]):
 
     A value info is kept as its TypeProto's serialization (some 20 bytes), not as the proto:
     holding the protos kept every inferred value info alive, with a Python object for each
-    (about 75 MB at 100k nodes, through every pass). An initializer is kept as the model's
-    own TensorProto (its dims are read when asked).
+    (about 75 MB at 100k nodes, through every pass). Equal serializations are one bytes object,
+    converted once: a large model repeats a few types for most of its values (`_by_bytes`
+    maps each to itself until converted, then to its `ValueType`, or `_UNTYPED`). An
+    initializer is kept as the model's own TensorProto (its dims are read when asked), and
+    equal (element type, dims) share one `ValueType` (`_by_dims`).
     """
 
     def __init__(self) -> None:
         self._entries: dict[str, object] = {}
+        self._by_bytes: dict[bytes, object] = {}
+        self._by_dims: dict[tuple[int, tuple[int, ...]], ValueType] = {}
 
     def add_proto(self, name: str, proto: onnx.ValueInfoProto | onnx.TensorProto) -> None:
         """Remember `proto` as the source of `name`'s type, unless one is known already."""
         name = sys.intern(name)
         if name not in self._entries:
-            self._entries[name] = _type_source(proto)
+            self._entries[name] = self._source(proto)
 
     def add_protos(self, protos: Iterable[onnx.ValueInfoProto | onnx.TensorProto]) -> None:
         """`add_proto(p.name, p)` for each of `protos`."""
-        entries, intern = self._entries, sys.intern
+        entries, intern, shared = self._entries, sys.intern, self._by_bytes
+        tensor = onnx.TensorProto
         for proto in protos:
             # interned: the index keys its edges by the same names (one str per name, not
             # one per table; a large graph has hundreds of thousands)
             name = intern(proto.name)
             if name not in entries:
-                entries[name] = _type_source(proto)
+                if isinstance(proto, tensor):
+                    entries[name] = proto
+                else:  # b"" when it has no type: converted, an untyped value
+                    data = proto.type.SerializeToString()
+                    entries[name] = shared.setdefault(data, data)
+
+    def add_tensors(self, tensors: Iterable[onnx.TensorProto]) -> dict[str, onnx.TensorProto]:
+        """`add_protos(tensors)`, returning the tensors by (interned) name: one read of each
+        name for both (a large model has a hundred thousand initializers)."""
+        entries, intern = self._entries, sys.intern
+        by_name: dict[str, onnx.TensorProto] = {}
+        for tensor in tensors:
+            name = intern(tensor.name)
+            by_name[name] = tensor
+            if name not in entries:
+                entries[name] = tensor
+        return by_name
+
+    def _source(self, proto: onnx.ValueInfoProto | onnx.TensorProto) -> object:
+        """What the table keeps of `proto` until asked (see the class docstring)."""
+        if isinstance(proto, onnx.TensorProto):
+            return proto
+        data = proto.type.SerializeToString()
+        return self._by_bytes.setdefault(data, data)
 
     def get(self, name: str, default: ValueType | None = None) -> ValueType | None:  # type: ignore[override]
         found = self._entries.get(name)
@@ -207,13 +233,19 @@ class TypeTable(MutableMapping[str, ValueType]):
         return None if converted is None else converted.elem_type
 
     def _convert(self, name: str, source: object) -> ValueType | None:
-        if isinstance(source, onnx.TensorProto):
-            found: ValueType | None = ValueType(source.data_type, tuple(source.dims))
+        if type(source) is bytes:
+            known = self._by_bytes.get(source, source)
+            if type(known) is bytes:  # the first value of this type asked about
+                parsed = _type_proto_value_type(onnx.TypeProto.FromString(source))
+                known = self._by_bytes[source] = _UNTYPED if parsed is None else parsed
         else:
-            assert type(source) is bytes
-            found = _type_proto_value_type(onnx.TypeProto.FromString(source))
-        self._entries[name] = _UNTYPED if found is None else found
-        return found
+            assert isinstance(source, onnx.TensorProto)
+            key = (source.data_type, tuple(source.dims))
+            known = self._by_dims.get(key)
+            if known is None:
+                known = self._by_dims[key] = ValueType(*key)
+        self._entries[name] = known
+        return None if known is _UNTYPED else known  # type: ignore[return-value]
 
     def __getitem__(self, name: str) -> ValueType:
         found = self.get(name)
@@ -285,13 +317,12 @@ class GraphIndex:
         """Index `graph`, sorting its nodes topologically; a cycle or dangling input is an error."""
         index = cls(graph=graph, source=source, opsets=opsets, types=types, outer=outer, path=path)
         intern = sys.intern  # one str per name, shared with the type table and the edges
-        index.initializers = {intern(t.name): t for t in graph.initializer}
         index.graph_inputs = {intern(v.name) for v in graph.input}
         index.graph_outputs = {intern(v.name) for v in graph.output}
         types.add_protos(graph.input)
         types.add_protos(graph.output)
         types.add_protos(graph.value_info)
-        types.add_protos(graph.initializer)
+        index.initializers = types.add_tensors(graph.initializer)
         if index._index_nodes(graph.node):
             # already in topological order (the usual case): Kahn's algorithm would keep it
             count = len(index.nodes)
@@ -587,20 +618,22 @@ class GraphIndex:
         most of it anyway, and a forward pass does that work at a fraction of the walk's cost
         per node. Values made by later rewrites are answered by the walk."""
         self._runtime_swept = True
-        memo, nodes = self._runtime, self.nodes
+        memo, nodes, reads = self._runtime, self.nodes, self._reads
+        # The nodes that may be dependent whatever their inputs, found by kind: the others'
+        # op_type and domain are not read (two strs made per node, most of a sweep's cost).
+        kinds = [k for k in self.by_kind if k[1] in _NONDETERMINISTIC or may_hold_kind(*k)]
+        special = {i for kind in kinds for i in self.by_kind[kind]}
         for node_id in self.order:
             if node_id is None:
                 continue
             node = nodes[node_id]
-            op_type = node.op_type
-            dependent = op_type in _NONDETERMINISTIC or (
-                (op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"))
-                and any(True for _ in _node_subgraphs(node))
+            dependent = node_id in special and (
+                node.op_type in _NONDETERMINISTIC or any(True for _ in _node_subgraphs(node))
             )
             if not dependent:
-                for value in node.input:
-                    if not value:
-                        continue
+                # `_reads`: the node's inputs, interned (and what its subgraphs read: only
+                # nodes with a subgraph have any, and those are dependent already)
+                for value in reads[node_id]:
                     known = memo.get(value)
                     if known is None:  # not produced before this node: a leaf
                         known = memo[value] = self._leaf_runtime_dependent(value)

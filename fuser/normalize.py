@@ -32,13 +32,17 @@ from .modelio import LoadedModel
 IR_INITIALIZERS_AS_CONSTANTS = 4
 
 
-def normalize(loaded: LoadedModel) -> list[str]:
+def normalize(loaded: LoadedModel, *, sort: bool = True) -> list[str]:
     """Check the opsets and fix what onnxruntime tolerates, in `loaded.model`; returns what was
-    done, one sentence each (empty for a model that needed nothing)."""
+    done, one sentence each (empty for a model that needed nothing).
+
+    `sort=False` leaves the node order alone: for a caller whose next step is onnx's checker,
+    which refuses nodes out of topological order, and that calls `sort_nodes` only then
+    (checking the order is a walk over every node's inputs and outputs, most of a large
+    model's normalization), putting its notes first as this does."""
     check_opsets(loaded)
-    notes: list[str] = []
+    notes: list[str] = sort_nodes(loaded) if sort else []
     notes += _ir_version(loaded.model)
-    notes += _sort(loaded)
     notes += _type_inputs_from_initializers(loaded.model.graph)
     legacy = legacy_layernorms(loaded.model)
     if legacy:
@@ -113,7 +117,10 @@ def _in_order(graph: onnx.GraphProto, visible: set[str]) -> bool:
     return all(_in_order(sub, known) for sub in nested)
 
 
-def _sort(loaded: LoadedModel) -> list[str]:
+def sort_nodes(loaded: LoadedModel) -> list[str]:
+    """Sort the nodes of `loaded.model` (and its subgraphs) topologically where they are not,
+    keeping the original order wherever it is valid; returns what was done (empty for a model
+    in order). A cycle or a dangling input is a `ModelLoadError` naming the node."""
     if _in_order(loaded.model.graph, set()):
         return []
     notes: list[str] = []

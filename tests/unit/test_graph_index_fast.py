@@ -165,3 +165,72 @@ def test_type_table_keeps_a_copy_of_each_value_info_type_not_the_proto() -> None
     assert table.get("x") == ValueType(TensorProto.FLOAT16, ("b", 7))
     assert table.get("y") == ValueType(TensorProto.INT8, ())
     assert table.get("z") == ValueType(TensorProto.DOUBLE, None)
+
+
+def test_type_table_converts_each_distinct_type_once() -> None:
+    """Values of equal types (most of a large model) share one conversion and one ValueType;
+    values of other types, untyped values and initializers keep their own answers."""
+    graph = onnx.GraphProto()
+    for name, elem, shape in [
+        ("a", TensorProto.FLOAT, ["n", 3]),
+        ("b", TensorProto.FLOAT, ["n", 3]),
+        ("c", TensorProto.FLOAT, ["n", 4]),
+        ("d", TensorProto.FLOAT16, ["n", 3]),
+    ]:
+        graph.value_info.append(helper.make_tensor_value_info(name, elem, shape))
+    graph.value_info.extend([onnx.ValueInfoProto(name="u"), onnx.ValueInfoProto(name="v")])
+    table = TypeTable()
+    table.add_protos(graph.value_info)
+    tensors = [
+        numpy_helper.from_array(np.zeros((2, 3), dtype), n)
+        for n, dtype in [("w0", np.float32), ("w1", np.float32), ("w2", np.int64)]
+    ]
+    table.add_protos(tensors)
+    assert table.get("a") == ValueType(TensorProto.FLOAT, ("n", 3))
+    assert table.get("b") is table.get("a")
+    assert table.get("c") == ValueType(TensorProto.FLOAT, ("n", 4))
+    assert table.get("d") == ValueType(TensorProto.FLOAT16, ("n", 3))
+    assert table.get("u") is None and table.get("v") is None and "v" in table
+    assert table.get("w0") == ValueType(TensorProto.FLOAT, (2, 3))
+    assert table.get("w1") is table.get("w0")
+    assert table.get("w2") == ValueType(TensorProto.INT64, (2, 3))
+
+
+def test_add_tensors_returns_them_by_name_and_keeps_known_types() -> None:
+    """`add_tensors` gives the index its initializers and the table their types, except where
+    a value info came first (as `add_protos` in that order would)."""
+    table = TypeTable()
+    table.add_proto("w", helper.make_tensor_value_info("w", TensorProto.FLOAT, ["n"]))
+    tensors = [numpy_helper.from_array(np.zeros((5,), np.float32), n) for n in ("w", "k")]
+    by_name = table.add_tensors(tensors)
+    assert list(by_name) == ["w", "k"] and by_name["k"] is tensors[1]
+    assert table.get("w") == ValueType(TensorProto.FLOAT, ("n",))
+    assert table.get("k") == ValueType(TensorProto.FLOAT, (5,))
+
+
+def test_the_runtime_sweep_judges_subgraph_and_custom_nodes_as_the_walk() -> None:
+    """The sweep reads op types only for the kinds that may be dependent whatever their
+    inputs: an If (a subgraph), a custom-domain node without one, a RandomNormalLike."""
+    w = numpy_helper.from_array(np.ones((2,), np.float32), "w")
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["b_out"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("b_out", TensorProto.FLOAT, [2])],
+    )
+    cond = numpy_helper.from_array(np.array(True), "cond")
+    nodes = [
+        helper.make_node("Neg", ["w"], ["c0"]),  # constant
+        helper.make_node("If", ["cond"], ["c1"], then_branch=branch, else_branch=branch),
+        helper.make_node("Add", ["c0", "c1"], ["c2"]),  # dependent through the If
+        helper.make_node("Scale", ["c0"], ["c3"], domain="custom"),  # custom, no subgraph
+        helper.make_node("RandomNormalLike", ["c3"], ["c4"]),
+        helper.make_node("Relu", ["c3"], ["c5"]),
+    ]
+    model = _model(nodes, [w, cond])
+    swept, walked = _index(model), _index(model)
+    walked._runtime_swept = True
+    names = ["c0", "c1", "c2", "c3", "c4", "c5"]
+    answers = [swept._runtime_dependent(n) for n in reversed(names)][::-1]
+    assert answers == [walked._runtime_dependent(n) for n in names]
+    assert answers == [False, True, True, False, True, False]

@@ -183,6 +183,24 @@ def test_cycles_and_dangling_inputs_are_still_refused(
     assert str(caught.value).startswith("<model>: ")
 
 
+def test_unsorted_and_otherwise_invalid_is_refused_for_the_other_reason() -> None:
+    """The order is checked once the checker refuses the model: sorted, the model is checked
+    again and refused for what else is wrong, as when sorting came first."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    nodes = [
+        helper.make_node("NoSuchOp", ["a"], ["y"], name="late"),
+        helper.make_node("Relu", ["x"], ["a"], name="early"),
+    ]
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    assert "topologically sorted" in (checker_refuses(model) or "")
+    with pytest.raises(ModelLoadError, match=r"invalid ONNX model: .*NoSuchOp") as caught:
+        fuser.fuse(model, cache=False)
+    assert "topologically" not in str(caught.value)
+
+
 # -- 9: LayerNormalization below opset 17 ------------------------------------------------------
 
 
