@@ -763,7 +763,8 @@ class GraphIndex:
     def _retire(self, node: onnx.NodeProto) -> None:
         """Remember the names of a node the index drops (see `_model_names`)."""
         self._retired.update(node.output)
-        if may_hold_subgraphs(node):
+        if node.op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):  # inline:
+            # may_hold_subgraphs, asked of every node a rewrite removes
             for sub in _node_subgraphs(node):
                 self._retired |= all_value_names(sub)
 
