@@ -761,8 +761,10 @@ class GraphIndex:
         )
 
     def _retire(self, node: onnx.NodeProto) -> None:
-        """Remember the names of a node the index drops (see `_model_names`)."""
-        self._retired.update(node.output)
+        """Remember the names of a node the index drops (see `_model_names`): those its
+        tables then no longer hold (a value that was read keeps its `consumers` entry)."""
+        consumers, types = self.consumers, self.types
+        self._retired.update(o for o in node.output if o not in consumers and o not in types)
         if node.op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):  # inline:
             # may_hold_subgraphs, asked of every node a rewrite removes
             for sub in _node_subgraphs(node):
