@@ -48,12 +48,13 @@ class BodyCheckedDecider:
         outputs are present and the inputs' element types; opset and domains are the model's,
         the same for every match."""
         op = match.op
-        input_types = tuple(self.elem_types(n) if n else 0 for n in match.inputs)
+        elem_types = self.elem_types
+        input_types = tuple([elem_types(n) if n else 0 for n in match.inputs])
         attributes = match.attributes_key
         key: Hashable | None = None
         if attributes is not None:
-            inputs = tuple(bool(n) for n in match.inputs)
-            outputs = tuple(bool(n) for n in match.outputs)
+            inputs = tuple(map(bool, match.inputs))
+            outputs = tuple(map(bool, match.outputs))
             key = (op.name, attributes, inputs, outputs, input_types)
             if key in self.verdicts:
                 return self.verdicts[key]

@@ -340,14 +340,23 @@ def inferred_type_disagreement(
     type or shape its nodes do not compute (onnxruntime warns and runs it anyway), and a
     fused node would then contradict the declaration, so the match is refused, naming both.
     """
-    new = {t.name: TensorInfo(t.data_type, tuple(t.dims)) for t in match.new_initializers}
-    infos: list[TensorInfo | None] = []
+    # The inputs' (element type, shape): what their TensorInfos hold, keyed without making
+    # them (they are made only when the memo has no answer).
+    new: dict[str, tuple[int, tuple[Any, ...] | None]] = {
+        t.name: (t.data_type, tuple(t.dims)) for t in match.new_initializers
+    }
+    known_inputs: list[tuple[int, tuple[Any, ...] | None] | None] = []
+    value_type = index.value_type
     for value in match.inputs:
-        vt = index.value_type(value) if value else None
-        infos.append(new.get(value) or (TensorInfo(vt.elem_type, vt.shape) if vt else None))
-    key = (signature, tuple(infos)) if memo is not None and signature is not None else None
+        found = new.get(value) if value else None
+        if found is None and value:
+            vt = value_type(value)
+            found = None if vt is None else (vt.elem_type, vt.shape)
+        known_inputs.append(found)
+    key = (signature, tuple(known_inputs)) if memo is not None and signature is not None else None
     inferred = memo.inferred.get(key) if memo is not None and key is not None else None
     if inferred is None:
+        infos = [None if k is None else TensorInfo(k[0], k[1]) for k in known_inputs]
         full = {a.name: a.default for a in match.op.attributes} | dict(attributes)
         inferred = match.op.infer(infos, full)
         if memo is not None and key is not None:

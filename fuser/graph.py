@@ -85,6 +85,15 @@ def all_value_names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
+def _may_hold(kind: tuple[str, str]) -> bool:
+    """`may_hold_subgraphs` of a (domain, op_type) kind."""
+    return kind[1] in _SUBGRAPH_OPS or kind[0] not in ("", "ai.onnx")
+
+
+def _never(name: str) -> bool:
+    return False
+
+
 def may_hold_subgraphs(node: onnx.NodeProto) -> bool:
     """Whether `node` can carry graph attributes: a standard op whose schema has them (If,
     Loop, Scan, SequenceMap) or any op of another domain. No other standard op declares one
@@ -296,6 +305,10 @@ class GraphIndex:
     _runtime_swept: bool = False  # `_sweep_runtime` done
     _reads: dict[int, list[str]] = field(default_factory=dict)
     _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
+    # main graph only, `_taken` made without a walk (see `_model_names`): then the index's own
+    # tables and `_retired` stand for the main graph's names, `_taken` holds the rest
+    _taken_from_index: bool = False
+    _retired: set[str] = field(default_factory=set)  # names removed from the index's tables
     _next_id: int = 0
     _version: int = 0  # bumped by every change to nodes or edges (`_window_memo`'s validity)
     _window_memo: tuple[Any, list[int], str | None] | None = None  # descendants_in_window's last
@@ -718,9 +731,12 @@ class GraphIndex:
         subgraph (ONNX names are unique across scopes: a main-graph name a subgraph defines
         again breaks SSA)."""
         taken = self._model_names()
+        root = self._root()
+        indexed = root._indexed_name if root._taken_from_index else _never
         name, counter = base, 1
         while (
             name in taken
+            or indexed(name)
             or name in self.producer
             or name in self.initializers
             or name in self.types
@@ -732,14 +748,58 @@ class GraphIndex:
         taken.add(name)
         return name
 
-    def _model_names(self) -> set[str]:
-        """Every value name of the model (all graphs), kept by the main graph's index."""
+    def _root(self) -> GraphIndex:
         root = self
         while root.outer is not None:
             root = root.outer
+        return root
+
+    def _model_names(self) -> set[str]:
+        """Every value name of the model (all graphs), kept by the main graph's index; with
+        `_taken_from_index`, those of the main graph itself are `_indexed_name`'s instead.
+
+        Asked first by the main graph's own pass, before its rewrites are written back: its
+        GraphProto is then the one the index was built from, whose every name the index's
+        tables still hold (a name a rewrite took out of them is in `_retired`), so only the
+        subgraphs are walked (a walk of every node cost more than the rest of a large CNN's
+        folds; were it asked after, the names a rewrite removed would only stay reserved).
+        Asked first from a subgraph (the main graph written back), the whole model is
+        walked."""
+        root = self._root()
         if root._taken is None:
-            root._taken = all_value_names(root.graph)
+            if self is root:
+                root._taken = {s.values.name for s in root.graph.sparse_initializer}
+                for node_id in root.anchored(k for k in root.by_kind if _may_hold(k)):
+                    if node_id not in root._added:  # fused nodes carry no subgraphs
+                        for sub in _node_subgraphs(root.nodes[node_id]):
+                            root._taken |= all_value_names(sub)
+                root._taken.discard("")
+                root._taken_from_index = True
+            else:
+                root._taken = all_value_names(root.graph)
         return root._taken
+
+    def _indexed_name(self, name: str) -> bool:
+        """Whether the main graph's index knows `name` (see `_model_names`)."""
+        return (
+            name in self.producer
+            or name in self.consumers
+            or name in self.types
+            or name in self.initializers
+            or name in self.graph_inputs
+            or name in self.graph_outputs
+            or name in self._retired
+        )
+
+    def _retire(self, node: onnx.NodeProto) -> None:
+        """Remember the names of a node the index drops (see `_model_names`): those its
+        tables then no longer hold (a value that was read keeps its `consumers` entry)."""
+        consumers, types = self.consumers, self.types
+        self._retired.update(o for o in node.output if o not in consumers and o not in types)
+        if node.op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):  # inline:
+            # may_hold_subgraphs, asked of every node a rewrite removes
+            for sub in _node_subgraphs(node):
+                self._retired |= all_value_names(sub)
 
     def descendants_in_window(
         self, members: Iterable[int], fused_inputs: set[str]
@@ -823,6 +883,7 @@ class GraphIndex:
         nodes, reads, consumers, producer = self.nodes, self._reads, self.consumers, self.producer
         for member in member_set:
             node = nodes.pop(member)
+            self._retire(node)
             for name in reads.pop(member):
                 readers = consumers.get(name)
                 if readers is not None:
@@ -896,6 +957,7 @@ class GraphIndex:
             ):
                 continue
             self.nodes.pop(node_id)
+            self._retire(node)
             for out in node.output:
                 self.producer.pop(out, None)
             self.order[self.pos.pop(node_id)] = None

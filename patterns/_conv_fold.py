@@ -91,32 +91,50 @@ def _fold_raw(
             return None
         chunks.append(data)
     assert p_dtype is not None
+    # One float64 buffer [W, scale, bias, mean, var, B?] (one conversion when W and the
+    # parameters share a dtype); W' is computed in place and B' into the scale row once `a`
+    # is made, so [W', B'] is one contiguous run, cast and checked once.
+    if dtype == p_dtype:
+        values = np.frombuffer(w_data + b"".join(chunks), dtype).astype(np.float64)
+    else:
+        values = np.concatenate(
+            (np.frombuffer(w_data, dtype), np.frombuffer(b"".join(chunks), p_dtype)),
+            dtype=np.float64,
+        )
+    size = len(w_data) // dtype.itemsize
+    rows = values[size:].reshape(-1, cout)
     # A negative variance or a weight float16 cannot hold is refused below with its reason,
     # not reported as a numpy warning on the user's terminal.
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        rows = np.frombuffer(b"".join(chunks), p_dtype).astype(np.float64).reshape(-1, cout)
-        scale, bias, mean, var = rows[0], rows[1], rows[2], rows[3]
-        a = scale / np.sqrt(var + epsilon)
-        w = np.frombuffer(w_data, dtype).astype(np.float64).reshape(cout, -1)
-        size = w.size
-        out = np.empty(size + cout)
-        np.multiply(w, a[:, None], out=out[:size].reshape(cout, -1))
-        b_new = out[size:]
+        a = rows[0] / np.sqrt(rows[3] + epsilon)
+        w = values[:size].reshape(cout, -1)
+        w *= a[:, None]
+        b_new = rows[0]  # scale is read only by `a`
         # (B - mean) * a + bias, as the general path (B = 0 without a Conv bias: 0.0 - mean,
         # not -mean, so that a zero mean gives +0 there too).
-        np.subtract(rows[4] if conv_b else 0.0, mean, out=b_new)
+        np.subtract(rows[4] if conv_b else 0.0, rows[2], out=b_new)
         b_new *= a
-        b_new += bias
+        b_new += rows[1]
+        out = values[: size + cout]
         cast = out.astype(dtype, copy=False)
     if not np.isfinite(cast).all():
         if not np.isfinite(out).all():
             return "folding gives non-finite weights (var + epsilon <= 0?)"
         return f"folded weights overflow {dtype}"
     base = conv_node.name or conv_node.output[0]
+    raw = cast.tobytes()
+    split = len(w_data)
     return (
-        _tensor(cast[:size].reshape(w_dims), graph.unique_value_name(f"{base}.W_bn_folded")),
-        _tensor(cast[size:], graph.unique_value_name(f"{base}.B_bn_folded")),
+        _raw_tensor(graph.unique_value_name(f"{base}.W_bn_folded"), w_tensor, w_dims, raw[:split]),
+        _raw_tensor(graph.unique_value_name(f"{base}.B_bn_folded"), w_tensor, (cout,), raw[split:]),
     )
+
+
+def _raw_tensor(
+    name: str, like: onnx.TensorProto, dims: tuple[int, ...], raw: bytes
+) -> onnx.TensorProto:
+    """A tensor of `like`'s element type holding `raw` (what `_tensor` makes of the array)."""
+    return onnx.TensorProto(name=name, data_type=like.data_type, dims=dims, raw_data=raw)
 
 
 def _fold_general(

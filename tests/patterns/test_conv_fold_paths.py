@@ -117,6 +117,24 @@ def test_every_path_folds_to_the_same_bytes(
     assert raw[1][3] == b_new.tobytes()
 
 
+@pytest.mark.parametrize(
+    ("w_dtype", "p_dtype"),
+    [(TensorProto.FLOAT, TensorProto.FLOAT16), (TensorProto.FLOAT16, TensorProto.FLOAT)],
+)
+def test_bn_parameters_of_another_dtype_fold_alike(w_dtype: int, p_dtype: int) -> None:
+    """BN parameters of one dtype, W of another (BN's T1/T2 may differ from its input's T):
+    the raw path converts the two runs into its one buffer, to the general path's bytes."""
+    rng = np.random.default_rng(w_dtype * 10 + p_dtype)
+    values = _values(rng, helper.tensor_dtype_to_np_dtype(p_dtype), 6, 3, 2, bias=False)
+    values["W"] = values["W"].astype(helper.tensor_dtype_to_np_dtype(w_dtype))
+    raw, raw_notes = _fused(_model(values, w_dtype, 2, as_constants=False))
+    general, general_notes = _fused(_model(values, w_dtype, 2, as_constants=True))
+    assert [name for name, *_ in raw] == ["conv.W_bn_folded", "conv.B_bn_folded"]
+    assert raw == general
+    assert raw_notes == general_notes
+    assert raw[0][1] == raw[1][1] == w_dtype
+
+
 def test_signed_zeros_fold_alike() -> None:
     """No Conv bias, a zero mean and a -0.0 BN bias: B' = (0 - 0) * a + -0.0 = +0.0 (the
     general path's zeros minus the mean), not -0.0 as negating the mean would give."""
