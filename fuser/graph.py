@@ -770,9 +770,8 @@ class GraphIndex:
             if self is root:
                 root._taken = {s.values.name for s in root.graph.sparse_initializer}
                 for node_id in root.anchored(k for k in root.by_kind if _may_hold(k)):
-                    if node_id not in root._added:  # fused nodes carry no subgraphs
-                        for sub in _node_subgraphs(root.nodes[node_id]):
-                            root._taken |= all_value_names(sub)
+                    for sub in _node_subgraphs(root.nodes[node_id]):  # none on a fused node
+                        root._taken |= all_value_names(sub)
                 root._taken.discard("")
                 root._taken_from_index = True
             else:
