@@ -11,8 +11,8 @@ own tools see a *view* of the model (a copy; the model itself is never changed h
   every large tensor outside the file; onnxruntime runs such a model): the checker would
   resolve their files against the folder of the serialization it reads, not the input's. A
   main-graph Constant holding one becomes a typed graph input, as a heavy initializer does;
-  any other (a Constant in a subgraph, ConstantOfShape, a custom op's attribute) is read into
-  the view inline from its validated data file.
+  any other (a Constant in a subgraph, ConstantOfShape, a custom op's attribute), and an
+  external initializer of a subgraph, is read into the view inline from its validated file.
 - ``LayerNormalization`` below opset 17: onnxruntime registers it in the ONNX domain from
   version 1 (it began as a contrib op), with opset 17's inputs, outputs, attributes and
   results (checked on onnxruntime 1.32: the same outputs at opsets 1-16 as at 17, Mean and
@@ -44,7 +44,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from onnx import defs, helper
 
-from .graph import SUBGRAPH_OPS
+from .graph import SUBGRAPH_OPS, node_subgraphs
 from .modelio import LoadedModel, read_external_bytes
 
 LEGACY_DOMAIN = "fuser.ort_legacy"
@@ -296,12 +296,10 @@ def _scan_graph(
         elif not _tensor_free(op, domain) and _has_external_tensor(node):
             external.append(node)
     for node in holders:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                _scan_graph(attr.g, wanted, found, external)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    _scan_graph(sub, wanted, found, external)
+        for sub in node_subgraphs(node):
+            if any(t.data_location == onnx.TensorProto.EXTERNAL for t in sub.initializer):
+                external.append(node)  # a subgraph's initializer: the view hides only the main's
+            _scan_graph(sub, wanted, found, external)
     return bool(holders)
 
 
@@ -438,7 +436,7 @@ def _hide_external_attributes(view: onnx.ModelProto, source: LoadedModel | None)
         del graph.node[i]
     if source is None:
         return
-    for tensor in _external_attribute_tensors(graph):
+    for tensor in _external_nested_tensors(graph):
         data = read_external_bytes(source, tensor)
         tensor.ClearField("external_data")
         tensor.data_location = onnx.TensorProto.DEFAULT
@@ -457,19 +455,19 @@ def _liftable(node: onnx.NodeProto) -> bool:
     )
 
 
-def _external_attribute_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    """Every external tensor of a node attribute in `graph` and its subgraphs (a full walk:
-    made only for a model `scan_nodes` found such a tensor in)."""
+def _external_nested_tensors(
+    graph: onnx.GraphProto, main: bool = True
+) -> Iterator[onnx.TensorProto]:
+    """Every external tensor of a node attribute in `graph` and its subgraphs, and of the
+    subgraphs' initializers (the main graph's are hidden otherwise); a full walk, made only
+    for a model `scan_nodes` found such a tensor in."""
+    tensors = [] if main else list(graph.initializer)
     for node in graph.node:
-        for tensor in _attribute_tensors(node):
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                yield tensor
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _external_attribute_tensors(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from _external_attribute_tensors(sub)
+        tensors.extend(_attribute_tensors(node))
+    yield from (t for t in tensors if t.data_location == onnx.TensorProto.EXTERNAL)
+    for node in graph.node:
+        for sub in node_subgraphs(node):
+            yield from _external_nested_tensors(sub, main=False)
 
 
 def missing_type(value: onnx.ValueInfoProto) -> str | None:

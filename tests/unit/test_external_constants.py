@@ -30,8 +30,9 @@ def _constant(name: str, array: np.ndarray) -> onnx.NodeProto:
 
 
 def _cnn_of_constants(cout: int = 5) -> onnx.ModelProto:
-    """x -> Conv -> BatchNormalization -> Relu -> If(flag: + c, else: y), every parameter a
-    Constant node (the If's branch constant inside its subgraph)."""
+    """x * one -> Conv -> BatchNormalization -> Relu -> If(flag: + shift, else: * gain), every
+    parameter a Constant node (`shift` inside the then branch), `gain` the else branch's
+    initializer."""
     f32 = np.float32
     params = {
         "W": RNG.standard_normal((cout, 3, 3, 3)).astype(f32),
@@ -62,11 +63,13 @@ def _cnn_of_constants(cout: int = 5) -> onnx.ModelProto:
         [],
         [helper.make_tensor_value_info("then_y", TensorProto.FLOAT, shape)],
     )
-    else_graph = helper.make_graph(
-        [helper.make_node("Identity", ["r"], ["else_y"])],
+    gain = RNG.uniform(0.5, 2.0, (1, cout, 1, 1)).astype(f32)
+    else_graph = helper.make_graph(  # a subgraph's initializer, external too
+        [helper.make_node("Mul", ["r", "gain"], ["else_y"])],
         "else",
         [],
         [helper.make_tensor_value_info("else_y", TensorProto.FLOAT, shape)],
+        initializer=[numpy_helper.from_array(gain, "gain")],
     )
     nodes.append(
         helper.make_node(
@@ -114,7 +117,9 @@ def test_the_exported_model_has_external_constants_in_both_graphs(tmp_path):
     path = _save_external(_cnn_of_constants(), tmp_path / "in")
     loaded = load_model(path)
     assert loaded.external
-    assert _external_constants(loaded.model) == 8  # seven main-graph Constants, one in a branch
+    assert _external_constants(loaded.model) == 9  # 7 main-graph Constants, the If twice
+    branches = {a.name: a.g for a in loaded.model.graph.node[-1].attribute}
+    assert branches["else_branch"].initializer[0].data_location == TensorProto.EXTERNAL
     x = RNG.standard_normal((1, 3, 7, 7)).astype(np.float32)
     assert _run(path, {"x": x, "flag": np.array(True)}).shape == (1, 5, 7, 7)
 
@@ -130,27 +135,29 @@ def test_external_constants_are_checked_and_typed(tmp_path, as_read):
     assert types[""]["W"].shape == (3, 3, 3, 3)  # a lifted Constant keeps its type
     assert types[""]["y"].shape == (1, 3, 7, 7)
     # The model itself is untouched: its Constants are still there, still external.
-    assert _external_constants(loaded.model) == 8
+    assert _external_constants(loaded.model) == 9
     assert [n.op_type for n in loaded.model.graph.node].count("Constant") == 7
     assert types[""]["one"].shape == ()
 
 
-def test_the_checker_view_holds_no_external_attribute_tensor(tmp_path):
+def test_the_checker_view_holds_no_external_tensor_but_the_main_initializers(tmp_path):
     path = _save_external(_cnn_of_constants(), tmp_path / "in")
     loaded = load_model(path)
     view = checker_view(loaded.model, loaded).model
     assert _external_constants(view) == 0
     # The main graph's Constants became typed graph inputs; the branch's was read inline.
     assert {"W", "B", "scale", "bias", "mean", "var"} <= {v.name for v in view.graph.input}
-    branch = next(n for n in view.graph.node if n.op_type == "If")
-    then_graph = next(a.g for a in branch.attribute if a.name == "then_branch")
-    shift = then_graph.node[0].attribute[0].t
-    assert shift.data_location == TensorProto.DEFAULT and not shift.external_data
+    view_branches = {a.name: a.g for a in view.graph.node[-1].attribute}
+    shift = view_branches["then_branch"].node[0].attribute[0].t
+    gain = view_branches["else_branch"].initializer[0]
+    for tensor in (shift, gain):  # read inline: in the view, with the file's values
+        assert tensor.data_location == TensorProto.DEFAULT and not tensor.external_data
     full = onnx.load(path)  # onnx's own reading of the external data
-    branch = next(n for n in full.graph.node if n.op_type == "If")
-    then_full = next(a.g for a in branch.attribute if a.name == "then_branch")
-    expected = numpy_helper.to_array(then_full.node[0].attribute[0].t)
-    assert np.array_equal(numpy_helper.to_array(shift), expected)
+    full_branches = {a.name: a.g for a in full.graph.node[-1].attribute}
+    expected_shift = full_branches["then_branch"].node[0].attribute[0].t
+    expected_gain = full_branches["else_branch"].initializer[0]
+    for got, expected in ((shift, expected_shift), (gain, expected_gain)):
+        assert np.array_equal(numpy_helper.to_array(got), numpy_helper.to_array(expected))
 
 
 def test_a_custom_ops_external_tensor_is_read_inline(tmp_path):
