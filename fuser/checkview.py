@@ -45,7 +45,7 @@ from google.protobuf.message import Message
 from onnx import defs, helper
 
 from .graph import SUBGRAPH_OPS, node_subgraphs
-from .modelio import LoadedModel, read_external_bytes
+from .modelio import TENSOR_ATTRIBUTE_OPS, LoadedModel, read_external_bytes
 
 LEGACY_DOMAIN = "fuser.ort_legacy"
 # The op's name there: not "LayerNormalization", since a second schema of an ONNX op's name in
@@ -303,9 +303,9 @@ def _scan_graph(
     return bool(holders)
 
 
-# The standard ops with a tensor attribute and no graph attribute (modelio's
-# TENSOR_ATTRIBUTE_OPS less SUBGRAPH_OPS, whose tensors sit on their subgraphs' nodes).
-_CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
+# The standard ops with a tensor attribute and no graph attribute (the subgraph ops' tensors
+# sit on their subgraphs' nodes and initializers).
+_CONSTANT_OPS = TENSOR_ATTRIBUTE_OPS - SUBGRAPH_OPS
 
 
 def _has_external_tensor(node: onnx.NodeProto) -> bool:

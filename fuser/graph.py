@@ -85,11 +85,6 @@ def all_value_names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
-def _may_hold(kind: tuple[str, str]) -> bool:
-    """`may_hold_subgraphs` of a (domain, op_type) kind."""
-    return kind[1] in _SUBGRAPH_OPS or kind[0] not in ("", "ai.onnx")
-
-
 def _never(name: str) -> bool:
     return False
 
@@ -769,7 +764,7 @@ class GraphIndex:
         if root._taken is None:
             if self is root:
                 root._taken = {s.values.name for s in root.graph.sparse_initializer}
-                for node_id in root.anchored(k for k in root.by_kind if _may_hold(k)):
+                for node_id in root.anchored(k for k in root.by_kind if may_hold_kind(*k)):
                     for sub in _node_subgraphs(root.nodes[node_id]):  # none on a fused node
                         root._taken |= all_value_names(sub)
                 root._taken.discard("")
@@ -795,10 +790,8 @@ class GraphIndex:
         tables then no longer hold (a value that was read keeps its `consumers` entry)."""
         consumers, types = self.consumers, self.types
         self._retired.update(o for o in node.output if o not in consumers and o not in types)
-        if node.op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):  # inline:
-            # may_hold_subgraphs, asked of every node a rewrite removes
-            for sub in _node_subgraphs(node):
-                self._retired |= all_value_names(sub)
+        for sub in _node_subgraphs(node):  # none unless may_hold_subgraphs(node)
+            self._retired |= all_value_names(sub)
 
     def descendants_in_window(
         self, members: Iterable[int], fused_inputs: set[str]
