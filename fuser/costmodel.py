@@ -117,14 +117,23 @@ class CostModelDecider:
     # -- the decision -------------------------------------------------------------------------
     def decide(self, graph: GraphIndex, match: Match) -> Decision:
         # Same pattern, same nodes (op types and attributes), same input types and shapes:
-        # same verdict. Large models repeat a layer thousands of times; decide it once.
-        signature = ("decision", _signature(graph, match))
-        known = self._memo.get(signature)
+        # same verdict. Large models repeat a layer thousands of times; decide it once. The
+        # match's own signature (symbolic dims by name) is asked first: on a miss, the one
+        # that prices all unnamed symbolic dims alike (`_signature`), which then answers for
+        # the match's signature too.
+        nodes = _node_facts(graph, match)
+        exact = match.signature(graph)
+        first = None if exact is None else ("decision", exact, nodes)
+        known = self._memo.get(first) if first is not None else None
         if isinstance(known, Decision):
             return known
-        decision = self._decide(graph, match)
-        self._memo[signature] = decision
-        return decision
+        signature = ("decision", _signature(graph, match, self.dims, nodes))
+        known = self._memo.get(signature)
+        if not isinstance(known, Decision):
+            known = self._memo[signature] = self._decide(graph, match)
+        if first is not None:
+            self._memo[first] = known
+        return known
 
     def _decide(self, graph: GraphIndex, match: Match) -> Decision:
         try:
@@ -527,41 +536,41 @@ def _freeze(value: Any) -> Hashable:
     return value
 
 
-def _signature(graph: GraphIndex, match: Match) -> Hashable:
-    """What a decision depends on, cheaply: pattern, matched nodes and their attributes, the
-    fused node's attributes, and each input's element type and shape.
+def _node_facts(graph: GraphIndex, match: Match) -> tuple[Hashable, ...]:
+    """What the unfused side's price reads of the matched nodes: op types and attributes."""
+    serialize = onnx.AttributeProto.SerializeToString
+    return tuple(
+        [
+            (n.op_type, n.domain, tuple(map(serialize, n.attribute)))
+            for n in map(graph.nodes.__getitem__, match.nodes)  # graph.node, inline
+        ]
+    )
 
-    Made for every match (thousands per model), so written for speed: plain loops, the
-    folded weights looked up only where the match makes any."""
-    new: dict[str, tuple[int, tuple[Any, ...] | None]] = {
-        t.name: (t.data_type, tuple(t.dims)) for t in match.new_initializers
-    }
-    value_type = graph.value_type
-    inputs: list[tuple[int, tuple[Any, ...] | None] | None] = []
-    for name in match.inputs:
-        if not name:
-            inputs.append(None)
-            continue
-        found = new.get(name) if new else None
-        if found is None:
-            vt = value_type(name)
-            if vt is None:
-                found = (0, None)
-            elif vt.shape is None:
-                found = (vt.elem_type, None)
-            else:
-                # Symbolic dims are all priced at one representative size, whatever their
-                # names (shape inference invents a fresh `unk__N` per value): they sign alike.
-                found = (vt.elem_type, tuple(d if isinstance(d, int) else "?" for d in vt.shape))
-        inputs.append(found)
-    nodes = []
-    for node_id in match.nodes:
-        n = graph.node(node_id)
-        nodes.append((n.op_type, n.domain, tuple([a.SerializeToString() for a in n.attribute])))
+
+def _signature(
+    graph: GraphIndex, match: Match, dims: Mapping[str, int], nodes: tuple[Hashable, ...]
+) -> Hashable:
+    """What a decision depends on: pattern, matched nodes and their attributes (`nodes`), the
+    fused node's attributes, and each input's element type and shape (`Match.input_facts`).
+
+    Symbolic dims are all priced at one representative size, whatever their names (shape
+    inference invents a fresh `unk__N` per value): they sign alike, as "?", unless `dims`
+    names them (`--dim`), which gives them a size of their own: ("?", size)."""
+    inputs: list[Hashable] = []
+    for fact in match.input_facts(graph):
+        if fact and fact[1] is not None and not all(type(d) is int and d >= 0 for d in fact[1]):
+            shape = tuple(
+                d
+                if isinstance(d, int) and d >= 0
+                else ("?" if (size := dims.get(str(d))) is None else ("?", size))
+                for d in fact[1]
+            )
+            fact = (fact[0], shape, *fact[2:])
+        inputs.append(fact)
     attributes = match.attributes_key  # shared with the body check: made once per match
     if attributes is None:
         attributes = repr(sorted(match.attributes.items()))
-    return (match.pattern, tuple(nodes), attributes, tuple(inputs))
+    return (match.pattern, nodes, attributes, tuple(inputs))
 
 
 def _static(shape: Any) -> bool:

@@ -340,23 +340,13 @@ def inferred_type_disagreement(
     type or shape its nodes do not compute (onnxruntime warns and runs it anyway), and a
     fused node would then contradict the declaration, so the match is refused, naming both.
     """
-    # The inputs' (element type, shape): what their TensorInfos hold, keyed without making
-    # them (they are made only when the memo has no answer).
-    new: dict[str, tuple[int, tuple[Any, ...] | None]] = {
-        t.name: (t.data_type, tuple(t.dims)) for t in match.new_initializers
-    }
-    known_inputs: list[tuple[int, tuple[Any, ...] | None] | None] = []
-    value_type = index.value_type
-    for value in match.inputs:
-        found = new.get(value) if value else None
-        if found is None and value:
-            vt = value_type(value)
-            found = None if vt is None else (vt.elem_type, vt.shape)
-        known_inputs.append(found)
-    key = (signature, tuple(known_inputs)) if memo is not None and signature is not None else None
+    # The inputs' facts (`Match.input_facts`: element type and shape, read once per match)
+    # key the inference; their TensorInfos are made only when the memo has no answer.
+    facts = match.input_facts(index)
+    key = (signature, facts) if memo is not None and signature is not None else None
     inferred = memo.inferred.get(key) if memo is not None and key is not None else None
     if inferred is None:
-        infos = [None if k is None else TensorInfo(k[0], k[1]) for k in known_inputs]
+        infos = [TensorInfo(f[0], f[1]) if f else None for f in facts]
         full = {a.name: a.default for a in match.op.attributes} | dict(attributes)
         inferred = match.op.infer(infos, full)
         if memo is not None and key is not None:
@@ -366,7 +356,9 @@ def inferred_type_disagreement(
         got = inferred[position] if position < len(inferred) else None
         if known is None or got is None or known.elem_type == 0:
             continue
-        if got.elem_type != known.elem_type or not _shapes_agree(got.shape, known.shape):
+        if got.elem_type != known.elem_type or (
+            got.shape != known.shape and not _shapes_agree(got.shape, known.shape)
+        ):
             return (
                 f"the model declares {_show(known.elem_type, known.shape)} for '{value}', but "
                 f"{match.op.name} replacing '{index.describe(match.nodes[0])}' infers "

@@ -43,7 +43,7 @@ def type_name(elem_type: int | None) -> str:
 def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
     """Apply the universal rules; returns the match (outputs completed) or why it cannot be."""
     members = set(match.nodes)
-    nodes = [graph.nodes.get(node_id) for node_id in match.nodes]
+    nodes = list(map(graph.nodes.get, match.nodes))
     for node_id, node in zip(match.nodes, nodes, strict=True):
         if node is None:
             return rejection(match.pattern, graph, [], "a node of the match was already removed")
@@ -58,12 +58,17 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
     outputs = list(match.outputs)
     rewires: list[tuple[int, str, str]] = []
     notes = list(match.notes)
+    consumers, graph_outputs = graph.consumers, graph.graph_outputs
     for node in nodes:
         assert node is not None  # checked above
         for value in node.output:
             if not value or value in outputs:
                 continue
-            outside = [r for r in graph.consumers.get(value, ()) if r not in members]
+            readers = consumers.get(value, ())
+            # the common case, a value only members read, without a list made for it
+            outside = []
+            if not members.issuperset(readers):
+                outside = [r for r in readers if r not in members]
             source = match.shape_sources.get(value)
             if source:
                 shape_readers = [r for r in outside if _reads_only_shape(graph, r, value)]
@@ -74,7 +79,7 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
                         f"instead of '{value}'"
                     )
                 outside = [r for r in outside if r not in shape_readers]
-            if not outside and not graph.is_graph_output(value):
+            if not outside and value not in graph_outputs:  # graph.is_graph_output, inline
                 continue
             slot = match.exportable.get(value)
             if slot is not None and not outputs[slot]:
@@ -110,20 +115,7 @@ def check_match(graph: GraphIndex, match: Match) -> Match | Rejection:
         return rejection(match.pattern, graph, list(match.nodes), *bad_type)
     if not rewires and not match.rewires and outputs == list(match.outputs):
         return match  # nothing to complete (notes only grow with rewires)
-    # Match(...) rather than dataclasses.replace, whose generality costs ~10 us per fusion.
-    return Match(
-        pattern=match.pattern,
-        op=match.op,
-        nodes=match.nodes,
-        inputs=match.inputs,
-        outputs=tuple(outputs),
-        attributes=match.attributes,
-        exportable=match.exportable,
-        new_initializers=match.new_initializers,
-        notes=tuple(notes),
-        shape_sources=match.shape_sources,
-        rewires=tuple(rewires),
-    )
+    return match.completed(tuple(outputs), tuple(notes), tuple(rewires))
 
 
 def _back_edge(graph: GraphIndex, members: set[int], inputs: tuple[str, ...]) -> str | None:
@@ -135,7 +127,7 @@ def _back_edge(graph: GraphIndex, members: set[int], inputs: tuple[str, ...]) ->
     graph: initializers, graph inputs, outer values), there is no such path, and the search of
     `descendants_in_window` is skipped: the common case, a chain reading what came before."""
     pos, producer = graph.pos, graph.producer
-    first = min(pos[m] for m in members)
+    first = min(map(pos.__getitem__, members))
     for name in inputs:
         node_id = producer.get(name) if name else None
         if node_id is not None and pos[node_id] >= first:
@@ -162,18 +154,50 @@ def _allowed_types(
 
 
 def _unsupported_type(graph: GraphIndex, match: Match) -> tuple[str, str] | None:
+    """Why an input's element type breaks the fused op's type constraints, or None.
+
+    The verdict is a function of the op and the inputs' element types (`Match.input_facts`,
+    read once per match): found once per op and element types, then only the reason, which
+    names the match's own value, is written per refused match."""
     op: FusedOp = match.op
+    # None: absent; 0: no type known (the fact is (), or its element type is undefined)
+    elems = tuple([f[0] if f else (None if f is None else 0) for f in match.input_facts(graph)])
+    known = _TYPE_VERDICTS.get(id(op))
+    if known is None or known[0] is not op:
+        known = _TYPE_VERDICTS[id(op)] = (op, {})
+    verdicts = known[1]
+    if elems in verdicts:
+        found = verdicts[elems]
+    else:
+        found = verdicts[elems] = _type_verdict(op, elems)
+    if found is None:
+        return None
+    position, elem = found
+    value = match.inputs[position]
+    if elem is None:
+        return (f"element type of '{value}' is unknown (shape inference found none)", value)
+    return (f"'{value}' is {type_name(elem)}, which {op.name} does not support", value)
+
+
+# Verdicts of the type rule by fused op (its id, the op kept so that the id stays its own) and
+# input element types: a model repeats a few variants of a fusion thousands of times.
+_TypeVerdict = tuple[int, int | None] | None
+_TYPE_VERDICTS: dict[int, tuple[FusedOp, dict[tuple[int | None, ...], _TypeVerdict]]] = {}
+
+
+def _type_verdict(op: FusedOp, elems: tuple[int | None, ...]) -> _TypeVerdict:
+    """(position, element type or None if unknown) of the first input whose element type the
+    op does not allow, or None. Absent inputs (None) and unconstrained params pass; an
+    unknown element type (0) does not."""
     allowed = _allowed_types(op.type_constraints)
-    new = {t.name: t.data_type for t in match.new_initializers}
-    for position, value in enumerate(match.inputs):
-        if not value:
+    for position, elem in enumerate(elems):
+        if elem is None:
             continue
         param = op.inputs[min(position, len(op.inputs) - 1)]
         if param.type_str not in allowed:
             continue
-        elem = new.get(value) or graph.elem_type(value)
-        if elem is None or elem == 0:
-            return (f"element type of '{value}' is unknown (shape inference found none)", value)
+        if elem == 0:
+            return position, None
         if elem not in allowed[param.type_str]:
-            return (f"'{value}' is {type_name(elem)}, which {op.name} does not support", value)
+            return position, elem
     return None

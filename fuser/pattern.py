@@ -64,6 +64,88 @@ class Match:
         and -0.0); None when a value cannot be frozen (then nothing is memoized)."""
         return attributes_key(self.attributes)
 
+    def input_facts(self, graph: GraphIndex) -> InputFacts:
+        """What every decision on this match reads of its inputs, read off `graph` once per
+        match (the type rule, the cost model and the inferred-type check all key on it).
+
+        Per input position: None if absent; () if `graph` has no type for it; (element type,
+        shape) of a graph value (shape None: rank unknown; symbolic dims by name); (element
+        type, dims, FOLDED) of an initializer the match creates (`new_initializers`). Read on
+        the first ask and kept with the graph asked: a match is checked and decided before
+        any rewrite, and asking about another graph reads that one."""
+        known = self.__dict__.get("_input_facts")  # set only here (a cached_property's home)
+        if known is not None and known[0] is graph:
+            return known[1]
+        facts = _read_input_facts(graph, self)
+        self.__dict__["_input_facts"] = (graph, facts)
+        return facts
+
+    def signature(self, graph: GraphIndex) -> Hashable | None:
+        """(pattern, fused op, `attributes_key`, `input_facts`): what the decisions on a match
+        read of it besides the matched nodes and the graph around them; equal signatures,
+        equal verdicts of the type rule, the body check and the fused node's inference. None
+        when the attributes cannot be frozen (then nothing is memoized)."""
+        attributes = self.attributes_key
+        if attributes is None:
+            return None
+        return (self.pattern, self.op.name, attributes, self.input_facts(graph))
+
+    def completed(
+        self,
+        outputs: tuple[str, ...],
+        notes: tuple[str, ...],
+        rewires: tuple[tuple[int, str, str], ...],
+    ) -> Match:
+        """This match with its outputs, notes and rewires completed (by the matcher), keeping
+        what was already read of it (`attributes_key`, `input_facts`: its inputs and
+        attributes are unchanged). Match(...) rather than dataclasses.replace, whose
+        generality costs ~10 us per fusion."""
+        done = Match(
+            pattern=self.pattern,
+            op=self.op,
+            nodes=self.nodes,
+            inputs=self.inputs,
+            outputs=outputs,
+            attributes=self.attributes,
+            exportable=self.exportable,
+            new_initializers=self.new_initializers,
+            notes=notes,
+            shape_sources=self.shape_sources,
+            rewires=rewires,
+        )
+        for cached in ("attributes_key", "_input_facts"):
+            if cached in self.__dict__:
+                done.__dict__[cached] = self.__dict__[cached]
+        return done
+
+
+#: Marks an input fact as an initializer the match creates (see `Match.input_facts`).
+FOLDED = "folded"
+InputFact = tuple[Any, ...] | None
+InputFacts = tuple[InputFact, ...]
+
+
+def _read_input_facts(graph: GraphIndex, match: Match) -> InputFacts:
+    """See `Match.input_facts`. Written for speed (thousands of matches per model): plain
+    loops, the folded weights looked up only where the match makes any."""
+    new = {t.name: t for t in match.new_initializers} if match.new_initializers else None
+    # the graph's own table first (`GraphIndex.value_type` asks it, then the enclosing graphs)
+    own, value_type = graph.types.get, graph.value_type
+    facts: list[InputFact] = []
+    for name in match.inputs:
+        if not name:
+            facts.append(None)
+            continue
+        tensor = new.get(name) if new is not None else None
+        if tensor is not None:
+            facts.append((tensor.data_type, tuple(tensor.dims), FOLDED))
+            continue
+        vt = own(name)
+        if vt is None:
+            vt = value_type(name)
+        facts.append(() if vt is None else (vt.elem_type, vt.shape))
+    return tuple(facts)
+
 
 _PLAIN_SCALARS = (int, float, str, bool, type(None))
 
