@@ -10,6 +10,7 @@ values, no cycles, no overlap, supported dtypes) are the matcher's job, not the 
 from __future__ import annotations
 
 import functools
+import pickle
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -150,10 +151,23 @@ def _read_input_facts(graph: GraphIndex, match: Match) -> InputFacts:
 _PLAIN_SCALARS = (int, float, str, bool, type(None))
 
 
+#: Value types whose pickle is exact: equal pickles, equal values of equal types (1, 1.0 and
+#: True pickle apart, as do 0.0 and -0.0, and a list and a tuple).
+_PICKLED_KINDS = frozenset({*_PLAIN_SCALARS, list, tuple})
+
+
 def attributes_key(attributes: Mapping[str, Any]) -> Hashable | None:
-    """See `Match.attributes_key`. The repr of the sorted items is exact for plain values
-    (numbers, strings, lists of them) and cheap; anything else (an array, whose repr elides
-    its middle) also enters by its bytes."""
+    """See `Match.attributes_key`. Plain values (numbers, strings, lists and tuples of them)
+    enter by the pickle of the sorted items: exact, and made in C (a key is made per match,
+    thousands per model); a list holding anything else pickles exactly too, or, if it cannot
+    be pickled, goes the way of the other values: the repr of the sorted items (exact for
+    plain values), with anything else (an array, whose repr elides its middle) entering by
+    its bytes as well."""
+    if set(map(type, attributes.values())) <= _PICKLED_KINDS:
+        try:
+            return pickle.dumps(sorted(attributes.items()), pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            pass
     exact: list[tuple[str, Hashable]] = []
     for name, value in attributes.items():
         kind = type(value)
