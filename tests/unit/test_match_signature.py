@@ -141,27 +141,21 @@ def test_facts_are_read_once_per_match_and_graph_and_kept_when_completed() -> No
     assert done.attributes_key == match.attributes_key
 
 
-CHAINS = """g (float[N] a0, float[N] b0, float[N] c0, double[N] a1, double[N] b1, double[N] c1,
-       float16[N] a2, float16[N] b2, float16[N] c2, double[N] a3, double[N] b3,
-       double[N] c3, float[N] a4, float[N] b4, float[N] c4)
-    => (float[N] y0, double[N] y1, float16[N] y2, double[N] y3, float[N] y4) {
-    p0 = Mul(a0, b0)
-    y0 = Add(p0, c0)
-    p1 = Mul(a1, b1)
-    y1 = Add(p1, c1)
-    p2 = Mul(a2, b2)
-    y2 = Add(p2, c2)
-    p3 = Mul(a3, b3)
-    y3 = Add(p3, c3)
-    p4 = Mul(a4, b4)
-    y4 = Add(p4, c4)
-}"""
+def _chains(types: list[str]) -> str:
+    """One Mul -> Add chain per tensor type of `types` ("float[N]"): inputs a_i, b_i, c_i of
+    that type, output y_i."""
+    inputs = ", ".join(f"{t} {v}{i}" for i, t in enumerate(types) for v in "abc")
+    outputs = ", ".join(f"{t} y{i}" for i, t in enumerate(types))
+    body = "".join(
+        f"    p{i} = Mul(a{i}, b{i})\n    y{i} = Add(p{i}, c{i})\n" for i in range(len(types))
+    )
+    return f"g ({inputs}) => ({outputs}) {{\n{body}}}"
 
 
 def test_the_type_rule_refuses_each_match_naming_its_own_value() -> None:
     """float, double, float16, double, float: the refusals of the two double chains share
     one verdict of the type rule, each reason naming its own input; float16 is another."""
-    log = _run(HEADER + CHAINS)
+    log = _run(HEADER + _chains(["float[N]", "double[N]", "float16[N]", "double[N]", "float[N]"]))
     assert [f.replaced[0] for f in log.fusions] == ["Mul#0", "Mul#8"]  # chains 0 and 4
     assert [r.reason for r in log.rejected] == [
         "'a1' is float64, which TestSignatureMulAdd does not support",
@@ -171,19 +165,10 @@ def test_the_type_rule_refuses_each_match_naming_its_own_value() -> None:
     assert [r.value for r in log.rejected] == ["a1", "a2", "a3"]
 
 
-DECLARED = """g (float[N,4] a0, float[N,4] b0, float[N,4] c0, float[M,4] a1, float[M,4] b1,
-       float[M,4] c1) => (float[N,4] y0, float[M,4] y1) {
-    p0 = Mul(a0, b0)
-    y0 = Add(p0, c0)
-    p1 = Mul(a1, b1)
-    y1 = Add(p1, c1)
-}"""
-
-
 def test_the_inferred_type_check_reads_each_matchs_symbolic_dims() -> None:
     """Both chains declare a rank-1 sum where the op infers rank 2 (from A): the inference
     is keyed by the inputs' shapes with their dim names, so each reason shows its own."""
-    model = onnx.parser.parse_model(HEADER + DECLARED)
+    model = onnx.parser.parse_model(HEADER + _chains(["float[N,4]", "float[M,4]"]))
     for i, dim in enumerate("NM"):
         model.graph.value_info.append(helper.make_tensor_value_info(f"y{i}", 1, [dim]))
         del model.graph.output[i].type.tensor_type.shape.dim[1]
