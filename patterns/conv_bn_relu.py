@@ -41,7 +41,7 @@ from fuser.pattern import Match, Rejection, rejection
 
 from . import _conv_act_walk as walk
 from ._conv import conv, conv_output_spatial, conv_transpose, conv_transpose_output_spatial
-from ._conv_fold import fold
+from ._conv_fold import bn_epsilon, fold
 from .conv_activation import Activation, apply, from_attributes
 
 NAME = "conv_bn_relu"
@@ -251,7 +251,7 @@ class ConvBnReluPattern:
                 self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs,
                 notes=tuple(notes),
             )  # fmt: skip
-        epsilon = _bn_epsilon(bn)
+        epsilon = bn_epsilon(bn)
         folded = fold(graph, conv_node, bn, epsilon, group if transposed else 0)
         if isinstance(folded, tuple):
             w_new, b_new = folded
@@ -375,13 +375,6 @@ def _bn_problem(graph: GraphIndex, bn: onnx.NodeProto) -> tuple[str, str | None]
     if len(bn.input) < 5 or not all(bn.input[1:5]):
         return (f"BatchNormalization '{bn.name}' lacks one of scale, bias, mean, var", None)
     return None
-
-
-def _bn_epsilon(bn: onnx.NodeProto) -> float:
-    for attr in bn.attribute:
-        if attr.name == "epsilon":
-            return float(attr.f)
-    return 1e-5
 
 
 PATTERN = ConvBnReluPattern()
