@@ -91,6 +91,18 @@ def find(graph: GraphIndex, value: str) -> Found | Refused | None:
     members: list[int] = []
     v = through_identity(graph, value, members)
     readers = graph.readers(v)
+    if len(readers) == 1:
+        # The common case, decided without the general walk (which gives the same answer):
+        # a lone Relu, Sigmoid or Tanh reading v, which is no graph output.
+        node = graph.node(readers[0])
+        op = node.op_type
+        if (
+            op in _PLAIN
+            and node.domain in ("", "ai.onnx")
+            and node.input[0] == v
+            and not graph.is_graph_output(v)
+        ):
+            return Found(_PLAIN[op], (*members, readers[0]), node.output[0])
     shaped = [r for r in readers if _activation_shaped(graph, r, v)]
     if not shaped:
         return None
@@ -109,6 +121,10 @@ def find(graph: GraphIndex, value: str) -> Found | Refused | None:
             head,
         )
     return Found(found.activation, (*members, *found.nodes), found.out)
+
+
+#: Activations without attributes or helper nodes, fused as they stand (see `_single`).
+_PLAIN = {op: Activation(op) for op in ("Relu", "Sigmoid", "Tanh")}
 
 
 class _Miss(Exception):  # noqa: N818 - a control-flow signal

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -22,6 +24,8 @@ from onnx import numpy_helper
 
 from fuser.graph import GraphIndex
 from fuser.modelio import read_tensor
+
+from ._conv_act_walk import through_identity
 
 #: Element types whose raw bytes the fast path reads directly.
 _RAW_FLOATS: dict[int, np.dtype] = {
@@ -31,6 +35,9 @@ _RAW_FLOATS: dict[int, np.dtype] = {
 _EXTERNAL = onnx.TensorProto.EXTERNAL
 
 Folded = tuple[onnx.TensorProto, onnx.TensorProto]
+#: What folded bytes depend on besides the input bytes: W's dtype, the BN parameters' dtype,
+#: W's size, Cout, whether the Conv has a bias, epsilon.
+_Key = tuple[np.dtype, np.dtype, int, int, bool, float]
 
 
 def fold(
@@ -50,6 +57,14 @@ def fold(
     return _fold_general(graph, conv_node, bn, epsilon, transposed_group)
 
 
+def bn_epsilon(bn: onnx.NodeProto) -> float:
+    """The epsilon of BatchNormalization `bn` (ONNX's default 1e-5 when absent)."""
+    for attr in bn.attribute:
+        if attr.name == "epsilon":
+            return float(attr.f)
+    return 1e-5
+
+
 def _raw(graph: GraphIndex, name: str) -> tuple[onnx.TensorProto, bytes, np.dtype] | None:
     """A non-overridable initializer held as raw float bytes in the model, else None."""
     tensor = graph.initializers.get(name)
@@ -62,13 +77,31 @@ def _raw(graph: GraphIndex, name: str) -> tuple[onnx.TensorProto, bytes, np.dtyp
     return (tensor, data, dtype) if data else None
 
 
-def _fold_raw(
-    graph: GraphIndex, conv_node: onnx.NodeProto, bn: onnx.NodeProto, epsilon: float
-) -> Folded | str | None:
-    """The fold of the common case (see the module docstring), or None for the general path."""
-    if sys.byteorder != "little":
+class _Raw(NamedTuple):
+    """A fold's inputs as the raw path reads them. `key` says what the folded bytes depend on
+    besides `data` ([W, scale, bias, mean, var, B?] as stored): equal (key, data), equal bytes.
+    """
+
+    weight: onnx.TensorProto
+    dims: tuple[int, ...]
+    key: _Key
+    data: bytes
+    tensors: tuple[onnx.TensorProto, ...]
+
+
+def _names(conv_node: onnx.NodeProto, bn: onnx.NodeProto) -> tuple[str, ...]:
+    """The fold's parameters: (W, scale, bias, mean, var) and the Conv's B if it has one."""
+    conv_b = conv_node.input[2] if len(conv_node.input) > 2 else ""
+    return (conv_node.input[1], *bn.input[1:5], *([conv_b] if conv_b else []))
+
+
+def _gather(graph: GraphIndex, names: tuple[str, ...], epsilon: float) -> _Raw | None:
+    """The raw path's inputs (`names` as `_names` gives them), or None when a parameter is not
+    a plain raw initializer, the BN parameters are not all [Cout] of one dtype, or a size
+    disagrees with the dims."""
+    if sys.byteorder != "little" or len(names) < 5:
         return None
-    weight = _raw(graph, conv_node.input[1])
+    weight = _raw(graph, names[0])
     if weight is None:
         return None
     w_tensor, w_data, dtype = weight
@@ -76,10 +109,10 @@ def _fold_raw(
     if len(w_dims) < 2 or len(w_data) != math.prod(w_dims) * dtype.itemsize:
         return None
     cout = w_dims[0]
-    conv_b = conv_node.input[2] if len(conv_node.input) > 2 else ""
-    chunks: list[bytes] = []
+    chunks = [w_data]
+    tensors = [w_tensor]
     p_dtype: np.dtype | None = None
-    for name in (*bn.input[1:5], *([conv_b] if conv_b else [])):
+    for name in names[1:]:
         found = _raw(graph, name)
         if found is None:
             return None
@@ -90,44 +123,191 @@ def _fold_raw(
         if len(data) != cout * p_dtype.itemsize:
             return None
         chunks.append(data)
+        tensors.append(tensor)
     assert p_dtype is not None
-    # One float64 buffer [W, scale, bias, mean, var, B?] (one conversion when W and the
+    size = len(w_data) // dtype.itemsize
+    key = (dtype, p_dtype, size, cout, len(names) > 5, epsilon)
+    return _Raw(w_tensor, w_dims, key, b"".join(chunks), tuple(tensors))
+
+
+def _fold_rows(data: bytes, n: int, key: _Key) -> tuple[np.ndarray, np.ndarray]:
+    """`n` folds of one `key` at once, their inputs laid end to end in `data`: the float64
+    [W', B'] rows [n, size + cout] and those rows cast to W's dtype.
+
+    Every value is computed element by element with the same operations in the same order
+    whatever `n` is (IEEE +, -, *, / and sqrt are correctly rounded, and so is the cast), so
+    a fold computed in a batch gives the bytes it gives alone."""
+    dtype, p_dtype, size, cout, has_bias, epsilon = key
+    params = (5 if has_bias else 4) * cout
+    # One float64 buffer [n, W | scale, bias, mean, var, B?] (one conversion when W and the
     # parameters share a dtype); W' is computed in place and B' into the scale row once `a`
-    # is made, so [W', B'] is one contiguous run, cast and checked once.
+    # is made, so each row's [W', B'] is one contiguous run, cast and checked once.
     if dtype == p_dtype:
-        values = np.frombuffer(w_data + b"".join(chunks), dtype).astype(np.float64)
+        values = np.frombuffer(data, dtype).astype(np.float64).reshape(n, size + params)
     else:
+        raw = np.frombuffer(data, np.uint8).reshape(n, -1)
+        split = size * dtype.itemsize
         values = np.concatenate(
-            (np.frombuffer(w_data, dtype), np.frombuffer(b"".join(chunks), p_dtype)),
+            (
+                np.ascontiguousarray(raw[:, :split]).view(dtype),
+                np.ascontiguousarray(raw[:, split:]).view(p_dtype),
+            ),
+            axis=1,
             dtype=np.float64,
         )
-    size = len(w_data) // dtype.itemsize
-    rows = values[size:].reshape(-1, cout)
-    # A negative variance or a weight float16 cannot hold is refused below with its reason,
-    # not reported as a numpy warning on the user's terminal.
+    rows = values[:, size:].reshape(n, -1, cout, copy=False)
+    # A negative variance or a weight float16 cannot hold is refused by the caller with its
+    # reason, not reported as a numpy warning on the user's terminal.
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        a = rows[0] / np.sqrt(rows[3] + epsilon)
-        w = values[:size].reshape(cout, -1)
-        w *= a[:, None]
-        b_new = rows[0]  # scale is read only by `a`
+        a = rows[:, 0] / np.sqrt(rows[:, 3] + epsilon)
+        w = values[:, :size].reshape(n, cout, -1, copy=False)
+        w *= a[:, :, None]
+        b_new = rows[:, 0]  # scale is read only by `a`
         # (B - mean) * a + bias, as the general path (B = 0 without a Conv bias: 0.0 - mean,
         # not -mean, so that a zero mean gives +0 there too).
-        np.subtract(rows[4] if conv_b else 0.0, rows[2], out=b_new)
+        np.subtract(rows[:, 4] if has_bias else 0.0, rows[:, 2], out=b_new)
         b_new *= a
-        b_new += rows[1]
-        out = values[: size + cout]
-        cast = out.astype(dtype, copy=False)
-    if not np.isfinite(cast).all():
-        if not np.isfinite(out).all():
-            return "folding gives non-finite weights (var + epsilon <= 0?)"
-        return f"folded weights overflow {dtype}"
+        b_new += rows[:, 1]
+        out = values[:, : size + cout]
+        return out, out.astype(dtype)
+
+
+def _fold_raw(
+    graph: GraphIndex, conv_node: onnx.NodeProto, bn: onnx.NodeProto, epsilon: float
+) -> Folded | str | None:
+    """The fold of the common case (see the module docstring), or None for the general path."""
+    names = _names(conv_node, bn)
+    ahead = _PREFETCH.take(graph, conv_node, names, epsilon)
+    if ahead is not None:
+        raw, folded = ahead
+    else:
+        found = _gather(graph, names, epsilon)
+        if found is None:
+            return None
+        raw = found
+        out, cast = _fold_rows(raw.data, 1, raw.key)
+        if not np.isfinite(cast).all():
+            if not np.isfinite(out).all():
+                return "folding gives non-finite weights (var + epsilon <= 0?)"
+            return f"folded weights overflow {raw.key[0]}"
+        folded = cast.tobytes()
     base = conv_node.name or conv_node.output[0]
-    raw = cast.tobytes()
-    split = len(w_data)
+    w_tensor, w_dims, cout = raw.weight, raw.dims, raw.key[3]
+    split = raw.key[2] * raw.key[0].itemsize
     return (
-        _raw_tensor(graph.unique_value_name(f"{base}.W_bn_folded"), w_tensor, w_dims, raw[:split]),
-        _raw_tensor(graph.unique_value_name(f"{base}.B_bn_folded"), w_tensor, (cout,), raw[split:]),
+        _raw_tensor(
+            graph.unique_value_name(f"{base}.W_bn_folded"), w_tensor, w_dims, folded[:split]
+        ),
+        _raw_tensor(
+            graph.unique_value_name(f"{base}.B_bn_folded"), w_tensor, (cout,), folded[split:]
+        ),
     )
+
+
+#: Convs folded ahead, per batch, and the size of a Conv (W and BN parameters, elements) up
+#: to which it is: above it numpy's per-call overhead is small beside the arithmetic.
+_AHEAD, _AHEAD_ELEMENTS = 256, 4096
+
+
+class _Prefetch:
+    """Folds of the raw path computed ahead, a batch of Convs at a time.
+
+    A large CNN folds tens of thousands of small layers one match at a time, where numpy's
+    per-call overhead (some fifteen calls a fold) and reading the six tensors, not the
+    arithmetic, is the cost. When a match asks for a fold not computed yet, the next `_AHEAD`
+    Convs of the graph (in the pass's order) that read a BatchNormalization are gathered and
+    folded together, per key, in one run of numpy calls (`_fold_rows`: the same bytes as
+    alone). A fold is handed out only to the Conv it was computed for, for the same parameter
+    names and epsilon, each name still the very initializer read (nothing rewrites an
+    initializer in place during a pass; a replaced one is another object): a graph the pass
+    changed meanwhile, or a fold not computed ahead, takes the fold of its own inputs. A fold
+    that is not finite is not kept (the match computes it again, to say why)."""
+
+    def __init__(self) -> None:
+        self._graph: weakref.ref[GraphIndex] | None = None
+        self._order: dict[int, int] = {}
+        self._convs: list[int] = []
+        self._covered = 0
+        self._folds: dict[int, tuple[tuple[str, ...], float, _Raw, bytes]] = {}
+
+    def take(
+        self, graph: GraphIndex, conv_node: onnx.NodeProto, names: tuple[str, ...], epsilon: float
+    ) -> tuple[_Raw, bytes] | None:
+        """The gathered inputs and folded [W', B'] bytes of `conv_node`'s fold with these
+        parameters if computed ahead, else None."""
+        if self._graph is None or self._graph() is not graph:
+            self._start(graph)
+        node_id = graph.producer.get(conv_node.output[0], -1)
+        entry = self._folds.get(node_id)
+        if entry is None:
+            at = self._order.get(node_id)
+            if at is None or at < self._covered:
+                return None  # not a Conv of the pass, or one whose fold was tried ahead
+            self._fill(graph, at)
+            entry = self._folds.get(node_id)
+            if entry is None:
+                return None
+        known, eps, raw, folded = entry
+        initializers = graph.initializers
+        if known != names or eps != epsilon:
+            return None
+        if any(initializers.get(n) is not t for n, t in zip(names, raw.tensors, strict=True)):
+            return None
+        return raw, folded
+
+    def _start(self, graph: GraphIndex) -> None:
+        self._graph = weakref.ref(graph)
+        self._convs = graph.anchored([("", "Conv")])
+        self._order = {node_id: i for i, node_id in enumerate(self._convs)}
+        self._covered = 0
+        self._folds = {}
+
+    def _fill(self, graph: GraphIndex, at: int) -> None:
+        """Fold the Convs `at` .. `at + _AHEAD` (in the pass's order) that read a BN."""
+        self._covered = at + _AHEAD
+        self._folds = {}
+        groups: dict[_Key, list[tuple[int, tuple[str, ...], float, _Raw]]] = {}
+        for node_id in self._convs[at : at + _AHEAD]:
+            conv_node = graph.nodes.get(node_id)
+            if conv_node is None:
+                continue
+            bn = _bn_reader(graph, conv_node)
+            if bn is None:
+                continue
+            names, epsilon = _names(conv_node, bn), bn_epsilon(bn)
+            raw = _gather(graph, names, epsilon)
+            if raw is not None and _elements(raw.key) <= _AHEAD_ELEMENTS:
+                groups.setdefault(raw.key, []).append((node_id, names, epsilon, raw))
+        for key, members in groups.items():
+            data = b"".join(m[3].data for m in members)
+            cast = _fold_rows(data, len(members), key)[1]
+            finite = np.isfinite(cast).all(axis=1).tolist()
+            folded = cast.tobytes()
+            width = len(folded) // len(members)
+            for i, (node_id, names, epsilon, raw) in enumerate(members):
+                if finite[i]:
+                    entry = (names, epsilon, raw, folded[i * width : (i + 1) * width])
+                    self._folds[node_id] = entry
+
+
+def _elements(key: _Key) -> int:
+    """How many values a fold of `key` reads (W and the BN parameters)."""
+    _, _, size, cout, has_bias, _ = key
+    return size + (5 if has_bias else 4) * cout
+
+
+def _bn_reader(graph: GraphIndex, conv_node: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The BatchNormalization a Conv's output feeds (through Identity nodes), as
+    conv_bn_relu's match finds it, or None."""
+    value = through_identity(graph, conv_node.output[0], [])
+    for r in graph.readers(value):
+        node = graph.node(r)
+        if node.op_type == "BatchNormalization" and node.domain == "" and node.input[0] == value:
+            return node
+    return None
+
+
+_PREFETCH = _Prefetch()
 
 
 def _raw_tensor(

@@ -41,7 +41,7 @@ from fuser.pattern import Match, Rejection, rejection
 
 from . import _conv_act_walk as walk
 from ._conv import conv, conv_output_spatial, conv_transpose, conv_transpose_output_spatial
-from ._conv_fold import fold
+from ._conv_fold import bn_epsilon, fold
 from .conv_activation import Activation, apply, from_attributes
 
 NAME = "conv_bn_relu"
@@ -170,19 +170,15 @@ class ConvBnReluPattern:
 
     def _match_conv(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
         conv_node = graph.node(node_id)
+        conv_in = conv_node.input  # each read of a proto's repeated field costs: read once
         ids = [node_id]
         conv_out = walk.through_identity(graph, conv_node.output[0], ids)
-        bn_ids = [
-            r
-            for r in graph.readers(conv_out)
-            if graph.node(r).op_type == "BatchNormalization"
-            and graph.node(r).domain == ""
-            and graph.node(r).input[0] == conv_out
-        ]
-        bn = graph.node(bn_ids[0]) if bn_ids else None
+        bn_id = next((r for r in graph.readers(conv_out) if _bn_of(graph.node(r), conv_out)), None)
+        bn = graph.node(bn_id) if bn_id is not None else None
+        epsilon = 1e-5
         if bn is not None:
-            ids.append(bn_ids[0])
-            problem = _bn_problem(graph, bn)
+            ids.append(bn_id)  # type: ignore[arg-type]
+            problem, epsilon = _bn_problem(graph, bn)
             if problem is not None:
                 return rejection(self.name, graph, ids, *problem)
             act_in = bn.output[0]
@@ -192,7 +188,7 @@ class ConvBnReluPattern:
         if bn is None and not isinstance(act, walk.Found):
             # A lone Conv is not this pattern; an activation left out says so at its node.
             return None
-        w_name = conv_node.input[1]
+        w_name = conv_in[1]
         w_shape = graph.shape(w_name)
         op = conv_node.op_type
         if w_shape is None or not all(isinstance(d, int) for d in w_shape):
@@ -221,7 +217,8 @@ class ConvBnReluPattern:
             attrs["transposed"] = 1
         group = int(attrs.get("group") or 1)
         cout = int(w_shape[1]) * group if transposed else int(w_shape[0])  # type: ignore[arg-type]
-        for param in bn.input[1:5] if bn is not None else ():
+        bn_params = tuple(bn.input[1:5]) if bn is not None else ()
+        for param in bn_params:
             shape = graph.shape(param)
             if shape is not None and tuple(shape) != (cout,):
                 return rejection(
@@ -244,14 +241,13 @@ class ConvBnReluPattern:
         attrs.update(activation.attributes())
         if activation.name:
             notes.append(f"activation: {activation.describe()}")
-        conv_b = conv_node.input[2] if len(conv_node.input) > 2 else ""
+        conv_b = conv_in[2] if len(conv_in) > 2 else ""
         if bn is None:
-            inputs = (conv_node.input[0], w_name, conv_b)
+            inputs = (conv_in[0], w_name, conv_b)
             return Match(
                 self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs,
                 notes=tuple(notes),
             )  # fmt: skip
-        epsilon = _bn_epsilon(bn)
         folded = fold(graph, conv_node, bn, epsilon, group if transposed else 0)
         if isinstance(folded, tuple):
             w_new, b_new = folded
@@ -259,14 +255,14 @@ class ConvBnReluPattern:
                 self.name,
                 CONV_BN_RELU,
                 tuple(ids),
-                (conv_node.input[0], w_new.name, b_new.name),
+                (conv_in[0], w_new.name, b_new.name),
                 (out_value,),
                 attrs,
                 new_initializers=(w_new, b_new),
                 notes=tuple(notes),
             )
-        x_type = graph.elem_type(conv_node.input[0])
-        for param in bn.input[1:5]:
+        x_type = graph.elem_type(conv_in[0])
+        for param in bn_params:
             if graph.elem_type(param) != x_type:
                 return rejection(
                     self.name,
@@ -278,7 +274,7 @@ class ConvBnReluPattern:
                 )
         attrs["epsilon"] = epsilon
         notes.append(f"BN kept as inputs: {folded}")
-        inputs = (conv_node.input[0], w_name, conv_b, *bn.input[1:5])
+        inputs = (conv_in[0], w_name, conv_b, *bn_params)
         return Match(
             self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs, notes=tuple(notes)
         )
@@ -356,32 +352,48 @@ def _attribute_value(a: onnx.AttributeProto) -> Any:
 _BN_MODES = ("training_mode", "spatial")
 
 
-def _bn_problem(graph: GraphIndex, bn: onnx.NodeProto) -> tuple[str, str | None] | None:
-    attrs = {a.name: _attribute_value(a) for a in bn.attribute if a.name in _BN_MODES}
+def _bn_of(node: onnx.NodeProto, value: str) -> bool:
+    """Whether `node` is a standard BatchNormalization normalizing `value`."""
+    return node.op_type == "BatchNormalization" and node.domain == "" and node.input[0] == value
+
+
+def _bn_problem(
+    graph: GraphIndex, bn: onnx.NodeProto
+) -> tuple[tuple[str, str | None] | None, float]:
+    """Why `bn` cannot be fused (the reason and the value at fault), or None; and its epsilon
+    (`bn_epsilon`'s: the attributes are read once for both)."""
+    attrs: dict[str, Any] = {}
+    epsilon: float | None = None
+    for a in bn.attribute:
+        name = a.name
+        if name in _BN_MODES:
+            attrs[name] = _attribute_value(a)
+        elif name == "epsilon" and epsilon is None:
+            epsilon = float(a.f)
+    if epsilon is None:
+        epsilon = bn_epsilon(bn)
     if attrs.get("training_mode", 0) == 1:
         return (
             f"BatchNormalization '{bn.name}' is in training mode (training_mode=1)",
             bn.output[0],
-        )
+        ), epsilon
     extra = [o for o in bn.output[1:] if o]
     if extra:
         return (
             f"BatchNormalization '{bn.name}' outputs running statistics ('{extra[0]}'): "
             "training mode",
             extra[0],
-        )
+        ), epsilon
     if attrs.get("spatial", 1) == 0:
-        return (f"BatchNormalization '{bn.name}' has spatial=0 (per-activation statistics)", None)
-    if len(bn.input) < 5 or not all(bn.input[1:5]):
-        return (f"BatchNormalization '{bn.name}' lacks one of scale, bias, mean, var", None)
-    return None
-
-
-def _bn_epsilon(bn: onnx.NodeProto) -> float:
-    for attr in bn.attribute:
-        if attr.name == "epsilon":
-            return float(attr.f)
-    return 1e-5
+        return (
+            f"BatchNormalization '{bn.name}' has spatial=0 (per-activation statistics)",
+            None,
+        ), epsilon
+    bn_in = bn.input
+    if len(bn_in) < 5 or not all(bn_in[1:5]):
+        why = f"BatchNormalization '{bn.name}' lacks one of scale, bias, mean, var"
+        return (why, None), epsilon
+    return None, epsilon
 
 
 PATTERN = ConvBnReluPattern()
