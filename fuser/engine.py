@@ -45,6 +45,11 @@ class _Memo:
 
     templates: dict[Hashable, onnx.NodeProto] = field(default_factory=dict)  # op + attributes
     inferred: dict[Hashable, list[TensorInfo | None]] = field(default_factory=dict)
+    # What the FusionRecords of one signature hold alike, one object for all of them (a
+    # record lives until the report is written, through the verify and the save): the
+    # attributes by (signature, key order), the notes by (the pattern's, the decider's reason)
+    attributes: dict[Hashable, dict[str, Any]] = field(default_factory=dict)
+    notes: dict[tuple[tuple[str, ...], str], tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -220,7 +225,11 @@ def _run_pattern(
             continue
         notes = found.notes
         if decision.reason:  # e.g. "predicted 2.3x faster (symbolic dims priced at 256 ...)"
-            notes = (*notes, f"cost model: {decision.reason}")
+            said = (notes, decision.reason)
+            shared = memo.notes.get(said)
+            if shared is None:
+                shared = memo.notes[said] = (*notes, f"cost model: {decision.reason}")
+            notes = shared
         _apply(index, found, decision.attributes, decision.prediction, log, notes, memo, signature)
     ticker.reach(start + live)
 
@@ -240,6 +249,8 @@ def _apply(
     base = anchor.name or f"{anchor.op_type}_{match.nodes[0]}"
     name = index.unique_node_name(f"{base}/{match.op.name}")
     attributes = fused_attributes(match, extra_attrs)
+    if memo is not None and signature is not None:  # equal keys, equal attributes (and order)
+        attributes = memo.attributes.setdefault((signature, tuple(attributes)), attributes)
     for reader, old, new in match.rewires:
         index.rewire_input(reader, old, new)
     template = memo.templates.get(signature) if memo is not None and signature is not None else None

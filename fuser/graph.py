@@ -245,6 +245,11 @@ class TypeTable(MutableMapping[str, ValueType]):
                 entries[name] = tensor
         return by_name
 
+    def add_tensor(self, name: str, tensor: onnx.TensorProto) -> None:
+        """`name` is (from now on) the tensor `tensor`, its type read when asked: tensors
+        of equal element type and dims share one `ValueType` (`_by_dims`)."""
+        self._entries[name] = tensor
+
     def _source(self, proto: onnx.ValueInfoProto | onnx.TensorProto) -> object:
         """What the table keeps of `proto` until asked (see the class docstring)."""
         if isinstance(proto, onnx.TensorProto):
@@ -445,7 +450,8 @@ class GraphIndex:
         if node.name:
             self.node_names.add(node.name)
         self.by_kind.setdefault((node.domain or "", node.op_type), []).append(node_id)
-        reads = self.read_names(node)
+        # interned, as `_index_nodes` does: one str per name, the one the tables hold
+        reads = list(map(sys.intern, self.read_names(node)))
         self._reads[node_id] = reads
         for name in reads:
             self.consumers[name] = _with_reader(self.consumers.get(name), node_id)
@@ -453,7 +459,7 @@ class GraphIndex:
             if name:
                 if name in self.producer:
                     self._twice_produced(name, node)
-                self.producer[name] = node_id
+                self.producer[sys.intern(name)] = node_id
         if at_end:
             self.pos[node_id] = len(self.order)
             self.order.append(node_id)
@@ -778,6 +784,7 @@ class GraphIndex:
         ):
             counter += 1
             name = f"{base}_{counter}"
+        name = sys.intern(name)  # the tables key the new value by this same str
         self.reserved_names.add(name)
         taken.add(name)
         return name
@@ -928,8 +935,9 @@ class GraphIndex:
         for tensor in new_initializers:
             placed = self.graph.initializer.add()
             placed.CopyFrom(tensor)
-            self.initializers[tensor.name] = placed
-            self.types[tensor.name] = ValueType(tensor.data_type, tuple(tensor.dims))
+            name = sys.intern(tensor.name)  # the str `unique_value_name` reserved
+            self.initializers[name] = placed
+            self.types.add_tensor(name, placed)
         placed_node = self.graph.node.add()
         placed_node.CopyFrom(fused)
         fused_id = self._add_node(placed_node, at_end=False)
