@@ -338,7 +338,9 @@ class GraphIndex:
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
     _runtime_swept: bool = False  # `_sweep_runtime` done
-    _reads: dict[int, list[str]] = field(default_factory=dict)
+    # what each node reads (`read_names`, interned), by id (ids are dense: a list, not a
+    # dict); () once the node is gone
+    _reads: list[tuple[str, ...]] = field(default_factory=list)
     _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
     # main graph only, `_taken` made without a walk (see `_model_names`): then the index's own
     # tables and `_retired` stand for the main graph's names, `_taken` holds the rest
@@ -376,7 +378,7 @@ class GraphIndex:
             # the ids' own int objects, shared (ranges would make two new ints per node)
             order: list[int | None] = list(index.nodes)
             index.order = order
-            index.pos = dict(zip(index.nodes, index.nodes))  # type: ignore[arg-type]
+            index.pos = dict(zip(index.nodes, index.nodes, strict=True))
         else:
             index._sort_topologically()
         return index
@@ -407,14 +409,15 @@ class GraphIndex:
             else:
                 same.append(node_id)
             if op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx"):
-                reads = self.read_names(node)
+                reads = tuple(map(intern, self.read_names(node)))
             else:
-                reads = [intern(name) for name in node.input if name]
-            reads_of[node_id] = reads
+                reads = tuple([intern(name) for name in node.input if name])
+            reads_of.append(reads)  # at `node_id`: ids are given in order from len(_reads)
+            solo = (node_id,)  # one tuple for every value only this node reads
             for name in reads:
                 readers = consumers.get(name)  # `_with_reader`, inline (a build's hot loop)
                 if readers is None:
-                    consumers[name] = (node_id,)
+                    consumers[name] = solo
                 elif type(readers) is tuple:
                     if node_id not in readers:
                         consumers[name] = _with_reader(readers, node_id)
@@ -451,8 +454,8 @@ class GraphIndex:
             self.node_names.add(node.name)
         self.by_kind.setdefault((node.domain or "", node.op_type), []).append(node_id)
         # interned, as `_index_nodes` does: one str per name, the one the tables hold
-        reads = list(map(sys.intern, self.read_names(node)))
-        self._reads[node_id] = reads
+        reads = tuple(map(sys.intern, self.read_names(node)))
+        self._reads.append(reads)  # at `node_id` (see `_index_nodes`)
         for name in reads:
             self.consumers[name] = _with_reader(self.consumers.get(name), node_id)
         for name in node.output:
@@ -772,6 +775,8 @@ class GraphIndex:
         again breaks SSA)."""
         taken = self._model_names()
         root = self._root()
+        if self is root and root._taken_from_index:  # the usual case: a main graph's pass
+            return self._unique_root_name(base, taken)
         indexed = root._indexed_name if root._taken_from_index else _never
         name, counter = base, 1
         while (
@@ -786,6 +791,32 @@ class GraphIndex:
             name = f"{base}_{counter}"
         name = sys.intern(name)  # the tables key the new value by this same str
         self.reserved_names.add(name)
+        taken.add(name)
+        return name
+
+    def _unique_root_name(self, base: str, taken: set[str]) -> str:
+        """`unique_value_name` in the main graph with `_taken_from_index`: the same tests,
+        `_indexed_name`'s inline and those it already makes (producer, initializers, types)
+        made once (a CNN's fold asks two names per fusion)."""
+        producer, consumers, types = self.producer, self.consumers, self.types
+        initializers, inputs, outputs = self.initializers, self.graph_inputs, self.graph_outputs
+        retired, reserved = self._retired, self.reserved_names
+        name, counter = base, 1
+        while (
+            name in taken
+            or name in producer
+            or name in consumers
+            or name in types
+            or name in initializers
+            or name in inputs
+            or name in outputs
+            or name in retired
+            or name in reserved
+        ):
+            counter += 1
+            name = f"{base}_{counter}"
+        name = sys.intern(name)  # the tables key the new value by this same str
+        reserved.add(name)
         taken.add(name)
         return name
 
@@ -836,6 +867,10 @@ class GraphIndex:
         tables then no longer hold (a value that was read keeps its `consumers` entry)."""
         consumers, types = self.consumers, self.types
         self._retired.update(o for o in node.output if o not in consumers and o not in types)
+        self._retire_subgraphs(node)
+
+    def _retire_subgraphs(self, node: onnx.NodeProto) -> None:
+        """`_retire`'s names of the subgraphs of `node`."""
         for sub in _node_subgraphs(node):  # none unless may_hold_subgraphs(node)
             self._retired |= all_value_names(sub)
 
@@ -887,7 +922,7 @@ class GraphIndex:
                 node.input[i] = new
         _drop_reader(self.consumers, old, node_id)
         self.consumers[new] = _with_reader(self.consumers.get(new), node_id)
-        self._reads[node_id] = self.read_names(node)
+        self._reads[node_id] = tuple(map(sys.intern, self.read_names(node)))
         self._version += 1
         self.modified = True
 
@@ -919,15 +954,25 @@ class GraphIndex:
                 raise AssertionError(f"rewrite would create a cycle through '{back_edge}'")
         removed_inputs: list[str] = []
         nodes, reads, consumers, producer = self.nodes, self._reads, self.consumers, self.producer
+        retired, types = self._retired, self.types
         for member in member_set:
             node = nodes.pop(member)
-            self._retire(node)
-            for name in reads.pop(member):
-                _drop_reader(consumers, name, member)
-                removed_inputs.append(name)
-            for name in node.output:
+            for name in node.output:  # `_retire`'s outputs, inline (the outputs read once)
+                if name not in consumers and name not in types:
+                    retired.add(name)
                 if producer.get(name) == member:
                     del producer[name]
+            if may_hold_subgraphs(node):
+                self._retire_subgraphs(node)
+            gone, reads[member] = reads[member], ()
+            for name in gone:
+                readers = consumers.get(name)  # `_drop_reader`, inline
+                if type(readers) is tuple:
+                    if member in readers:
+                        consumers[name] = tuple([r for r in readers if r != member])
+                elif readers is not None:
+                    readers.pop(member, None)  # type: ignore[union-attr]
+                removed_inputs.append(name)
             del pos[member]
         # The new node and tensors are copied into the graph now, and the index keeps the
         # graph's copies: the caller's are freed with the match (held until `write_back`,
@@ -977,29 +1022,32 @@ class GraphIndex:
     def _drop_dead(self, names: Iterable[str]) -> None:
         """Remove initializers and producer nodes that the rewrite left without readers."""
         stack = list(names)
+        consumers, outputs, initializers = self.consumers, self.graph_outputs, self.initializers
+        producer = self.producer
         while stack:
             name = stack.pop()
-            if self.consumers.get(name) or name in self.graph_outputs:
+            if consumers.get(name) or name in outputs:
                 continue
-            if name in self.initializers and name not in self.graph_inputs:
-                del self.initializers[name]
+            if name in initializers and name not in self.graph_inputs:
+                del initializers[name]
                 self.dead_initializers.add(name)
                 continue
-            node_id = self.producer.get(name)
+            node_id = producer.get(name)
             if node_id is None:
                 continue
             node = self.nodes[node_id]
             if node.op_type in _NONDETERMINISTIC or any(
-                self.consumers.get(o) or o in self.graph_outputs for o in node.output if o
+                consumers.get(o) or o in outputs for o in node.output if o
             ):
                 continue
             self.nodes.pop(node_id)
             self._retire(node)
             for out in node.output:
-                self.producer.pop(out, None)
+                producer.pop(out, None)
             self.order[self.pos.pop(node_id)] = None
-            for read in self._reads.pop(node_id):
-                _drop_reader(self.consumers, read, node_id)
+            gone, self._reads[node_id] = self._reads[node_id], ()
+            for read in gone:
+                _drop_reader(consumers, read, node_id)
                 stack.append(read)
 
     def write_back(self) -> None:
