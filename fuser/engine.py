@@ -254,22 +254,18 @@ def _apply(
     for reader, old, new in match.rewires:
         index.rewire_input(reader, old, new)
     template = memo.templates.get(signature) if memo is not None and signature is not None else None
+    fused = index.new_node()  # made in the graph's node list: not copied there after
     if template is not None:  # op and attributes copied in one C call, the rest set after
-        fused = onnx.NodeProto()
         fused.CopyFrom(template)
         fused.name = name
         fused.input.extend(_trim(match.inputs))
         fused.output.extend(_trim(match.outputs))
         fused.doc_string = describe(match.pattern, replaced)
-    else:
-        fused = onnx.NodeProto(
-            op_type=match.op.name,
-            domain=DOMAIN,
-            name=name,
-            input=_trim(match.inputs),
-            output=_trim(match.outputs),
-            doc_string=describe(match.pattern, replaced),
-        )
+    else:  # the fields as NodeProto(op_type=..., ...) would set them
+        fused.op_type, fused.domain, fused.name = match.op.name, DOMAIN, name
+        fused.input.extend(_trim(match.inputs))
+        fused.output.extend(_trim(match.outputs))
+        fused.doc_string = describe(match.pattern, replaced)
         for key in sorted(attributes):  # filled in place: extend would copy each attribute
             fill_attribute(fused.attribute.add(), key, attributes[key])
         if memo is not None and signature is not None:
@@ -277,7 +273,7 @@ def _apply(
             template = onnx.NodeProto(op_type=fused.op_type, domain=fused.domain)
             template.attribute.extend(fused.attribute)
             memo.templates[signature] = template
-    index.replace(match.nodes, fused, match.new_initializers)
+    index.replace(match.nodes, fused, match.new_initializers, placed=True)
     log.fusions.append(
         FusionRecord(
             match.pattern,

@@ -411,7 +411,7 @@ class GraphIndex:
             if op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx"):
                 reads = tuple(map(intern, self.read_names(node)))
             else:
-                reads = tuple([intern(name) for name in node.input if name])
+                reads = tuple(map(intern, filter(None, node.input)))  # no Python frame
             reads_of.append(reads)  # at `node_id`: ids are given in order from len(_reads)
             solo = (node_id,)  # one tuple for every value only this node reads
             for name in reads:
@@ -926,15 +926,24 @@ class GraphIndex:
         self._version += 1
         self.modified = True
 
+    def new_node(self) -> onnx.NodeProto:
+        """An empty node at the end of the graph's node list, to be filled and then given to
+        `replace(..., placed=True)`: built where it stays, it is not copied there."""
+        return self.graph.node.add()
+
     def replace(
         self,
         members: Iterable[int],
         fused: onnx.NodeProto,
         new_initializers: Iterable[onnx.TensorProto] = (),
+        *,
+        placed: bool = False,
     ) -> int:
         """Replace `members` by `fused`, keeping the order topological. Returns the new id.
 
-        The caller has checked (via `descendants_in_window`) that no cycle results.
+        The caller has checked (via `descendants_in_window`) that no cycle results. `placed`:
+        `fused` is the graph's last node already (`new_node`), indexed as it is; otherwise a
+        copy of it is appended.
         """
         member_set = set(members)
         pos, order = self.pos, self.order
@@ -951,6 +960,8 @@ class GraphIndex:
         else:
             after, back_edge = self.descendants_in_window(member_set, {i for i in fused.input if i})
             if back_edge is not None:
+                if placed:  # the graph as it was
+                    del self.graph.node[-1]
                 raise AssertionError(f"rewrite would create a cycle through '{back_edge}'")
         removed_inputs: list[str] = []
         nodes, reads, consumers, producer = self.nodes, self._reads, self.consumers, self.producer
@@ -978,13 +989,16 @@ class GraphIndex:
         # graph's copies: the caller's are freed with the match (held until `write_back`,
         # each in its own protobuf arena, they were about 4 KB per Conv fusion).
         for tensor in new_initializers:
-            placed = self.graph.initializer.add()
-            placed.CopyFrom(tensor)
+            kept = self.graph.initializer.add()
+            kept.CopyFrom(tensor)
             name = sys.intern(tensor.name)  # the str `unique_value_name` reserved
-            self.initializers[name] = placed
-            self.types.add_tensor(name, placed)
-        placed_node = self.graph.node.add()
-        placed_node.CopyFrom(fused)
+            self.initializers[name] = kept
+            self.types.add_tensor(name, kept)
+        if placed:
+            placed_node = fused
+        else:
+            placed_node = self.graph.node.add()
+            placed_node.CopyFrom(fused)
         fused_id = self._add_node(placed_node, at_end=False)
         if after or hi - lo + 1 != len(member_set):
             after_set = set(after)

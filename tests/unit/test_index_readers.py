@@ -92,3 +92,25 @@ def test_readers_stay_exact_through_replaces_and_rewires(seed: int) -> None:
             _arrive(arrival, node.input[0], new_id)
         _check(index, arrival)
     assert len(index.nodes) < 80  # some rewrites cut off dead producers
+
+
+def test_a_placed_node_that_would_make_a_cycle_leaves_the_graph_as_it_was() -> None:
+    # a -> b -> c, with c reading a too: fusing a and c around b would feed b's output back
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="A"),
+        helper.make_node("Neg", ["a"], ["b"], name="B"),
+        helper.make_node("Add", ["a", "b"], ["c"], name="C"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    c = helper.make_tensor_value_info("c", TensorProto.FLOAT, [2])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x], [c]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    loaded = load_model(model)
+    index = GraphIndex.build(loaded.model.graph, loaded, {"": 17}, TypeTable())
+    before = loaded.model.graph.SerializeToString()
+    fused = index.new_node()
+    fused.CopyFrom(helper.make_node("AC", ["x", "b"], ["c"], domain="test"))
+    with pytest.raises(AssertionError, match="cycle through 'b'"):
+        index.replace([0, 2], fused, placed=True)
+    assert loaded.model.graph.SerializeToString() == before
