@@ -45,6 +45,11 @@ class _Memo:
 
     templates: dict[Hashable, onnx.NodeProto] = field(default_factory=dict)  # op + attributes
     inferred: dict[Hashable, list[TensorInfo | None]] = field(default_factory=dict)
+    # What the FusionRecords of one signature hold alike, one object for all of them (a
+    # record lives until the report is written, through the verify and the save): the
+    # attributes by (signature, key order), the notes by (the pattern's, the decider's reason)
+    attributes: dict[Hashable, dict[str, Any]] = field(default_factory=dict)
+    notes: dict[tuple[tuple[str, ...], str], tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -220,7 +225,11 @@ def _run_pattern(
             continue
         notes = found.notes
         if decision.reason:  # e.g. "predicted 2.3x faster (symbolic dims priced at 256 ...)"
-            notes = (*notes, f"cost model: {decision.reason}")
+            said = (notes, decision.reason)
+            shared = memo.notes.get(said)
+            if shared is None:
+                shared = memo.notes[said] = (*notes, f"cost model: {decision.reason}")
+            notes = shared
         _apply(index, found, decision.attributes, decision.prediction, log, notes, memo, signature)
     ticker.reach(start + live)
 
@@ -240,25 +249,23 @@ def _apply(
     base = anchor.name or f"{anchor.op_type}_{match.nodes[0]}"
     name = index.unique_node_name(f"{base}/{match.op.name}")
     attributes = fused_attributes(match, extra_attrs)
+    if memo is not None and signature is not None:  # equal keys, equal attributes (and order)
+        attributes = memo.attributes.setdefault((signature, tuple(attributes)), attributes)
     for reader, old, new in match.rewires:
         index.rewire_input(reader, old, new)
     template = memo.templates.get(signature) if memo is not None and signature is not None else None
+    fused = index.new_node()  # made in the graph's node list: not copied there after
     if template is not None:  # op and attributes copied in one C call, the rest set after
-        fused = onnx.NodeProto()
         fused.CopyFrom(template)
         fused.name = name
         fused.input.extend(_trim(match.inputs))
         fused.output.extend(_trim(match.outputs))
         fused.doc_string = describe(match.pattern, replaced)
-    else:
-        fused = onnx.NodeProto(
-            op_type=match.op.name,
-            domain=DOMAIN,
-            name=name,
-            input=_trim(match.inputs),
-            output=_trim(match.outputs),
-            doc_string=describe(match.pattern, replaced),
-        )
+    else:  # the fields as NodeProto(op_type=..., ...) would set them
+        fused.op_type, fused.domain, fused.name = match.op.name, DOMAIN, name
+        fused.input.extend(_trim(match.inputs))
+        fused.output.extend(_trim(match.outputs))
+        fused.doc_string = describe(match.pattern, replaced)
         for key in sorted(attributes):  # filled in place: extend would copy each attribute
             fill_attribute(fused.attribute.add(), key, attributes[key])
         if memo is not None and signature is not None:
@@ -266,7 +273,7 @@ def _apply(
             template = onnx.NodeProto(op_type=fused.op_type, domain=fused.domain)
             template.attribute.extend(fused.attribute)
             memo.templates[signature] = template
-    index.replace(match.nodes, fused, match.new_initializers)
+    index.replace(match.nodes, fused, match.new_initializers, placed=True)
     log.fusions.append(
         FusionRecord(
             match.pattern,

@@ -150,6 +150,41 @@ def _type_proto_value_type(type_proto: onnx.TypeProto) -> ValueType | None:
     return ValueType(tensor.elem_type, shape)
 
 
+# A value's readers (`GraphIndex.consumers`), in the order they were added: a tuple while they
+# are few, a dict once many. Most values of a large graph have one reader, and a tuple of one
+# is a fifth of a dict of one (48 bytes against 224: 44 MB at 250k values); past
+# `_FEW_READERS` the dict keeps adding one O(1). Readers of the index only iterate, count
+# and test them, which both answer alike; an emptied entry stays, as `()`.
+Readers = tuple[int, ...] | dict[int, None]
+_FEW_READERS = 8
+
+
+def _with_reader(readers: Readers | None, node_id: int) -> Readers:
+    """`readers` with `node_id` added at the end (unless there already)."""
+    if readers is None:
+        return (node_id,)
+    if type(readers) is tuple:
+        if node_id in readers:
+            return readers
+        if len(readers) < _FEW_READERS:
+            return (*readers, node_id)
+        readers = dict.fromkeys(readers)
+    readers[node_id] = None  # type: ignore[index]
+    return readers
+
+
+def _drop_reader(consumers: dict[str, Readers], name: str, node_id: int) -> None:
+    """Take `node_id` out of `name`'s readers (the entry stays, if emptied)."""
+    readers = consumers.get(name)
+    if readers is None:
+        return
+    if type(readers) is tuple:
+        if node_id in readers:
+            consumers[name] = tuple([r for r in readers if r != node_id])
+    else:
+        readers.pop(node_id, None)  # type: ignore[union-attr]
+
+
 # Stored for a value whose proto carries no tensor type: known (`in`), but without a type.
 _UNTYPED = object()
 
@@ -209,6 +244,11 @@ class TypeTable(MutableMapping[str, ValueType]):
             if name not in entries:
                 entries[name] = tensor
         return by_name
+
+    def add_tensor(self, name: str, tensor: onnx.TensorProto) -> None:
+        """`name` is (from now on) the tensor `tensor`, its type read when asked: tensors
+        of equal element type and dims share one `ValueType` (`_by_dims`)."""
+        self._entries[name] = tensor
 
     def _source(self, proto: onnx.ValueInfoProto | onnx.TensorProto) -> object:
         """What the table keeps of `proto` until asked (see the class docstring)."""
@@ -288,7 +328,7 @@ class GraphIndex:
     order: list[int | None] = field(default_factory=list)
     pos: dict[int, int] = field(default_factory=dict)
     producer: dict[str, int] = field(default_factory=dict)
-    consumers: dict[str, dict[int, None]] = field(default_factory=dict)
+    consumers: dict[str, Readers] = field(default_factory=dict)  # see `Readers`
     initializers: dict[str, onnx.TensorProto] = field(default_factory=dict)
     graph_inputs: set[str] = field(default_factory=set)
     graph_outputs: set[str] = field(default_factory=set)
@@ -298,7 +338,9 @@ class GraphIndex:
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
     _runtime_swept: bool = False  # `_sweep_runtime` done
-    _reads: dict[int, list[str]] = field(default_factory=dict)
+    # what each node reads (`read_names`, interned), by id (ids are dense: a list, not a
+    # dict); () once the node is gone
+    _reads: list[tuple[str, ...]] = field(default_factory=list)
     _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
     # main graph only, `_taken` made without a walk (see `_model_names`): then the index's own
     # tables and `_retired` stand for the main graph's names, `_taken` holds the rest
@@ -333,9 +375,10 @@ class GraphIndex:
         index.initializers = types.add_tensors(graph.initializer)
         if index._index_nodes(graph.node):
             # already in topological order (the usual case): Kahn's algorithm would keep it
-            count = len(index.nodes)
-            index.order = list(range(count))
-            index.pos = dict(zip(range(count), range(count), strict=True))
+            # the ids' own int objects, shared (ranges would make two new ints per node)
+            order: list[int | None] = list(index.nodes)
+            index.order = order
+            index.pos = dict(zip(index.nodes, index.nodes, strict=True))
         else:
             index._sort_topologically()
         return index
@@ -366,16 +409,20 @@ class GraphIndex:
             else:
                 same.append(node_id)
             if op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx"):
-                reads = self.read_names(node)
+                reads = tuple(map(intern, self.read_names(node)))
             else:
-                reads = [intern(name) for name in node.input if name]
-            reads_of[node_id] = reads
+                reads = tuple(map(intern, filter(None, node.input)))  # no Python frame
+            reads_of.append(reads)  # at `node_id`: ids are given in order from len(_reads)
+            solo = (node_id,)  # one tuple for every value only this node reads
             for name in reads:
-                readers = consumers.get(name)
+                readers = consumers.get(name)  # `_with_reader`, inline (a build's hot loop)
                 if readers is None:
-                    consumers[name] = {node_id: None}
+                    consumers[name] = solo
+                elif type(readers) is tuple:
+                    if node_id not in readers:
+                        consumers[name] = _with_reader(readers, node_id)
                 else:
-                    readers[node_id] = None
+                    readers[node_id] = None  # type: ignore[index]
                 if name not in producer:
                     early.add(name)
             for name in node.output:
@@ -406,15 +453,16 @@ class GraphIndex:
         if node.name:
             self.node_names.add(node.name)
         self.by_kind.setdefault((node.domain or "", node.op_type), []).append(node_id)
-        reads = self.read_names(node)
-        self._reads[node_id] = reads
+        # interned, as `_index_nodes` does: one str per name, the one the tables hold
+        reads = tuple(map(sys.intern, self.read_names(node)))
+        self._reads.append(reads)  # at `node_id` (see `_index_nodes`)
         for name in reads:
-            self.consumers.setdefault(name, {})[node_id] = None
+            self.consumers[name] = _with_reader(self.consumers.get(name), node_id)
         for name in node.output:
             if name:
                 if name in self.producer:
                     self._twice_produced(name, node)
-                self.producer[name] = node_id
+                self.producer[sys.intern(name)] = node_id
         if at_end:
             self.pos[node_id] = len(self.order)
             self.order.append(node_id)
@@ -727,6 +775,8 @@ class GraphIndex:
         again breaks SSA)."""
         taken = self._model_names()
         root = self._root()
+        if self is root and root._taken_from_index:  # the usual case: a main graph's pass
+            return self._unique_root_name(base, taken)
         indexed = root._indexed_name if root._taken_from_index else _never
         name, counter = base, 1
         while (
@@ -739,7 +789,34 @@ class GraphIndex:
         ):
             counter += 1
             name = f"{base}_{counter}"
+        name = sys.intern(name)  # the tables key the new value by this same str
         self.reserved_names.add(name)
+        taken.add(name)
+        return name
+
+    def _unique_root_name(self, base: str, taken: set[str]) -> str:
+        """`unique_value_name` in the main graph with `_taken_from_index`: the same tests,
+        `_indexed_name`'s inline and those it already makes (producer, initializers, types)
+        made once (a CNN's fold asks two names per fusion)."""
+        producer, consumers, types = self.producer, self.consumers, self.types
+        initializers, inputs, outputs = self.initializers, self.graph_inputs, self.graph_outputs
+        retired, reserved = self._retired, self.reserved_names
+        name, counter = base, 1
+        while (
+            name in taken
+            or name in producer
+            or name in consumers
+            or name in types
+            or name in initializers
+            or name in inputs
+            or name in outputs
+            or name in retired
+            or name in reserved
+        ):
+            counter += 1
+            name = f"{base}_{counter}"
+        name = sys.intern(name)  # the tables key the new value by this same str
+        reserved.add(name)
         taken.add(name)
         return name
 
@@ -790,6 +867,10 @@ class GraphIndex:
         tables then no longer hold (a value that was read keeps its `consumers` entry)."""
         consumers, types = self.consumers, self.types
         self._retired.update(o for o in node.output if o not in consumers and o not in types)
+        self._retire_subgraphs(node)
+
+    def _retire_subgraphs(self, node: onnx.NodeProto) -> None:
+        """`_retire`'s names of the subgraphs of `node`."""
         for sub in _node_subgraphs(node):  # none unless may_hold_subgraphs(node)
             self._retired |= all_value_names(sub)
 
@@ -839,21 +920,30 @@ class GraphIndex:
         for i, name in enumerate(node.input):
             if name == old:
                 node.input[i] = new
-        self.consumers.get(old, {}).pop(node_id, None)
-        self.consumers.setdefault(new, {})[node_id] = None
-        self._reads[node_id] = self.read_names(node)
+        _drop_reader(self.consumers, old, node_id)
+        self.consumers[new] = _with_reader(self.consumers.get(new), node_id)
+        self._reads[node_id] = tuple(map(sys.intern, self.read_names(node)))
         self._version += 1
         self.modified = True
+
+    def new_node(self) -> onnx.NodeProto:
+        """An empty node at the end of the graph's node list, to be filled and then given to
+        `replace(..., placed=True)`: built where it stays, it is not copied there."""
+        return self.graph.node.add()
 
     def replace(
         self,
         members: Iterable[int],
         fused: onnx.NodeProto,
         new_initializers: Iterable[onnx.TensorProto] = (),
+        *,
+        placed: bool = False,
     ) -> int:
         """Replace `members` by `fused`, keeping the order topological. Returns the new id.
 
-        The caller has checked (via `descendants_in_window`) that no cycle results.
+        The caller has checked (via `descendants_in_window`) that no cycle results. `placed`:
+        `fused` is the graph's last node already (`new_node`), indexed as it is; otherwise a
+        copy of it is appended.
         """
         member_set = set(members)
         pos, order = self.pos, self.order
@@ -870,31 +960,45 @@ class GraphIndex:
         else:
             after, back_edge = self.descendants_in_window(member_set, {i for i in fused.input if i})
             if back_edge is not None:
+                if placed:  # the graph as it was
+                    del self.graph.node[-1]
                 raise AssertionError(f"rewrite would create a cycle through '{back_edge}'")
         removed_inputs: list[str] = []
         nodes, reads, consumers, producer = self.nodes, self._reads, self.consumers, self.producer
+        retired, types = self._retired, self.types
         for member in member_set:
             node = nodes.pop(member)
-            self._retire(node)
-            for name in reads.pop(member):
-                readers = consumers.get(name)
-                if readers is not None:
-                    readers.pop(member, None)
-                removed_inputs.append(name)
-            for name in node.output:
+            for name in node.output:  # `_retire`'s outputs, inline (the outputs read once)
+                if name not in consumers and name not in types:
+                    retired.add(name)
                 if producer.get(name) == member:
                     del producer[name]
+            if may_hold_subgraphs(node):
+                self._retire_subgraphs(node)
+            gone, reads[member] = reads[member], ()
+            for name in gone:
+                readers = consumers.get(name)  # `_drop_reader`, inline
+                if type(readers) is tuple:
+                    if member in readers:
+                        consumers[name] = tuple([r for r in readers if r != member])
+                elif readers is not None:
+                    readers.pop(member, None)  # type: ignore[union-attr]
+                removed_inputs.append(name)
             del pos[member]
         # The new node and tensors are copied into the graph now, and the index keeps the
         # graph's copies: the caller's are freed with the match (held until `write_back`,
         # each in its own protobuf arena, they were about 4 KB per Conv fusion).
         for tensor in new_initializers:
-            placed = self.graph.initializer.add()
-            placed.CopyFrom(tensor)
-            self.initializers[tensor.name] = placed
-            self.types[tensor.name] = ValueType(tensor.data_type, tuple(tensor.dims))
-        placed_node = self.graph.node.add()
-        placed_node.CopyFrom(fused)
+            kept = self.graph.initializer.add()
+            kept.CopyFrom(tensor)
+            name = sys.intern(tensor.name)  # the str `unique_value_name` reserved
+            self.initializers[name] = kept
+            self.types.add_tensor(name, kept)
+        if placed:
+            placed_node = fused
+        else:
+            placed_node = self.graph.node.add()
+            placed_node.CopyFrom(fused)
         fused_id = self._add_node(placed_node, at_end=False)
         if after or hi - lo + 1 != len(member_set):
             after_set = set(after)
@@ -932,31 +1036,32 @@ class GraphIndex:
     def _drop_dead(self, names: Iterable[str]) -> None:
         """Remove initializers and producer nodes that the rewrite left without readers."""
         stack = list(names)
+        consumers, outputs, initializers = self.consumers, self.graph_outputs, self.initializers
+        producer = self.producer
         while stack:
             name = stack.pop()
-            if self.consumers.get(name) or name in self.graph_outputs:
+            if consumers.get(name) or name in outputs:
                 continue
-            if name in self.initializers and name not in self.graph_inputs:
-                del self.initializers[name]
+            if name in initializers and name not in self.graph_inputs:
+                del initializers[name]
                 self.dead_initializers.add(name)
                 continue
-            node_id = self.producer.get(name)
+            node_id = producer.get(name)
             if node_id is None:
                 continue
             node = self.nodes[node_id]
             if node.op_type in _NONDETERMINISTIC or any(
-                self.consumers.get(o) or o in self.graph_outputs for o in node.output if o
+                consumers.get(o) or o in outputs for o in node.output if o
             ):
                 continue
             self.nodes.pop(node_id)
             self._retire(node)
             for out in node.output:
-                self.producer.pop(out, None)
+                producer.pop(out, None)
             self.order[self.pos.pop(node_id)] = None
-            for read in self._reads.pop(node_id):
-                readers = self.consumers.get(read)
-                if readers is not None:
-                    readers.pop(node_id, None)
+            gone, self._reads[node_id] = self._reads[node_id], ()
+            for read in gone:
+                _drop_reader(consumers, read, node_id)
                 stack.append(read)
 
     def write_back(self) -> None:

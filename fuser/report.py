@@ -30,7 +30,7 @@ class Prediction:
         return self.unfused_cycles / self.fused_cycles if self.fused_cycles > 0 else float("inf")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: no dict per record (a large fuse makes 10^4-10^5)
 class FusionRecord:
     """One rewrite: which nodes became which fused node."""
 
@@ -44,7 +44,7 @@ class FusionRecord:
     prediction: Prediction | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: no dict per record (a large fuse makes 10^4-10^5)
 class RejectionRecord:
     """One near-miss or refused fusion, with the reason and the value at fault."""
 
