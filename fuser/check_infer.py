@@ -8,13 +8,10 @@ rewritten model is checked again before anything is written (`verify`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import tempfile
 from collections.abc import Iterator
 
 import onnx
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
 from .checkview import checker_view, inference_view, scan_nodes
@@ -22,6 +19,7 @@ from .errors import FusionError, ModelLoadError
 from .graph import TypeTable, may_hold_subgraphs
 from .heap import release_freed
 from .modelio import LoadedModel, unchanged_on_disk
+from .pieces import anonymous_file, check_pieces, infer_pieces, plan, typed_values_class
 from .registry import ensure_fused_ops_registered
 
 
@@ -73,10 +71,19 @@ def _infer_view(
         except Exception:  # inference is best-effort here; patterns refuse what they cannot type
             inferred = model
     types: dict[str, TypeTable] = {}
-    if inferred is model or nested:
+    if inferred is model:
+        return _annotated(model)
+    if nested:
         _collect_types(inferred.graph, "", types)
         return types
     return {"": _values_table(inferred.graph, model)}
+
+
+def _annotated(model: onnx.ModelProto) -> dict[str, TypeTable]:
+    """The types `model` itself declares, per graph path (where inference failed)."""
+    types: dict[str, TypeTable] = {}
+    _collect_types(model.graph, "", types)
+    return types
 
 
 def _values_table(values: Message, model: onnx.ModelProto) -> TypeTable:
@@ -95,14 +102,14 @@ def _inferred_values_by_path(path: str) -> Message | None:
     outputs and value infos read back (a message with those three fields: the nodes and
     tensors are not made into Python messages, only kept as unparsed bytes until it is
     freed); None where that fails for any reason."""
-    with _anonymous_file() as out:
+    with anonymous_file() as out:
         if out is None:
             return None
         try:
             onnx.shape_inference.infer_shapes_path(path, out, check_type=False, strict_mode=False)
             with open(out, "rb") as handle:
                 data = handle.read()
-            values = _typed_values_class()()
+            values = typed_values_class()()
             values.ParseFromString(data)
         except Exception:
             return None
@@ -111,48 +118,10 @@ def _inferred_values_by_path(path: str) -> Message | None:
     return graph
 
 
-@functools.cache
-def _typed_values_class() -> type[Message]:
-    """A message type laid out as ModelProto whose `graph` holds only GraphProto's `input`,
-    `output` and `value_info` (same field numbers and element type): parsing a model into it
-    makes Python messages of the value infos alone."""
-    graph_fields = onnx.GraphProto.DESCRIPTOR.fields_by_name
-    value_info = onnx.ValueInfoProto.DESCRIPTOR
-    file = descriptor_pb2.FileDescriptorProto(
-        name="fuser/typed_values.proto",
-        package="fuser.typed_values",
-        dependency=[value_info.file.name],
-        syntax="proto2",
-    )
-    graph = file.message_type.add(name="Values")
-    for name in ("input", "output", "value_info"):
-        graph.field.add(
-            name=name,
-            number=graph_fields[name].number,
-            label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED,
-            type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
-            type_name=f".{value_info.full_name}",
-        )
-    model = file.message_type.add(name="Model")
-    model.field.add(
-        name="graph",
-        number=onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number,
-        label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
-        type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
-        type_name=".fuser.typed_values.Values",
-    )
-    pool = descriptor_pool.Default()
-    try:
-        found = pool.FindMessageTypeByName("fuser.typed_values.Model")
-    except KeyError:
-        found = pool.Add(file).message_types_by_name["Model"]
-    return message_factory.GetMessageClass(found)
-
-
 def _inferred_by_path(path: str) -> onnx.ModelProto | None:
     """Shape inference from file to file (the result never crosses into Python as bytes);
     None where that fails for any reason (then the caller infers from bytes)."""
-    with _anonymous_file() as out:
+    with anonymous_file() as out:
         if out is None:
             return None
         try:
@@ -163,31 +132,14 @@ def _inferred_by_path(path: str) -> onnx.ModelProto | None:
 
 
 @contextlib.contextmanager
-def _anonymous_file() -> Iterator[str | None]:
-    """A path to a new, empty file that has no name on disk (Linux's O_TMPFILE, reached through
-    /proc/self/fd): onnx's C++ tools read and write it by path, and it vanishes with its handle
-    however the process ends. None where the system has no such files."""
-    flag = getattr(os, "O_TMPFILE", 0)
-    fd = None
-    if flag and os.path.isdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            fd = os.open(tempfile.gettempdir(), flag | os.O_RDWR, 0o600)
-    try:
-        yield None if fd is None else f"/proc/self/fd/{fd}"
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-@contextlib.contextmanager
 def serialized(model: onnx.ModelProto) -> Iterator[str | bytes]:
     """`model` serialized for onnx's C++ tools: the path of an anonymous file holding it (see
-    `_anonymous_file`), or the bytes where there is none. Given bytes, a tool holds them, and
+    `anonymous_file`), or the bytes where there is none. Given bytes, a tool holds them, and
     shape inference its result as bytes too, beside its own parse of the model: at a large
     model's check and inference, the peak of a fuse. Given a path, neither is in memory."""
     data = model.SerializeToString()
     del model  # the caller may let go of it (a view of the model) while the tools run
-    with _anonymous_file() as path:
+    with anonymous_file() as path:
         if path is not None:
             try:
                 with open(path, "wb") as handle:
@@ -216,6 +168,15 @@ def check_and_infer(
     if view.warnings:
         return None
     ensure_fused_ops_registered()
+    if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
+        try:
+            table = infer_pieces(view.model, loaded.model, steps)
+        except onnx.checker.ValidationError as exc:
+            raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
+        finally:
+            del view
+            release_freed()
+        return ({"": table} if table is not None else _annotated(loaded.model)), ()
     nested = view.nested
     # Not with external data: the checker resolves it against the folder of the file it reads.
     direct = as_read and not loaded.external and view.model is loaded.model
@@ -269,8 +230,12 @@ def verify(model: onnx.ModelProto, label: str, source: LoadedModel | None = None
     valid than the input. Each fused node's shape inference was checked against the
     original graph when it was made; a failure here is fuser's bug, so say so."""
     try:
-        with serialized(checker_view(model, source).model) as data:
-            onnx.checker.check_model(data, full_check=False)
+        view = checker_view(model, source)
+        if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
+            check_pieces(view.model, steps)
+        else:
+            with serialized(view.model) as data:
+                onnx.checker.check_model(data, full_check=False)
     except Exception as exc:
         raise FusionError(
             f"{label}: the fused model failed verification ({_first_line(exc)}); nothing was "
