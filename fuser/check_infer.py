@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Iterator
 
 import onnx
@@ -19,7 +20,14 @@ from .errors import FusionError, ModelLoadError
 from .graph import TypeTable, may_hold_subgraphs
 from .heap import release_freed
 from .modelio import LoadedModel, unchanged_on_disk
-from .pieces import anonymous_file, check_pieces, infer_pieces, plan, typed_values_class
+from .pieces import (
+    PieceRefusedError,
+    check_pieces,
+    infer_checked_pieces,
+    infer_pieces,
+    plan,
+    typed_values_class,
+)
 from .registry import ensure_fused_ops_registered
 
 
@@ -102,7 +110,7 @@ def _inferred_values_by_path(path: str) -> Message | None:
     outputs and value infos read back (a message with those three fields: the nodes and
     tensors are not made into Python messages, only kept as unparsed bytes until it is
     freed); None where that fails for any reason."""
-    with anonymous_file() as out:
+    with _anonymous_file() as out:
         if out is None:
             return None
         try:
@@ -121,7 +129,7 @@ def _inferred_values_by_path(path: str) -> Message | None:
 def _inferred_by_path(path: str) -> onnx.ModelProto | None:
     """Shape inference from file to file (the result never crosses into Python as bytes);
     None where that fails for any reason (then the caller infers from bytes)."""
-    with anonymous_file() as out:
+    with _anonymous_file() as out:
         if out is None:
             return None
         try:
@@ -132,14 +140,31 @@ def _inferred_by_path(path: str) -> onnx.ModelProto | None:
 
 
 @contextlib.contextmanager
+def _anonymous_file() -> Iterator[str | None]:
+    """A path to a new, empty file that has no name on disk (Linux's O_TMPFILE, reached through
+    /proc/self/fd): onnx's C++ tools read and write it by path, and it vanishes with its handle
+    however the process ends. None where the system has no such files."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    fd = None
+    if flag and os.path.isdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            fd = os.open(tempfile.gettempdir(), flag | os.O_RDWR, 0o600)
+    try:
+        yield None if fd is None else f"/proc/self/fd/{fd}"
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
 def serialized(model: onnx.ModelProto) -> Iterator[str | bytes]:
     """`model` serialized for onnx's C++ tools: the path of an anonymous file holding it (see
-    `anonymous_file`), or the bytes where there is none. Given bytes, a tool holds them, and
+    `_anonymous_file`), or the bytes where there is none. Given bytes, a tool holds them, and
     shape inference its result as bytes too, beside its own parse of the model: at a large
     model's check and inference, the peak of a fuse. Given a path, neither is in memory."""
     data = model.SerializeToString()
     del model  # the caller may let go of it (a view of the model) while the tools run
-    with anonymous_file() as path:
+    with _anonymous_file() as path:
         if path is not None:
             try:
                 with open(path, "wb") as handle:
@@ -170,9 +195,11 @@ def check_and_infer(
     ensure_fused_ops_registered()
     if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
         try:
-            table = infer_pieces(view.model, loaded.model, steps)
-        except onnx.checker.ValidationError as exc:
-            raise ModelLoadError(f"{loaded.label}: invalid ONNX model: {_first_line(exc)}") from exc
+            try:
+                table = infer_pieces(view.model, loaded.model, steps)
+            except PieceRefusedError:  # the whole graph's check has the verdict and the message
+                _check_whole(view.model, loaded.label)
+                table = infer_checked_pieces(view.model, loaded.model, steps)
         finally:
             del view
             release_freed()
@@ -191,6 +218,18 @@ def check_and_infer(
         types = _infer_view(data, loaded.model, nested)
     release_freed()  # the C++ tools' copies of the model, freed but kept by the allocator
     return types, ()
+
+
+def _check_whole(model: onnx.ModelProto, label: str | None = None) -> None:
+    """onnx's checker on the whole of `model`; its ValidationError, or with `label` (the
+    input's) a ModelLoadError naming it."""
+    with serialized(model) as data:
+        try:
+            onnx.checker.check_model(data, full_check=False)
+        except onnx.checker.ValidationError as exc:
+            if label is None:
+                raise
+            raise ModelLoadError(f"{label}: invalid ONNX model: {_first_line(exc)}") from exc
 
 
 def _utf8(path: os.PathLike[str] | None) -> bool:
@@ -232,10 +271,12 @@ def verify(model: onnx.ModelProto, label: str, source: LoadedModel | None = None
     try:
         view = checker_view(model, source)
         if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
-            check_pieces(view.model, steps)
+            try:
+                check_pieces(view.model, steps)
+            except PieceRefusedError:  # the whole graph's check has the verdict and the message
+                _check_whole(view.model)
         else:
-            with serialized(view.model) as data:
-                onnx.checker.check_model(data, full_check=False)
+            _check_whole(view.model)
     except Exception as exc:
         raise FusionError(
             f"{label}: the fused model failed verification ({_first_line(exc)}); nothing was "

@@ -5,40 +5,34 @@ hundreds of MB beside Python's copy of the model). Here the main graph's nodes g
 tools in pieces of `PIECE_NODES`, in order, each piece a model of its own laid out byte by byte
 (the nodes serialized once, nothing copied), so at most one piece is parsed at a time.
 
-What the whole-graph tools see and decide, the pieces see and decide:
+One serialization of a piece serves both tools. It declares, as inputs, the graph inputs and
+initializers its nodes read or write (an initializer's values, like a Constant's, feed the
+inference of ops such as Reshape) and the values of earlier pieces they read or write, typed
+as inference typed them; the model's value infos and the graph outputs of the values it
+defines; the Constant nodes of earlier pieces it reads (inference reads their tensors). The
+last piece also takes the inputs and initializers no node reads, so every one is checked.
 
-- The checker. Piece 0 is the graph without nodes: every graph input, every initializer (its
-  checks, in order, come before any node's), and each graph output declared as an input (its
-  value info checked as the checker checks an output's; no node piece declares outputs). A
-  node piece declares, as placeholder inputs, the names its nodes read or write that are
-  defined before it (graph inputs, initializers, earlier pieces' outputs): a read of a name
-  defined later or nowhere, and a second definition of any name, fail in the piece where the
-  whole-graph checker fails, with its own message, and since pieces run in order the first
-  failure is the one the whole graph's check reports. `check_full_check=False` checks no
-  types, so a placeholder's type does not matter.
-- Shape inference. A piece declares the graph inputs and initializers its nodes read (an
-  initializer's values, like a Constant's, feed the inference of ops such as Reshape), the
-  model's value infos and graph outputs of the values it defines, and as value infos the types
-  inference gave the values it reads from earlier pieces; the Constant nodes of earlier pieces
-  it reads come with it (inference reads their tensors). Inference names an unknown dim
-  `unk__N`, the first N not yet taken in the whole graph: each piece carries every such name
-  taken so far (one extra value info), so its names are the whole graph's. Graph-level
-  failures (an initializer disagreeing with its input's type) come from a piece 0 of those
-  inputs. Where inference fails anywhere, the caller does what it does when the whole graph's
-  fails.
+- The checker passes the pieces where it passes the whole graph: a read of a name defined
+  later or nowhere, a second definition of any name, a bad node or tensor, fail in some piece.
+  When a piece fails, the whole graph's check decides (and gives its message): the pieces
+  only ever spare the whole check of a valid model. Where inference left an earlier value
+  without a full tensor type (the checker wants a shape of a main graph's input), the piece's
+  checker copy declares it with a placeholder type (`full_check=False` checks no types).
+- Inference types each value as it does in the whole graph: a node sees the same input types
+  and constant values. Inference names an unknown dim `unk__N`, the first N not yet taken in
+  the whole graph: each piece carries every such name taken so far (an extra value info), so
+  its names are the whole graph's. Where inference fails in any piece, the caller does what
+  it does when the whole graph's fails (both fail on the same node or the same initializer).
 
-The graph must be one these rules cover (`pieceable`): no subgraphs, IR version 4 or later,
-no sparse initializers, every graph output and value info a value some node defines and no
-graph output also an input or initializer. Others take the whole-graph route.
+The graph must be one these rules cover (`plan`): no subgraphs, IR version 4 or later, no
+sparse initializers, every graph output and value info a value some node defines, and no graph
+output also an input or initializer. Others take the whole-graph route.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -222,65 +216,13 @@ def typed_values_class() -> type[Message]:
     return message_factory.GetMessageClass(found)
 
 
-@contextlib.contextmanager
-def anonymous_file() -> Iterator[str | None]:
-    """A path to a new, empty file that has no name on disk (Linux's O_TMPFILE, reached through
-    /proc/self/fd): onnx's C++ tools read and write it by path, and it vanishes with its handle
-    however the process ends. None where the system has no such files."""
-    flag = getattr(os, "O_TMPFILE", 0)
-    fd = None
-    if flag and os.path.isdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            fd = os.open(tempfile.gettempdir(), flag | os.O_RDWR, 0o600)
-    try:
-        yield None if fd is None else f"/proc/self/fd/{fd}"
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _check(chunks: Iterable[bytes]) -> None:
-    """The checker on a model given as consecutive byte chunks (through an anonymous file, so
-    the chunks are never joined in memory, where there is one)."""
-    with anonymous_file() as path:
-        if path is not None:
-            with open(path, "wb") as handle:
-                for chunk in chunks:
-                    handle.write(chunk)
-            onnx.checker.check_model(path, full_check=False)
-            return
-    onnx.checker.check_model(b"".join(chunks), full_check=False)
-
-
-def _check_outer(model: onnx.ModelProto, head: bytes, name: bytes) -> None:
-    """Piece 0 of the checker: graph inputs, graph outputs (as inputs), initializers."""
-    graph = model.graph
-    inputs = [v.SerializeToString() for v in graph.input]
-    declared = {v.name for v in graph.input}
-    for value in graph.output:
-        if value.name not in declared:
-            declared.add(value.name)
-            inputs.append(value.SerializeToString())
-
-    def chunks() -> Iterator[bytes]:
-        yield head
-        yield _field(_GRAPH, name + b"".join(_field(_INPUT, v) for v in inputs))
-        batch: list[bytes] = []
-        # the graph field may appear many times (protobuf merges them): a batch at a time
-        for tensor in graph.initializer:
-            batch.append(tensor.SerializeToString())
-            if len(batch) == 1024:
-                yield _field(_GRAPH, _fields(_INITIALIZER, batch))
-                batch = []
-        if batch:
-            yield _field(_GRAPH, _fields(_INITIALIZER, batch))
-
-    _check(chunks())
+class PieceRefusedError(Exception):
+    """A piece failed onnx's checker (the whole graph's check says whether, and why)."""
 
 
 def check_pieces(model: onnx.ModelProto, steps: list[Step]) -> None:
-    """onnx's checker on `model` a piece at a time (`steps`: its `plan`); raises its
-    ValidationError, with the message the whole-graph check gives."""
+    """onnx's checker on `model` a piece at a time (`steps`: its `plan`); raises `PieceRefusedError`
+    where a piece fails (then the whole graph's check gives the verdict and the message)."""
     for _ in _walk(model, steps, infer=False):
         pass
 
@@ -288,10 +230,26 @@ def check_pieces(model: onnx.ModelProto, steps: list[Step]) -> None:
 def infer_pieces(
     model: onnx.ModelProto, source: onnx.ModelProto, steps: list[Step]
 ) -> TypeTable | None:
-    """`check_pieces`, then the main graph's types from shape inference a piece at a time, as
+    """`check_pieces`, and the main graph's types from shape inference a piece at a time, as
     the whole graph's inference gives them (inputs, outputs, value infos, then `source`'s
-    initializers); None where inference failed (for any piece: the whole graph's would too)."""
+    initializers); None where inference failed (for any piece: the whole graph's would too).
+    Raises `PieceRefusedError` as `check_pieces` (the types of a model the whole check passes
+    after all are `infer_checked_pieces`')."""
     *_, found = _walk(model, steps, infer=True)
+    return _table(model, source, found)
+
+
+def infer_checked_pieces(
+    model: onnx.ModelProto, source: onnx.ModelProto, steps: list[Step]
+) -> TypeTable | None:
+    """`infer_pieces` without the checker (the caller has checked the model whole)."""
+    *_, found = _walk(model, steps, infer=True, check=False)
+    return _table(model, source, found)
+
+
+def _table(
+    model: onnx.ModelProto, source: onnx.ModelProto, found: _Found | None
+) -> TypeTable | None:
     if found is None:
         return None
     graph = model.graph
@@ -310,19 +268,37 @@ _Found = tuple[
 ]
 
 
-def _walk(model: onnx.ModelProto, steps: list[Step], infer: bool) -> Iterator[_Found | None]:
+def _complete(value: onnx.ValueInfoProto) -> bool:
+    """Whether the checker takes `value` as a main-graph input (a tensor type with an element
+    type and a shape; other kinds are left to the checker, which the whole check overrules)."""
+    kind = value.type
+    if kind.WhichOneof("value") != "tensor_type":
+        return kind.WhichOneof("value") is not None
+    return bool(kind.tensor_type.elem_type) and kind.tensor_type.HasField("shape")
+
+
+def _walk(
+    model: onnx.ModelProto, steps: list[Step], infer: bool, check: bool = True
+) -> Iterator[_Found | None]:
     """Check (and infer) piece by piece; yields after each piece, lastly what inference found
     (graph outputs and model value infos by name, new value infos in order) or None where it
-    failed. Check errors propagate."""
+    failed or was not asked. A piece the checker refuses raises `PieceRefusedError`."""
     graph = model.graph
     head = _head(model)
     name = _field(_NAME, graph.name.encode()) if graph.name else b""
-    _check_outer(model, head, name)
     inputs = {v.name: v for v in graph.input}
     initializers: dict[str, onnx.TensorProto] = {}
     for tensor in graph.initializer:
         initializers.setdefault(tensor.name, tensor)
-    # the values a later piece reads (their types travel to it)
+    # what the whole check checks once over the graph: names unique, initializers named
+    if check and (len(inputs) < len(graph.input) or len(initializers) < len(graph.initializer)):
+        raise PieceRefusedError("a graph input or initializer name is not unique")
+    if check and "" in initializers:
+        raise PieceRefusedError("an initializer has no name")
+    # the inputs and initializers no node reads go with the last piece (checked there)
+    unread = set(inputs) | set(initializers)
+    for step in steps:
+        unread.difference_update(step.reads)
     wanted = {n for step in steps for n in step.before} - inputs.keys() - initializers.keys()
     outputs_wanted = {v.name: v for v in graph.output}
     model_infos = {v.name: i for i, v in enumerate(graph.value_info)}
@@ -333,69 +309,95 @@ def _walk(model: onnx.ModelProto, steps: list[Step], infer: bool) -> Iterator[_F
     outputs: dict[str, onnx.ValueInfoProto] = {}
     existing: dict[str, onnx.ValueInfoProto] = {}
     new: list[onnx.ValueInfoProto] = []
-    failed = not infer or not _infer_outer(head, name, graph, inputs)
+    failed = not infer
     values_class = typed_values_class()
     nodes = graph.node
-    for step in steps:
-        piece = nodes[step.start : step.stop]
-        serialized = _fields(_NODE, [n.SerializeToString() for n in piece])
-        before = step.before
-        typed = _PLACEHOLDER_FIELD
-        placeholders = b"".join(
-            [_INPUT + _length(len(f)) + f for f in [_name_field(n) + typed for n in before]]
-        )
-        onnx.checker.check_model(head + _field(_GRAPH, name + placeholders + serialized))
-        if not failed:
-            defined_before = set(before)
-            read_before = [n for n in step.reads if n in defined_before]
-            own = sorted(model_infos[n] for n in step.written if n in model_infos)
-            earlier = [n for n in read_before if n in carried]
-            carrier = "fuser.unknown_dims"
-            while carrier in step.reads or carrier in step.written:
-                carrier += "_"
-            body = [
-                name,
-                _fields(
-                    _INPUT, [inputs[n].SerializeToString() for n in read_before if n in inputs]
-                ),
-                _fields(
-                    _INITIALIZER,
-                    [initializers[n].SerializeToString() for n in read_before if n in initializers],
-                ),
-                _fields(_VALUE_INFO, [graph.value_info[i].SerializeToString() for i in own]),
-                _fields(_VALUE_INFO, [carried[n].SerializeToString() for n in earlier]),
-                _symbol_carrier(carrier, symbol_dims) if symbols else b"",
-                _fields(
-                    _OUTPUT,
-                    [
-                        outputs_wanted[n].SerializeToString()
-                        for n in step.written
-                        if n in outputs_wanted
-                    ],
-                ),
-                *[constants[n] for n in read_before if n in constants],
-                serialized,
+    for number, step in enumerate(steps):
+        last = number == len(steps) - 1
+        before = set(step.before)
+        outer = [n for n in step.before if n in inputs or n in initializers]
+        if last:
+            outer += [v.name for v in graph.input if v.name in unread]
+            outer += [t.name for t in graph.initializer if t.name in unread]
+        shared = [n for n in step.before if n in constants]  # Constants seen again
+        earlier = [n for n in step.before if n not in inputs and n not in initializers]
+        earlier = [n for n in earlier if n not in constants]
+        typed = [n for n in earlier if n in carried and _complete(carried[n])] if infer else []
+        untyped = [n for n in earlier if n not in typed]
+        loose = [n for n in untyped if n in carried] if infer else []
+        carrier = "fuser.unknown_dims"
+        while carrier in step.reads or carrier in step.written:
+            carrier += "_"
+        own = sorted(model_infos[n] for n in step.written if n in model_infos)
+        given = [carried[n] for n in shared if n in carried] if infer else []
+        common = [
+            _fields(_INPUT, [inputs[n].SerializeToString() for n in outer if n in inputs]),
+            _fields(
+                _INITIALIZER,
+                [initializers[n].SerializeToString() for n in outer if n in initializers],
+            ),
+            _fields(_INPUT, [carried[n].SerializeToString() for n in typed]),
+            _fields(_VALUE_INFO, [graph.value_info[i].SerializeToString() for i in own]),
+            _fields(_VALUE_INFO, [v.SerializeToString() for v in given]),
+            _fields(
+                _OUTPUT,
+                [
+                    outputs_wanted[n].SerializeToString()
+                    for n in step.written
+                    if n in outputs_wanted
+                ],
+            ),
+            *([constants[n] for n in shared] if infer else []),
+            _fields(_NODE, [n.SerializeToString() for n in nodes[step.start : step.stop]]),
+        ]
+        # the checker's inputs for the values of earlier pieces inference has no full type of
+        # (inference must not see them: an untyped input is not an unknown one)
+        stand_ins = [
+            _INPUT + _length(len(f)) + f
+            for f in [_name_field(n) + _PLACEHOLDER_FIELD for n in untyped]
+        ]
+        if not infer:  # Constants of earlier pieces are not brought along: they are inputs
+            stand_ins += [
+                _INPUT + _length(len(f)) + f
+                for f in [_name_field(n) + _PLACEHOLDER_FIELD for n in shared]
             ]
-            data = head + _field(_GRAPH, b"".join(body))
-            del body
+        if check:
+            data = head + _field(_GRAPH, b"".join([name, *stand_ins, *common]))
             try:
-                result = c_inference.infer_shapes(data, False, False, False)
+                onnx.checker.check_model(data, full_check=False)
+            except onnx.checker.ValidationError as exc:
+                raise PieceRefusedError(str(exc)) from exc
+            infer_data = data if not stand_ins and not failed else None
+            del data
+        else:
+            infer_data = None
+        if not failed:
+            if infer_data is None:
+                infer_data = head + _field(_GRAPH, b"".join([name, *common]))
+            # further graph fields (protobuf merges them), value infos after the ones above:
+            # the types of earlier values too partial for a checked input, then the names
+            if loose:
+                infer_data += _field(
+                    _GRAPH, _fields(_VALUE_INFO, [carried[n].SerializeToString() for n in loose])
+                )
+            if symbols:
+                infer_data += _field(_GRAPH, _symbol_carrier(carrier, symbol_dims))
+            del common
+            try:
+                result = c_inference.infer_shapes(infer_data, False, False, False)
             except Exception:  # as the whole graph's inference failing: the caller decides
                 failed = True
             else:
-                del data
                 values = values_class()
                 values.ParseFromString(result)
                 infos = values.graph.value_info
                 # inference keeps the value infos it was given, in order, and appends the rest
-                given = len(own) + len(earlier) + bool(symbols)
+                first = len(own) + len(given) + len(loose) + bool(symbols)
                 for value in infos[: len(own)]:
                     existing.setdefault(value.name, value)
-                made = infos[given:]
-                if any(n in constants and n not in carried for n in read_before):
-                    made = [
-                        v for v in made if v.name not in defined_before
-                    ]  # a Constant seen again
+                made = infos[first:]
+                if any(n not in carried for n in shared):
+                    made = [v for v in made if v.name not in before]  # a Constant seen again
                 new.extend(made)
                 for value in values.graph.output:
                     outputs.setdefault(value.name, value)
@@ -404,10 +406,13 @@ def _walk(model: onnx.ModelProto, steps: list[Step], infer: bool) -> Iterator[_F
                         if value.name in wanted and value.HasField("type"):
                             carried[value.name] = value
                 if _UNKNOWN_PREFIX.encode() in result:
+                    if symbols:  # not the names it was given again
+                        del infos[first - 1]
                     found = _new_symbols(values.graph) - symbols
                     symbols |= found
                     symbol_dims += _dim_fields(sorted(found))
                 del result, values, infos, made
+            del infer_data
         for i in step.constants:
             constants[nodes[i].output[0]] = _field(_NODE, nodes[i].SerializeToString())
         yield None
@@ -450,24 +455,6 @@ def _plan(nodes: Sequence[onnx.NodeProto], defined: set[str]) -> list[Step]:
         steps.append(Step(start, stop, reads, written, before, constants))
         defined.update(written)
     return steps
-
-
-def _infer_outer(
-    head: bytes, name: bytes, graph: onnx.GraphProto, inputs: dict[str, onnx.ValueInfoProto]
-) -> bool:
-    """Inference's graph-level checks (an initializer disagreeing with its graph input): the
-    inputs with an initializer and those initializers, alone; whether it passed."""
-    both = [t for t in graph.initializer if t.name in inputs]
-    if not both:
-        return True
-    body = [name]
-    body += [_field(_INPUT, inputs[t.name].SerializeToString()) for t in both]
-    body += [_field(_INITIALIZER, t.SerializeToString()) for t in both]
-    try:
-        c_inference.infer_shapes(head + _field(_GRAPH, b"".join(body)), False, False, False)
-    except Exception:
-        return False
-    return True
 
 
 def _unknown_symbols(values: Iterable[onnx.ValueInfoProto]) -> set[str]:

@@ -210,3 +210,37 @@ def test_small_or_nested_graphs_go_whole():
     passthrough = _chain(9)
     passthrough.graph.output.append(passthrough.graph.input[0])  # an output that is an input
     assert pieces.plan(passthrough, nested=False) is None
+
+
+def test_a_value_of_unknown_rank_crossing_pieces_is_declared_for_the_checker_only(monkeypatch):
+    # Squeeze (no axes) of NonZero's [2, unknown]: inference cannot tell the rank; the next
+    # piece reads it (the checker wants a shape of a main graph's input, inference none)
+    model = _chain(10)
+    nodes = model.graph.node
+    nodes[1].op_type, nodes[2].op_type = "NonZero", "Squeeze"
+    nodes.insert(3, helper.make_node("Cast", ["v3"], ["v3f"], to=TensorProto.FLOAT))
+    nodes[4].input[0] = "v3f"
+    view = checker_view(model)
+    steps = pieces.plan(view.model, view.nested)
+    assert steps is not None and steps[1].before == ["v3"]
+    types = dict(_same(model, monkeypatch))  # type: ignore[arg-type]
+    assert types["v3"].shape is None
+
+
+def test_a_piece_refused_wrongly_is_overruled_by_the_whole_check(monkeypatch):
+    model = _chain(10)
+    whole = _run(model, True, monkeypatch)
+    refused = []
+
+    def refuse(*args, **kwargs):  # a piece that fails where the whole graph passes
+        refused.append(1)
+        raise pieces.PieceRefusedError("refused")
+
+    monkeypatch.setattr(check_infer, "infer_pieces", refuse)
+    monkeypatch.setattr(check_infer, "check_pieces", refuse)
+    checked = check_infer.check_and_infer(load_model(model))
+    assert checked is not None
+    table = checked[0][""]
+    assert [(n, table[n]) for n in table] == whole
+    check_infer.verify(model, "m.onnx")  # passes: the whole check says so
+    assert refused == [1, 1]
