@@ -131,7 +131,6 @@ _LOOSE_SYMBOL = re.compile(rb"\x12[\x05-\x7f]unk__[0-9]+")
 def _new_symbols(values: Message) -> set[str]:
     """The `unk__N` dim names among `values`' (a parsed typed-values graph) value infos and
     outputs: found in their bytes, or by a walk where the bytes are not plain."""
-    values.DiscardUnknownFields()
     data = values.SerializeToString()
     # each distinct match once (a few symbols repeat over most values)
     strict = Counter(_STRICT_SYMBOL.findall(data))
@@ -393,25 +392,30 @@ def _walk(
                 infos = values.graph.value_info
                 # inference keeps the value infos it was given, in order, and appends the rest
                 first = len(own) + len(given) + len(loose) + bool(symbols)
-                for value in infos[: len(own)]:
-                    existing.setdefault(value.name, value)
                 made = infos[first:]
                 if any(n not in carried for n in shared):
                     made = [v for v in made if v.name not in before]  # a Constant seen again
-                new.extend(made)
-                for value in values.graph.output:
+                # copied out: the parsed result's memory holds the whole piece (its nodes and
+                # tensors as unknown fields) for as long as any of its messages lives
+                kept = values_class().graph
+                kept.value_info.extend(infos[: len(own)])
+                kept.value_info.extend(made)
+                kept.output.extend(values.graph.output)
+                del values, infos, made
+                for value in kept.value_info[: len(own)]:
+                    existing.setdefault(value.name, value)
+                new.extend(kept.value_info[len(own) :])
+                for value in kept.output:
                     outputs.setdefault(value.name, value)
                 if wanted:
-                    for value in (*infos[: len(own)], *made, *values.graph.output):
+                    for value in (*kept.value_info, *kept.output):
                         if value.name in wanted and value.HasField("type"):
                             carried[value.name] = value
                 if _UNKNOWN_PREFIX.encode() in result:
-                    if symbols:  # not the names it was given again
-                        del infos[first - 1]
-                    found = _new_symbols(values.graph) - symbols
+                    found = _new_symbols(kept) - symbols
                     symbols |= found
                     symbol_dims += _dim_fields(sorted(found))
-                del result, values, infos, made
+                del result, kept
             del infer_data
         for i in step.constants:
             constants[nodes[i].output[0]] = _field(_NODE, nodes[i].SerializeToString())
