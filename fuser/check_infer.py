@@ -8,13 +8,11 @@ rewritten model is checked again before anything is written (`verify`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import tempfile
 from collections.abc import Iterator
 
 import onnx
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
 from .checkview import checker_view, inference_view, scan_nodes
@@ -22,6 +20,14 @@ from .errors import FusionError, ModelLoadError
 from .graph import TypeTable, may_hold_subgraphs
 from .heap import release_freed
 from .modelio import LoadedModel, unchanged_on_disk
+from .pieces import (
+    PieceRefusedError,
+    check_pieces,
+    infer_checked_pieces,
+    infer_pieces,
+    plan,
+    typed_values_class,
+)
 from .registry import ensure_fused_ops_registered
 
 
@@ -73,10 +79,19 @@ def _infer_view(
         except Exception:  # inference is best-effort here; patterns refuse what they cannot type
             inferred = model
     types: dict[str, TypeTable] = {}
-    if inferred is model or nested:
+    if inferred is model:
+        return _annotated(model)
+    if nested:
         _collect_types(inferred.graph, "", types)
         return types
     return {"": _values_table(inferred.graph, model)}
+
+
+def _annotated(model: onnx.ModelProto) -> dict[str, TypeTable]:
+    """The types `model` itself declares, per graph path (where inference failed)."""
+    types: dict[str, TypeTable] = {}
+    _collect_types(model.graph, "", types)
+    return types
 
 
 def _values_table(values: Message, model: onnx.ModelProto) -> TypeTable:
@@ -102,51 +117,13 @@ def _inferred_values_by_path(path: str) -> Message | None:
             onnx.shape_inference.infer_shapes_path(path, out, check_type=False, strict_mode=False)
             with open(out, "rb") as handle:
                 data = handle.read()
-            values = _typed_values_class()()
+            values = typed_values_class()()
             values.ParseFromString(data)
         except Exception:
             return None
     del data
     graph: Message = values.graph
     return graph
-
-
-@functools.cache
-def _typed_values_class() -> type[Message]:
-    """A message type laid out as ModelProto whose `graph` holds only GraphProto's `input`,
-    `output` and `value_info` (same field numbers and element type): parsing a model into it
-    makes Python messages of the value infos alone."""
-    graph_fields = onnx.GraphProto.DESCRIPTOR.fields_by_name
-    value_info = onnx.ValueInfoProto.DESCRIPTOR
-    file = descriptor_pb2.FileDescriptorProto(
-        name="fuser/typed_values.proto",
-        package="fuser.typed_values",
-        dependency=[value_info.file.name],
-        syntax="proto2",
-    )
-    graph = file.message_type.add(name="Values")
-    for name in ("input", "output", "value_info"):
-        graph.field.add(
-            name=name,
-            number=graph_fields[name].number,
-            label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED,
-            type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
-            type_name=f".{value_info.full_name}",
-        )
-    model = file.message_type.add(name="Model")
-    model.field.add(
-        name="graph",
-        number=onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number,
-        label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
-        type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
-        type_name=".fuser.typed_values.Values",
-    )
-    pool = descriptor_pool.Default()
-    try:
-        found = pool.FindMessageTypeByName("fuser.typed_values.Model")
-    except KeyError:
-        found = pool.Add(file).message_types_by_name["Model"]
-    return message_factory.GetMessageClass(found)
 
 
 def _inferred_by_path(path: str) -> onnx.ModelProto | None:
@@ -216,6 +193,17 @@ def check_and_infer(
     if view.warnings:
         return None
     ensure_fused_ops_registered()
+    if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
+        try:
+            try:
+                table = infer_pieces(view.model, loaded.model, steps)
+            except PieceRefusedError:  # the whole graph's check has the verdict and the message
+                _check_whole(view.model, loaded.label)
+                table = infer_checked_pieces(view.model, loaded.model, steps)
+        finally:
+            del view
+            release_freed()
+        return ({"": table} if table is not None else _annotated(loaded.model)), ()
     nested = view.nested
     # Not with external data: the checker resolves it against the folder of the file it reads.
     direct = as_read and not loaded.external and view.model is loaded.model
@@ -230,6 +218,18 @@ def check_and_infer(
         types = _infer_view(data, loaded.model, nested)
     release_freed()  # the C++ tools' copies of the model, freed but kept by the allocator
     return types, ()
+
+
+def _check_whole(model: onnx.ModelProto, label: str | None = None) -> None:
+    """onnx's checker on the whole of `model`; its ValidationError, or with `label` (the
+    input's) a ModelLoadError naming it."""
+    with serialized(model) as data:
+        try:
+            onnx.checker.check_model(data, full_check=False)
+        except onnx.checker.ValidationError as exc:
+            if label is None:
+                raise
+            raise ModelLoadError(f"{label}: invalid ONNX model: {_first_line(exc)}") from exc
 
 
 def _utf8(path: os.PathLike[str] | None) -> bool:
@@ -269,8 +269,14 @@ def verify(model: onnx.ModelProto, label: str, source: LoadedModel | None = None
     valid than the input. Each fused node's shape inference was checked against the
     original graph when it was made; a failure here is fuser's bug, so say so."""
     try:
-        with serialized(checker_view(model, source).model) as data:
-            onnx.checker.check_model(data, full_check=False)
+        view = checker_view(model, source)
+        if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
+            try:
+                check_pieces(view.model, steps)
+            except PieceRefusedError:  # the whole graph's check has the verdict and the message
+                _check_whole(view.model)
+        else:
+            _check_whole(view.model)
     except Exception as exc:
         raise FusionError(
             f"{label}: the fused model failed verification ({_first_line(exc)}); nothing was "

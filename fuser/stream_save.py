@@ -28,7 +28,8 @@ _LEN = 2  # wire type of a length-delimited field
 ReadExternal = Callable[[onnx.TensorProto], bytes]
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """`value` as protobuf's base-128 varint."""
     out = bytearray()
     while True:
         low = value & 0x7F
@@ -40,8 +41,9 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _key(number: int) -> bytes:
-    return _varint(number << 3 | _LEN)
+def length_key(number: int) -> bytes:
+    """The key of length-delimited field `number` (what precedes its length and bytes)."""
+    return varint(number << 3 | _LEN)
 
 
 def moves_out(tensor: onnx.TensorProto) -> bool:
@@ -129,7 +131,7 @@ def write_external(
     def graph_pieces(sizes_only: bool) -> Iterator[tuple[bytes, int, Message | None]]:
         """(key, size, message to write or None when sizing) per field element."""
         for fd, value in graph.ListFields():
-            key = _key(fd.number)
+            key = length_key(fd.number)
             if fd.is_repeated and fd.message_type is not None:
                 for i, element in enumerate(value):
                     if fd.name == "node" and i in by_node:
@@ -144,7 +146,7 @@ def write_external(
                 yield b"", len(data), None if sizes_only else _Raw(data)
 
     def piece_len(key: bytes, size: int) -> int:
-        return size if not key else len(key) + len(_varint(size)) + size
+        return size if not key else len(key) + len(varint(size)) + size
 
     graph_size = sum(piece_len(k, s) for k, s, _ in graph_pieces(True))
     for fd, value in model.ListFields():
@@ -153,12 +155,12 @@ def write_external(
             copy_field(fd, value, single)
             model_file.write(single.SerializeToString(deterministic=True))
             continue
-        model_file.write(_key(fd.number) + _varint(graph_size))
+        model_file.write(length_key(fd.number) + varint(graph_size))
         for key, size, element in graph_pieces(False):
             if isinstance(element, _Raw):
                 model_file.write(element.data)
             elif element is not None:
-                model_file.write(key + _varint(size))
+                model_file.write(key + varint(size))
                 model_file.write(element.SerializeToString(deterministic=True))
 
 

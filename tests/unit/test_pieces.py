@@ -1,0 +1,246 @@
+"""onnx's checker and shape inference a piece at a time (`fuser.pieces`) see what the whole-graph
+tools see: the same types, in the same order, and the same first error, on models cut into
+pieces of a few nodes (the module's sizes made small here)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from fuser.models.synthetic import cnn_graph, transformer_graph
+from onnx import TensorProto, helper, numpy_helper
+
+from fuser import check_infer, pieces
+from fuser.checkview import checker_view
+from fuser.errors import FusionError, ModelLoadError
+from fuser.modelio import load_model
+
+
+@pytest.fixture(autouse=True)
+def _small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pieces, "PIECE_NODES", 3)
+    monkeypatch.setattr(pieces, "MIN_NODES", 6)
+
+
+def _run(model: onnx.ModelProto, whole: bool, monkeypatch: pytest.MonkeyPatch) -> object:
+    """check_and_infer's types as an ordered list, or the error's message."""
+    with monkeypatch.context() as patch:
+        if whole:
+            patch.setattr(check_infer, "plan", lambda m, n: None)
+        else:  # the pieces route must be the one taken
+            real = pieces.plan
+            taken = []
+            patch.setattr(check_infer, "plan", lambda m, n: taken.append(real(m, n)) or taken[-1])
+        try:
+            checked = check_infer.check_and_infer(load_model(model))
+        except ModelLoadError as exc:
+            result: object = str(exc)
+        else:
+            assert checked is not None
+            table = checked[0][""]
+            result = [(name, table[name]) for name in table]
+        if not whole:
+            assert taken and taken[0] is not None
+    return result
+
+
+def _same(model: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch) -> object:
+    whole = _run(model, True, monkeypatch)
+    assert _run(model, False, monkeypatch) == whole
+    return whole
+
+
+def _chain(n: int = 10, dims: list[int | str] | None = None) -> onnx.ModelProto:
+    """x -> Relu -> Relu ... (n nodes) -> y."""
+    dims = dims or [2, 3]
+    nodes = [helper.make_node("Relu", [f"v{i}"], [f"v{i + 1}"], name=f"r{i}") for i in range(n)]
+    nodes[0].input[0] = "x"
+    nodes[-1].output[0] = "y"
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        cnn_graph(30, batch=1, channels=3),
+        transformer_graph(30, batch="b", seq=5),
+        _chain(11, ["n", 7]),
+    ],
+    ids=["cnn", "transformer-symbolic", "chain"],
+)
+def test_the_types_are_the_whole_graphs(model, monkeypatch):
+    types = _same(model, monkeypatch)
+    assert isinstance(types, list) and len(types) > 10
+
+
+def _nonzero_chain() -> onnx.ModelProto:
+    """NonZero after NonZero: each makes an unknown dim, which inference names unk__N; the
+    model's own value info already holds unk__1 (inference skips it)."""
+    nodes = []
+    value = "x"
+    for i in range(8):
+        nodes.append(helper.make_node("NonZero", [value], [f"nz{i}"]))
+        nodes.append(helper.make_node("Cast", [f"nz{i}"], [f"c{i}"], to=TensorProto.FLOAT))
+        value = f"c{i}"
+    nodes.append(helper.make_node("Relu", [value], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, None])],
+        value_info=[helper.make_tensor_value_info("c3", TensorProto.FLOAT, [2, "unk__1"])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_unknown_dims_get_the_whole_graphs_names(monkeypatch):
+    types = dict(_same(_nonzero_chain(), monkeypatch))  # type: ignore[arg-type]
+    names = [types[f"nz{i}"].shape[1] for i in range(8)]
+    assert len(set(names)) == 8 and "unk__1" not in names[:3]
+    assert types["c3"].shape == (2, "unk__1")
+
+
+def test_a_constant_of_an_earlier_piece_still_shapes_a_reshape(monkeypatch):
+    shape = helper.make_tensor("s", TensorProto.INT64, [2], [3, 2])
+    model = _chain(8)
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["shape"], value=shape))
+    model.graph.node.append(helper.make_node("Reshape", ["y", "shape"], ["z"]))
+    model.graph.node.append(helper.make_node("Reshape", ["v3", "k"], ["w"]))
+    model.graph.initializer.append(numpy_helper.from_array(np.array([6], np.int64), "k"))
+    types = dict(_same(model, monkeypatch))  # type: ignore[arg-type]
+    assert types["z"].shape == (3, 2) and types["w"].shape == (6,)
+
+
+def _broken(kind: str) -> onnx.ModelProto:
+    model = _chain(12)
+    nodes = model.graph.node
+    if kind == "duplicate producer across pieces":
+        nodes[9].output[0] = "v2"
+    elif kind == "read before its definition across pieces":
+        nodes[1].input[0] = "v10"
+    elif kind == "undefined input":
+        nodes[7].input[0] = "nowhere"
+    elif kind == "bad attribute in the last piece":
+        nodes[11].attribute.append(helper.make_attribute("alpha", 1.0))
+    elif kind == "output redefines a graph input":
+        nodes[8].output[0] = "x"
+    elif kind == "two errors: a node spec, then a duplicate":
+        nodes[4].attribute.append(helper.make_attribute("alpha", 1.0))
+        nodes[10].output[0] = "v3"
+    elif kind == "duplicate initializer, and a bad node":
+        model.graph.initializer.extend(
+            [numpy_helper.from_array(np.ones(2, np.float32), "w") for _ in range(2)]
+        )
+        nodes[1].attribute.append(helper.make_attribute("alpha", 1.0))
+    return model
+
+
+BROKEN = [
+    "duplicate producer across pieces",
+    "read before its definition across pieces",
+    "undefined input",
+    "bad attribute in the last piece",
+    "output redefines a graph input",
+    "two errors: a node spec, then a duplicate",
+    "duplicate initializer, and a bad node",
+]
+
+
+@pytest.mark.parametrize("kind", BROKEN)
+def test_a_broken_model_gets_the_whole_graphs_message(kind, monkeypatch):
+    message = _same(_broken(kind), monkeypatch)
+    assert isinstance(message, str) and "invalid ONNX model" in message
+
+
+@pytest.mark.parametrize("kind", BROKEN)
+def test_the_output_check_in_pieces_says_what_the_whole_check_says(kind, monkeypatch):
+    def verified(whole: bool) -> str:
+        with monkeypatch.context() as patch:
+            if whole:
+                patch.setattr(check_infer, "plan", lambda m, n: None)
+            with pytest.raises(FusionError) as caught:
+                check_infer.verify(_broken(kind), "m.onnx")
+        return str(caught.value)
+
+    assert verified(False) == verified(True)
+
+
+def test_an_external_initializer_is_seen_as_the_whole_graph_sees_it(tmp_path, monkeypatch):
+    model = _chain(9)
+    weight = numpy_helper.from_array(np.ones((2, 3), np.float32), "w")
+    model.graph.initializer.append(weight)
+    model.graph.node.append(helper.make_node("Add", ["y", "w"], ["z"]))
+    model.graph.output[0].name = "z"
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path, save_as_external_data=True, size_threshold=0, location="m.data")
+    assert load_model(path).external
+    whole = _run(path, True, monkeypatch)  # type: ignore[arg-type]
+    assert _run(path, False, monkeypatch) == whole  # type: ignore[arg-type]
+    assert dict(whole)["z"].shape == (2, 3)  # type: ignore[arg-type]
+
+
+def test_a_legacy_layernorm_goes_whole_and_is_typed(monkeypatch):
+    # the view moves onnxruntime's LayerNormalization out of the ONNX domain, where a node may
+    # hold a subgraph (`NodeScan.nested`): such a model takes the whole-graph route
+    model = _chain(9, [2, 4])
+    model.opset_import[0].version = 13  # LayerNormalization is onnxruntime's below 17
+    scale = numpy_helper.from_array(np.ones(4, np.float32), "scale")
+    model.graph.initializer.append(scale)
+    model.graph.node.append(
+        helper.make_node("LayerNormalization", ["y", "scale"], ["z", "mean"], axis=-1)
+    )
+    model.graph.output[0].name = "z"
+    view = checker_view(model)
+    assert pieces.plan(view.model, view.nested) is None
+    types = dict(_run(model, True, monkeypatch))  # type: ignore[arg-type]
+    assert types["z"].shape == (2, 4) and types["mean"].shape == (2, 1)
+
+
+def test_small_or_nested_graphs_go_whole():
+    small = _chain(5)
+    assert pieces.plan(small, nested=False) is None
+    assert pieces.plan(_chain(9), nested=True) is None
+    assert pieces.plan(_chain(9), nested=False) is not None
+    passthrough = _chain(9)
+    passthrough.graph.output.append(passthrough.graph.input[0])  # an output that is an input
+    assert pieces.plan(passthrough, nested=False) is None
+
+
+def test_a_value_of_unknown_rank_crossing_pieces_is_declared_for_the_checker_only(monkeypatch):
+    # Squeeze (no axes) of NonZero's [2, unknown]: inference cannot tell the rank; the next
+    # piece reads it (the checker wants a shape of a main graph's input, inference none)
+    model = _chain(10)
+    nodes = model.graph.node
+    nodes[1].op_type, nodes[2].op_type = "NonZero", "Squeeze"
+    nodes.insert(3, helper.make_node("Cast", ["v3"], ["v3f"], to=TensorProto.FLOAT))
+    nodes[4].input[0] = "v3f"
+    view = checker_view(model)
+    steps = pieces.plan(view.model, view.nested)
+    assert steps is not None and steps[1].before == ["v3"]
+    types = dict(_same(model, monkeypatch))  # type: ignore[arg-type]
+    assert types["v3"].shape is None
+
+
+def test_a_piece_refused_wrongly_is_overruled_by_the_whole_check(monkeypatch):
+    model = _chain(10)
+    whole = _run(model, True, monkeypatch)
+    refused = []
+
+    def refuse(*args, **kwargs):  # a piece that fails where the whole graph passes
+        refused.append(1)
+        raise pieces.PieceRefusedError("refused")
+
+    monkeypatch.setattr(check_infer, "infer_pieces", refuse)
+    monkeypatch.setattr(check_infer, "check_pieces", refuse)
+    checked = check_infer.check_and_infer(load_model(model))
+    assert checked is not None
+    table = checked[0][""]
+    assert [(n, table[n]) for n in table] == whole
+    check_infer.verify(model, "m.onnx")  # passes: the whole check says so
+    assert refused == [1, 1]
