@@ -42,6 +42,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 from onnx.onnx_cpp2py_export import shape_inference as c_inference
 
+from .checkview import copy_field
 from .graph import TypeTable
 from .stream_save import length_key, varint
 
@@ -166,14 +167,8 @@ def _head(model: onnx.ModelProto) -> bytes:
     """`model`'s fields but its graph, serialized."""
     head = onnx.ModelProto()
     for fd, value in model.ListFields():
-        if fd.name == "graph":
-            continue
-        if fd.is_repeated:
-            getattr(head, fd.name).extend(value)
-        elif fd.message_type is not None:
-            getattr(head, fd.name).CopyFrom(value)
-        else:
-            setattr(head, fd.name, value)
+        if fd.name != "graph":
+            copy_field(fd, value, head)
     return head.SerializeToString()
 
 
