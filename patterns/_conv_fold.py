@@ -177,7 +177,7 @@ def _fold_raw(
 ) -> Folded | str | None:
     """The fold of the common case (see the module docstring), or None for the general path."""
     names = _names(conv_node, bn)
-    ahead = _PREFETCH.take(graph, conv_node, names, epsilon)
+    ahead = PREFETCH.take(graph, conv_node, names, epsilon)
     if ahead is not None:
         raw, folded = ahead
     else:
@@ -238,7 +238,7 @@ class _Prefetch:
         if self._graph is None or self._graph() is not graph:
             self._start(graph)
         node_id = graph.producer.get(conv_node.output[0], -1)
-        entry = self._folds.get(node_id)
+        entry = self._folds.pop(node_id, None)  # each fold serves its Conv once
         if entry is None:
             at = self._order.get(node_id)
             if at is None or at < self._covered:
@@ -255,12 +255,24 @@ class _Prefetch:
             return None
         return raw, folded
 
+    @property
+    def held(self) -> int:
+        """Folds computed ahead and not handed out yet (each holds its tensors, and a tensor
+        held keeps its whole model's memory alive: none once the pass's graph is gone)."""
+        return len(self._folds)
+
     def _start(self, graph: GraphIndex) -> None:
-        self._graph = weakref.ref(graph)
+        self._graph = weakref.ref(graph, self._forget)
         self._convs = graph.anchored([("", "Conv")])
         self._order = {node_id: i for i, node_id in enumerate(self._convs)}
         self._covered = 0
         self._folds = {}
+
+    def _forget(self, gone: weakref.ref[GraphIndex]) -> None:
+        """The pass's graph is gone: let go of what was computed for it (the folds hold its
+        model's tensors, and so all its memory, until the next fuse otherwise)."""
+        if self._graph is gone:
+            self._graph, self._convs, self._order, self._folds = None, [], {}, {}
 
     def _fill(self, graph: GraphIndex, at: int) -> None:
         """Fold the Convs `at` .. `at + _AHEAD` (in the pass's order) that read a BN."""
@@ -307,7 +319,7 @@ def _bn_reader(graph: GraphIndex, conv_node: onnx.NodeProto) -> onnx.NodeProto |
     return None
 
 
-_PREFETCH = _Prefetch()
+PREFETCH = _Prefetch()  # one per process: a pass's folds, released with its graph
 
 
 def _raw_tensor(

@@ -164,3 +164,23 @@ def test_a_parameter_replaced_after_its_fold_was_computed_ahead_is_read_again() 
     changed = dict(chains[2][0], scale=new_scale)
     assert tuple(folds[1]) == _formula(changed)
     assert tuple(folds[1]) != _formula(chains[2][0])
+
+
+def test_no_fold_computed_ahead_outlives_the_fuse() -> None:
+    """The folds computed ahead hold tensors of the fused model (a tensor held keeps its whole
+    model's memory alive): a Conv whose match is refused after its fold was computed ahead
+    (here: its Conv output is also a graph output, read elsewhere) leaves one behind during
+    the pass, and none may be left once the fuse has returned."""
+    import gc
+
+    from fuser.patterns import _conv_fold
+
+    rng = np.random.default_rng(7)
+    chains = [(_chain_values(rng, 8, 3, np.float32, np.float32, True, "none"), 1) for _ in range(3)]
+    model = _graph(chains, TensorProto.FLOAT)
+    conv_out = next(n.output[0] for n in model.graph.node if n.op_type == "Conv")
+    model.graph.output.append(helper.make_tensor_value_info(conv_out, TensorProto.FLOAT, None))
+    result = fuse_all(model)
+    assert len(result.report.fusions) == 2  # one chain refused, its fold unused
+    gc.collect()
+    assert _conv_fold.PREFETCH.held == 0
