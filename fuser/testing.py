@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from .api import FusionResult, fuse
 from .decide import AlwaysFuse
@@ -99,3 +100,28 @@ def assert_runs_stock(
                 bad.append(result)
     assert not bad, f"stock onnxruntime: outputs differ: {bad}"
     return sorted({n.op_type for n in fused.graph.node if n.domain == DOMAIN})
+
+
+def conv_bn_chain(
+    prefix: str, x: str, out: str, rng: np.random.Generator, channels: int
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """A 1x1 Conv named `prefix` reading `x` (`channels` in and out) -> BatchNormalization
+    writing `out`, its parameters as float32 initializers named `prefix`.w/.s/.b/.m/.v drawn
+    from `rng` (weights, then scale, bias, mean, variance); returns (nodes, initializers)."""
+    w = numpy_helper.from_array(
+        rng.standard_normal((channels, channels, 1, 1)).astype(np.float32), f"{prefix}.w"
+    )
+    params = [
+        numpy_helper.from_array(v.astype(np.float32), f"{prefix}.{n}")
+        for n, v in (
+            ("s", rng.uniform(0.5, 2, channels)),
+            ("b", rng.standard_normal(channels)),
+            ("m", rng.standard_normal(channels)),
+            ("v", rng.uniform(0.5, 2, channels)),
+        )
+    ]
+    nodes = [
+        helper.make_node("Conv", [x, w.name], [f"{prefix}.y"], name=prefix),
+        helper.make_node("BatchNormalization", [f"{prefix}.y", *(p.name for p in params)], [out]),
+    ]
+    return nodes, [w, *params]

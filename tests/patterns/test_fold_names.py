@@ -6,42 +6,22 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from fuser.graph import GraphIndex, TypeTable
 from fuser.modelio import load_model
 from fuser.ort import session
-from fuser.testing import fuse_all, reasons
+from fuser.testing import conv_bn_chain, fuse_all, reasons
 
 RNG_SEED = 10
-
-
-def _conv_bn(prefix: str, x: str, out: str, rng: np.random.Generator) -> tuple[list, list]:
-    """Conv named `prefix` -> BatchNormalization writing `out`, parameters as initializers."""
-    w = numpy_helper.from_array(rng.standard_normal((3, 3, 1, 1)).astype(np.float32), "w")
-    w.name = f"{prefix}.w"
-    params = [
-        numpy_helper.from_array(v.astype(np.float32), f"{prefix}.{n}")
-        for n, v in (
-            ("s", rng.uniform(0.5, 2, 3)),
-            ("b", rng.standard_normal(3)),
-            ("m", rng.standard_normal(3)),
-            ("v", rng.uniform(0.5, 2, 3)),
-        )
-    ]
-    nodes = [
-        helper.make_node("Conv", [x, w.name], [f"{prefix}.y"], name=prefix),
-        helper.make_node("BatchNormalization", [f"{prefix}.y", *(p.name for p in params)], [out]),
-    ]
-    return nodes, [w, *params]
 
 
 def _two_layers() -> onnx.ModelProto:
     """c1 -> BN writing 'c2.W_bn_folded' -> Relu -> c2 -> BN: the first fusion removes the
     value 'c2.W_bn_folded' before the second fold names its weight."""
     rng = np.random.default_rng(RNG_SEED)
-    first, inits1 = _conv_bn("c1", "x", "c2.W_bn_folded", rng)
-    second, inits2 = _conv_bn("c2", "r", "y", rng)
+    first, inits1 = conv_bn_chain("c1", "x", "c2.W_bn_folded", rng, 3)
+    second, inits2 = conv_bn_chain("c2", "r", "y", rng, 3)
     nodes = [*first, helper.make_node("Relu", ["c2.W_bn_folded"], ["r"]), *second]
     shape = [1, 3, 4, 5]
     graph = helper.make_graph(

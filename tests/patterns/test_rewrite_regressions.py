@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fuser.ort import session
-from fuser.testing import assert_equivalent, fuse_all, reasons
+from fuser.testing import assert_equivalent, conv_bn_chain, fuse_all, reasons
 
 RNG_SEED = 14
 
@@ -52,31 +52,11 @@ def _full_check(model: onnx.ModelProto) -> None:
 # -- 2: new initializer names against enclosing graphs and subgraphs --------------------------
 
 
-def _conv_bn(prefix: str, x: str, out: str, rng: np.random.Generator) -> tuple[list, list]:
-    """Conv named `prefix` -> BN, its parameters as initializers named after it."""
-    w = numpy_helper.from_array(rng.standard_normal((2, 2, 1, 1)).astype(np.float32), "w")
-    params = [
-        numpy_helper.from_array(v.astype(np.float32), f"{prefix}.{n}")
-        for n, v in (
-            ("s", rng.uniform(0.5, 2, 2)),
-            ("b", rng.standard_normal(2)),
-            ("m", rng.standard_normal(2)),
-            ("v", rng.uniform(0.5, 2, 2)),
-        )
-    ]
-    w.name = f"{prefix}.w"
-    nodes = [
-        helper.make_node("Conv", [x, w.name], [f"{prefix}.y"], name=prefix),
-        helper.make_node("BatchNormalization", [f"{prefix}.y", *(p.name for p in params)], [out]),
-    ]
-    return nodes, [w, *params]
-
-
 def test_folded_weight_in_a_branch_does_not_shadow_an_outer_value() -> None:
     """The branch reads outer 'conv.W_bn_folded'; the fold inside the branch must not take
     that name (it would silently replace what the branch reads)."""
     rng = np.random.default_rng(RNG_SEED)
-    conv, inits = _conv_bn("conv", "x", "bn", rng)
+    conv, inits = conv_bn_chain("conv", "x", "bn", rng, 2)
     then_nodes = [*conv, helper.make_node("Add", ["bn", "conv.W_bn_folded"], ["t"])]
     then = helper.make_graph(
         then_nodes,
@@ -117,7 +97,7 @@ def test_main_graph_fold_does_not_take_a_name_a_subgraph_defines() -> None:
     """A branch defines 'conv.W_bn_folded' itself: a main-graph initializer of that name
     would be defined twice (an SSA violation the checker and onnxruntime refuse)."""
     rng = np.random.default_rng(RNG_SEED)
-    conv, inits = _conv_bn("conv", "x", "bn", rng)
+    conv, inits = conv_bn_chain("conv", "x", "bn", rng, 2)
     branch = helper.make_graph(
         [
             helper.make_node("Neg", ["x"], ["conv.W_bn_folded"]),
@@ -341,7 +321,7 @@ def test_float64_chains_are_refused_for_every_family_but_the_norms() -> None:
     them unpriced, and their reference and function body compute the original in double."""
     rng = np.random.default_rng(RNG_SEED)
     d = TensorProto.DOUBLE
-    conv, _ = _conv_bn("conv", "x", "bn", rng)
+    conv, _ = conv_bn_chain("conv", "x", "bn", rng, 2)
     inits64 = [
         numpy_helper.from_array(rng.uniform(0.5, 2, s).astype(np.float64), n)
         for n, s in (
