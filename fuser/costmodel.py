@@ -147,6 +147,8 @@ class CostModelDecider:
         if fused.symbolic:
             sizes = sorted({*self.symbolic_range, self.symbolic_size})
             for s in sizes:
+                if slower is not None:
+                    break  # the first size it is slower at decides: the rest cannot change it
                 if s == self.symbolic_size:
                     f, u = fused, unfused
                 else:
@@ -319,6 +321,12 @@ class CostModelDecider:
                     found = kernel_search.best(domain, node.op_type, metas, attrs, self.machine)
                     cycles = found.best.cycles
                     tiling = kernel.tiling_to_attrs(found.best.tiling)
+                elif not any(isinstance(x, np.ndarray) for x in inputs) and (
+                    kernel.tiling_from_attrs(attrs) is None
+                ):
+                    # The run at its run-time tiling that a fused op's staged schedule times
+                    # too (a LayerNormalization before the MatMuls it feeds): one run, shared.
+                    cycles = kernel_search.timed_cycles(kernel, metas, attrs, self.machine)
                 else:
                     run = kernel.run(self.machine, inputs, attrs, functional=False, timeline=False)
                     cycles = run.stats.cycles
@@ -537,14 +545,21 @@ def _freeze(value: Any) -> Hashable:
 
 
 def _node_facts(graph: GraphIndex, match: Match) -> tuple[Hashable, ...]:
-    """What the unfused side's price reads of the matched nodes: op types and attributes."""
+    """What the unfused side's price reads of the matched nodes: op types and attributes.
+
+    Per node (op type, domain, each attribute's serialization...): a flat tuple, and the
+    attributes serialized only where there are any (a key is made per match)."""
     serialize = onnx.AttributeProto.SerializeToString
-    return tuple(
-        [
-            (n.op_type, n.domain, tuple(map(serialize, n.attribute)))
-            for n in map(graph.nodes.__getitem__, match.nodes)  # graph.node, inline
-        ]
-    )
+    nodes = graph.nodes  # graph.node, inline
+    facts: list[Hashable] = []
+    for node_id in match.nodes:
+        n = nodes[node_id]
+        attributes = n.attribute
+        if attributes:
+            facts.append((n.op_type, n.domain, *map(serialize, attributes)))
+        else:
+            facts.append((n.op_type, n.domain))
+    return tuple(facts)
 
 
 def _signature(

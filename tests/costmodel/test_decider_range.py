@@ -73,3 +73,35 @@ def test_a_fusion_slower_at_one_size_of_the_range_is_refused_naming_it() -> None
     ok = fuse(get_example("tp-mlp"), decider=fixed).report
     assert len(ok.fusions) == 1
     assert any("batch=2, seq=8" in n for n in ok.fusions[0].notes), ok.fusions[0].notes
+
+
+class SlowAtSmallSizes(CostModelDecider):
+    """Prices the fused op at twice the unfused chain at sizes below 16, and records the
+    symbolic sizes it was asked to price."""
+
+    def price_fused(self, graph: GraphIndex, match: Match) -> Priced:
+        ASKED.append(self.symbolic_size)
+        real = super().price_fused(graph, match)
+        if real.symbolic and self.symbolic_size < 16:
+            return Priced(2 * self.price_unfused(graph, match).cycles, real.tiling, True)
+        return real
+
+
+ASKED: list[int] = []
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_the_range_stops_at_the_first_size_it_is_slower_at(force: bool) -> None:
+    # The sizes go up from 1: slower there decides (refused, or forced with that reason), and
+    # 16 and 4096 are not priced for nothing. The prediction is still the one at 256.
+    ASKED.clear()
+    decider = SlowAtSmallSizes.for_target("ascend910b", cache=False, force=force)
+    report = fuse(get_example("tp-mlp"), decider=decider).report
+    assert ASKED == [256, 1], ASKED
+    if force:
+        (fusion,) = report.fusions
+        assert any("forced: predicted slower" in n and RANGE_NOTE in n for n in fusion.notes)
+    else:
+        assert not report.fusions
+        (reason,) = [r.reason for r in report.rejected]
+        assert "at symbolic size 1 " in reason and RANGE_NOTE in reason

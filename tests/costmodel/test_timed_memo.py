@@ -7,12 +7,18 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 from fuser.kernels import _staged
 from fuser.kernels import search as ks
 from fuser.kernels.api import Kernel, TensorMeta
 from fuser.kernels.npu.machine import load_target
 from fuser.kernels.registry import get_kernel
+
+from fuser.check_infer import infer_types
+from fuser.costmodel import CostModelDecider
+from fuser.graph import GraphIndex
+from fuser.modelio import load_model
 
 B910 = load_target("ascend910b")
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
@@ -64,3 +70,31 @@ def test_a_repeated_stage_runs_its_kernel_once(monkeypatch: pytest.MonkeyPatch) 
         _staged.stage_cycles(B910, "LayerNormalization", x, {"axis": -1, "epsilon": 1e-5}) == first
     )
     assert len(calls) == 4 and calls[-1] == ((5, 9, 24), (24,), (24,))
+
+
+def test_an_unfused_node_and_a_stage_of_the_same_op_share_one_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The cost model times an unfused LayerNormalization (no cost model: a timing-only run at
+    # its run-time tiling) through `timed_cycles`: a fused op's staged schedule that times the
+    # same LayerNorm as a stage does not run it again, and the cycles are the plain run's.
+    kernel = get_kernel("", "LayerNormalization")
+    assert kernel is not None
+    ks.clear_memo()
+    model = onnx.parser.parse_model(
+        """<ir_version: 9, opset_import: ["" : 17]>
+        g (float16[7, 33, 40] x, float16[40] s, float16[40] b) => (float16[7, 33, 40] y) {
+            y = LayerNormalization <axis = -1, epsilon = 0.001> (x, s, b)
+        }"""
+    )
+    loaded = load_model(model)
+    graph = GraphIndex.build(loaded.model.graph, loaded, {"": 17}, infer_types(loaded.model)[""])
+    metas = [TensorMeta((7, 33, 40), F16), TensorMeta((40,), F16), TensorMeta((40,), F16)]
+    attrs = {"axis": -1, "epsilon": float(np.float32(0.001))}
+    direct = kernel.run(B910, metas, attrs, functional=False, timeline=False).stats.cycles
+    calls = counted_runs(monkeypatch, kernel)
+    decider = CostModelDecider.for_target("ascend910b", cache=False)
+    cycles, symbolic = decider.price_node(graph, loaded.model.graph.node[0])
+    assert (cycles, symbolic) == (direct, False)
+    assert ks.timed_cycles(kernel, metas, attrs, B910) == direct
+    assert len(calls) == 1 and calls[0] == ((7, 33, 40), (40,), (40,))
