@@ -332,9 +332,13 @@ class GraphIndex:
     initializers: dict[str, onnx.TensorProto] = field(default_factory=dict)
     graph_inputs: set[str] = field(default_factory=set)
     graph_outputs: set[str] = field(default_factory=set)
-    node_names: set[str] = field(default_factory=set)
+    # each node name, by itself: the names a rewrite records of the nodes it replaces are
+    # these strs (`describe_all`), not one new copy per read of a name (~7 MB at 100k nodes)
+    node_names: dict[str, str] = field(default_factory=dict)
     reserved_names: set[str] = field(default_factory=set)
-    dead_initializers: set[str] = field(default_factory=set)
+    # an initializer was dropped (`_drop_dead`): `write_back` cuts those no longer in
+    # `initializers` off the graph (a set of the dropped names held 4 MB at 100k nodes)
+    _dropped_initializers: bool = False
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
     _runtime_swept: bool = False  # `_sweep_runtime` done
@@ -403,7 +407,7 @@ class GraphIndex:
             index_of[node_id] = node
             name = node.name
             if name:
-                names.add(name)
+                names[name] = name
             op_type, domain = node.op_type, node.domain
             kind = (domain or "", op_type)
             same = by_kind.get(kind)
@@ -451,28 +455,28 @@ class GraphIndex:
 
     def _add_node(self, node: onnx.NodeProto, *, at_end: bool) -> int:
         # interned, as `_index_nodes` does: one str per name, the one the tables hold
-        node_id = self._index_added(
-            node, tuple(map(sys.intern, self.read_names(node))), node.output
-        )
+        reads = tuple(map(sys.intern, self.read_names(node)))
+        node_id = self._index_added(node, reads, node.output, holder=may_hold_subgraphs(node))
         if at_end:
             self.pos[node_id] = len(self.order)
             self.order.append(node_id)
         return node_id
 
     def _index_added(
-        self, node: onnx.NodeProto, reads: tuple[str, ...], outputs: Iterable[str]
+        self, node: onnx.NodeProto, reads: tuple[str, ...], outputs: Iterable[str], *, holder: bool
     ) -> int:
         """Give `node` the next id and put it in the tables (not in the order), `reads` being
-        what it reads (`read_names`, interned) and `outputs` its outputs."""
+        what it reads (`read_names`, interned), `outputs` its outputs, and `holder` whether it
+        may hold subgraphs (`_holders`)."""
         self._version += 1
         node_id = self._next_id
         self._next_id += 1
         self.nodes[node_id] = node
-        if node.name:
-            self.node_names.add(node.name)
-        domain, op_type = node.domain, node.op_type
-        self.by_kind.setdefault((domain or "", op_type), []).append(node_id)
-        if op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx"):  # may_hold_subgraphs
+        name = node.name
+        if name:
+            self.node_names.setdefault(name, name)
+        self.by_kind.setdefault((node.domain or "", node.op_type), []).append(node_id)
+        if holder:
             self._holders.add(node_id)
         self._reads.append(reads)  # at `node_id` (see `_index_nodes`)
         consumers, producer = self.consumers, self.producer
@@ -558,8 +562,14 @@ class GraphIndex:
 
     def describe_all(self, node_ids: Iterable[int]) -> tuple[str, ...]:
         """`describe` of each of `node_ids` (a rewrite names every node it replaces)."""
-        nodes = self.nodes
-        return tuple([nodes[i].name or f"{nodes[i].op_type}#{i}" for i in node_ids])
+        nodes, names = self.nodes, self.node_names
+        described = []
+        for node_id in node_ids:
+            name = nodes[node_id].name
+            described.append(
+                names.get(name, name) if name else f"{nodes[node_id].op_type}#{node_id}"
+            )
+        return tuple(described)
 
     def anchored(self, kinds: Iterable[tuple[str, str]]) -> list[int]:
         """The live nodes of the given (domain, op_type) kinds, in topological order: what a
@@ -787,7 +797,7 @@ class GraphIndex:
         while name in self.node_names:
             counter += 1
             name = f"{base}_{counter}"
-        self.node_names.add(name)
+        self.node_names[name] = name
         return name
 
     def unique_value_name(self, base: str) -> str:
@@ -838,8 +848,7 @@ class GraphIndex:
             counter += 1
             name = f"{base}_{counter}"
         name = sys.intern(name)  # the tables key the new value by this same str
-        reserved.add(name)
-        taken.add(name)
+        taken.add(name)  # what `reserved_names` would add: every path checks `taken` too
         return name
 
     def _root(self) -> GraphIndex:
@@ -977,7 +986,8 @@ class GraphIndex:
         lo, hi = min(slots), max(slots)
         intern = sys.intern
         read = [name for name in (fused.input if inputs is None else inputs) if name]
-        if inputs is None and may_hold_subgraphs(fused):  # and what its subgraphs read
+        holder = inputs is None and may_hold_subgraphs(fused)
+        if holder:  # and what its subgraphs read
             fused_reads = tuple(map(intern, self.read_names(fused)))
         else:  # interned, as `_index_nodes` does: one str per name, the one the tables hold
             fused_reads = tuple(map(intern, read))
@@ -1048,7 +1058,10 @@ class GraphIndex:
             placed_node = self.graph.node.add()
             placed_node.CopyFrom(fused)
         fused_id = self._index_added(
-            placed_node, fused_reads, placed_node.output if outputs is None else outputs
+            placed_node,
+            fused_reads,
+            placed_node.output if outputs is None else outputs,
+            holder=holder,
         )
         if after or hi - lo + 1 != len(member_set):
             after_set = set(after)
@@ -1064,14 +1077,14 @@ class GraphIndex:
             order[lo : hi + 1] = [fused_id] + [None] * (hi - lo)
             pos[fused_id] = lo
         if emptied:  # `_drop_dead(emptied)`, its first step inline: most are dead weights
-            initializers, dead, more = self.initializers, self.dead_initializers, []
+            initializers, more = self.initializers, []
             graph_outputs, graph_inputs = self.graph_outputs, self.graph_inputs
             for name in emptied:  # what is dead does not depend on the order asked
                 if consumers[name] or name in graph_outputs:
                     continue
                 if name in initializers and name not in graph_inputs:
                     del initializers[name]
-                    dead.add(name)
+                    self._dropped_initializers = True
                 else:  # a node's output (or an overridable initializer): the general case
                     more.append(name)
             if more:
@@ -1091,7 +1104,7 @@ class GraphIndex:
                 continue
             if name in initializers and name not in self.graph_inputs:
                 del initializers[name]
-                self.dead_initializers.add(name)
+                self._dropped_initializers = True
                 continue
             node_id = producer.get(name)
             if node_id is None:
@@ -1124,9 +1137,10 @@ class GraphIndex:
         dead = len(live_ids)
         self.graph.node.sort(key=lambda node: rank.get(id(node), dead))
         del self.graph.node[len(live_ids) :]
-        if self.dead_initializers:
+        if self._dropped_initializers:
             # the kept ones in their order: the input's, then the new ones as they were made
-            gone = self.dead_initializers
-            kept = sum(1 for t in self.graph.initializer if t.name not in gone)
-            self.graph.initializer.sort(key=lambda t: t.name in gone)  # stable: order kept
+            live = self.initializers
+            kept = sum(1 for t in self.graph.initializer if t.name in live)
+            self.graph.initializer.sort(key=lambda t: t.name not in live)  # stable: order kept
             del self.graph.initializer[kept:]
+            self._dropped_initializers = False
