@@ -336,9 +336,9 @@ class GraphIndex:
     # these strs (`describe_all`), not one new copy per read of a name (~7 MB at 100k nodes)
     node_names: dict[str, str] = field(default_factory=dict)
     reserved_names: set[str] = field(default_factory=set)
-    # an initializer was dropped (`_drop_dead`): `write_back` cuts those no longer in
-    # `initializers` off the graph (a set of the dropped names held 4 MB at 100k nodes)
-    _dropped_initializers: bool = False
+    # initializers dropped (`_drop_dead`) since the last `write_back`, which cuts those no
+    # longer in `initializers` off the graph (a set of their names held 4 MB at 100k nodes)
+    _dropped_initializers: int = 0
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
     _runtime_swept: bool = False  # `_sweep_runtime` done
@@ -1084,7 +1084,7 @@ class GraphIndex:
                     continue
                 if name in initializers and name not in graph_inputs:
                     del initializers[name]
-                    self._dropped_initializers = True
+                    self._dropped_initializers += 1
                 else:  # a node's output (or an overridable initializer): the general case
                     more.append(name)
             if more:
@@ -1104,7 +1104,7 @@ class GraphIndex:
                 continue
             if name in initializers and name not in self.graph_inputs:
                 del initializers[name]
-                self._dropped_initializers = True
+                self._dropped_initializers += 1
                 continue
             node_id = producer.get(name)
             if node_id is None:
@@ -1139,8 +1139,16 @@ class GraphIndex:
         del self.graph.node[len(live_ids) :]
         if self._dropped_initializers:
             # the kept ones in their order: the input's, then the new ones as they were made
-            live = self.initializers
-            kept = sum(1 for t in self.graph.initializer if t.name in live)
-            self.graph.initializer.sort(key=lambda t: t.name not in live)  # stable: order kept
-            del self.graph.initializer[kept:]
-            self._dropped_initializers = False
+            live, tensors = self.initializers, self.graph.initializer
+            tensors.sort(key=lambda t: t.name not in live)  # stable: order kept
+            # one tensor per dropped name (names are unique), which the boundary confirms;
+            # were they not, the kept ones are counted
+            kept = len(tensors) - self._dropped_initializers
+            if not (
+                0 <= kept <= len(tensors)
+                and (kept == 0 or tensors[kept - 1].name in live)
+                and (kept == len(tensors) or tensors[kept].name not in live)
+            ):
+                kept = sum(1 for t in tensors if t.name in live)
+            del tensors[kept:]
+            self._dropped_initializers = 0
