@@ -1085,7 +1085,7 @@ class GraphIndex:
                 if name in initializers and name not in graph_inputs:
                     del initializers[name]
                     self._dropped_initializers += 1
-                else:  # a node's output (or an overridable initializer): the general case
+                elif name in producer:  # a live node's output: maybe a dead node, and more
                     more.append(name)
             if more:
                 self._drop_dead(more)
