@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import sys
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -332,9 +332,13 @@ class GraphIndex:
     initializers: dict[str, onnx.TensorProto] = field(default_factory=dict)
     graph_inputs: set[str] = field(default_factory=set)
     graph_outputs: set[str] = field(default_factory=set)
-    node_names: set[str] = field(default_factory=set)
+    # each node name, by itself: the names a rewrite records of the nodes it replaces are
+    # these strs (`describe_all`), not one new copy per read of a name (~7 MB at 100k nodes)
+    node_names: dict[str, str] = field(default_factory=dict)
     reserved_names: set[str] = field(default_factory=set)
-    dead_initializers: set[str] = field(default_factory=set)
+    # initializers dropped (`_drop_dead`) since the last `write_back`, which cuts those no
+    # longer in `initializers` off the graph (a set of their names held 4 MB at 100k nodes)
+    _dropped_initializers: int = 0
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
     _runtime_swept: bool = False  # `_sweep_runtime` done
@@ -346,6 +350,9 @@ class GraphIndex:
     # tables and `_retired` stand for the main graph's names, `_taken` holds the rest
     _taken_from_index: bool = False
     _retired: set[str] = field(default_factory=set)  # names removed from the index's tables
+    # ids of the nodes that may hold subgraphs (`may_hold_subgraphs`), dead ones included: a
+    # rewrite asks of each node it removes, without reading its op_type and domain again
+    _holders: set[int] = field(default_factory=set)
     _next_id: int = 0
     _version: int = 0  # bumped by every change to nodes or edges (`_window_memo`'s validity)
     _window_memo: tuple[Any, list[int], str | None] | None = None  # descendants_in_window's last
@@ -392,7 +399,7 @@ class GraphIndex:
         and produced by no node. Otherwise (or on a dangling input or a cycle) the caller
         sorts, which names the problem."""
         producer, consumers, reads_of = self.producer, self.consumers, self._reads
-        by_kind, names, index_of = self.by_kind, self.node_names, self.nodes
+        by_kind, names, index_of, holders = self.by_kind, self.node_names, self.nodes, self._holders
         early: set[str] = set()  # read before any node produced it
         intern = sys.intern  # each read of a name makes a new str: one copy of each is kept
         node_id = self._next_id
@@ -400,7 +407,7 @@ class GraphIndex:
             index_of[node_id] = node
             name = node.name
             if name:
-                names.add(name)
+                names[name] = name
             op_type, domain = node.op_type, node.domain
             kind = (domain or "", op_type)
             same = by_kind.get(kind)
@@ -410,6 +417,7 @@ class GraphIndex:
                 same.append(node_id)
             if op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx"):
                 reads = tuple(map(intern, self.read_names(node)))
+                holders.add(node_id)
             else:
                 reads = tuple(map(intern, filter(None, node.input)))  # no Python frame
             reads_of.append(reads)  # at `node_id`: ids are given in order from len(_reads)
@@ -446,26 +454,39 @@ class GraphIndex:
         )
 
     def _add_node(self, node: onnx.NodeProto, *, at_end: bool) -> int:
+        # interned, as `_index_nodes` does: one str per name, the one the tables hold
+        reads = tuple(map(sys.intern, self.read_names(node)))
+        node_id = self._index_added(node, reads, node.output, holder=may_hold_subgraphs(node))
+        if at_end:
+            self.pos[node_id] = len(self.order)
+            self.order.append(node_id)
+        return node_id
+
+    def _index_added(
+        self, node: onnx.NodeProto, reads: tuple[str, ...], outputs: Iterable[str], *, holder: bool
+    ) -> int:
+        """Give `node` the next id and put it in the tables (not in the order), `reads` being
+        what it reads (`read_names`, interned), `outputs` its outputs, and `holder` whether it
+        may hold subgraphs (`_holders`)."""
         self._version += 1
         node_id = self._next_id
         self._next_id += 1
         self.nodes[node_id] = node
-        if node.name:
-            self.node_names.add(node.name)
+        name = node.name
+        if name:
+            self.node_names.setdefault(name, name)
         self.by_kind.setdefault((node.domain or "", node.op_type), []).append(node_id)
-        # interned, as `_index_nodes` does: one str per name, the one the tables hold
-        reads = tuple(map(sys.intern, self.read_names(node)))
+        if holder:
+            self._holders.add(node_id)
         self._reads.append(reads)  # at `node_id` (see `_index_nodes`)
+        consumers, producer = self.consumers, self.producer
         for name in reads:
-            self.consumers[name] = _with_reader(self.consumers.get(name), node_id)
-        for name in node.output:
+            consumers[name] = _with_reader(consumers.get(name), node_id)
+        for name in outputs:
             if name:
-                if name in self.producer:
+                if name in producer:
                     self._twice_produced(name, node)
-                self.producer[sys.intern(name)] = node_id
-        if at_end:
-            self.pos[node_id] = len(self.order)
-            self.order.append(node_id)
+                producer[sys.intern(name)] = node_id
         return node_id
 
     @staticmethod
@@ -538,6 +559,17 @@ class GraphIndex:
     def describe(self, node_id: int) -> str:
         node = self.nodes[node_id]
         return node.name or f"{node.op_type}#{node_id}"
+
+    def describe_all(self, node_ids: Iterable[int]) -> tuple[str, ...]:
+        """`describe` of each of `node_ids` (a rewrite names every node it replaces)."""
+        nodes, names = self.nodes, self.node_names
+        described = []
+        for node_id in node_ids:
+            name = nodes[node_id].name
+            described.append(
+                names.get(name, name) if name else f"{nodes[node_id].op_type}#{node_id}"
+            )
+        return tuple(described)
 
     def anchored(self, kinds: Iterable[tuple[str, str]]) -> list[int]:
         """The live nodes of the given (domain, op_type) kinds, in topological order: what a
@@ -765,7 +797,7 @@ class GraphIndex:
         while name in self.node_names:
             counter += 1
             name = f"{base}_{counter}"
-        self.node_names.add(name)
+        self.node_names[name] = name
         return name
 
     def unique_value_name(self, base: str) -> str:
@@ -816,8 +848,7 @@ class GraphIndex:
             counter += 1
             name = f"{base}_{counter}"
         name = sys.intern(name)  # the tables key the new value by this same str
-        reserved.add(name)
-        taken.add(name)
+        taken.add(name)  # what `reserved_names` would add: every path checks `taken` too
         return name
 
     def _root(self) -> GraphIndex:
@@ -938,34 +969,56 @@ class GraphIndex:
         new_initializers: Iterable[onnx.TensorProto] = (),
         *,
         placed: bool = False,
+        inputs: Sequence[str] | None = None,
+        outputs: Sequence[str] | None = None,
     ) -> int:
         """Replace `members` by `fused`, keeping the order topological. Returns the new id.
 
         The caller has checked (via `descendants_in_window`) that no cycle results. `placed`:
         `fused` is the graph's last node already (`new_node`), indexed as it is; otherwise a
-        copy of it is appended.
+        copy of it is appended. `inputs` and `outputs`: the lists `fused`'s inputs and outputs
+        were set from, when the caller has them and `fused` holds no subgraph (a fused op):
+        the index takes its names from them instead of reading them back out of the proto.
         """
         member_set = set(members)
-        pos, order = self.pos, self.order
+        pos, order, producer, consumers = self.pos, self.order, self.producer, self.consumers
         slots = [pos[m] for m in member_set]
         lo, hi = min(slots), max(slots)
-        if self._reads_before(fused, lo):
-            # No cycle is possible (see `_reads_before`), so only the nodes of the window
-            # that read what the members produce need moving: none when the members fill
-            # their window (a chain, the common case), and the search is skipped.
+        intern = sys.intern
+        read = [name for name in (fused.input if inputs is None else inputs) if name]
+        holder = inputs is None and may_hold_subgraphs(fused)
+        if holder:  # and what its subgraphs read
+            fused_reads = tuple(map(intern, self.read_names(fused)))
+        else:  # interned, as `_index_nodes` does: one str per name, the one the tables hold
+            fused_reads = tuple(map(intern, read))
+        # When every value the fused node reads comes from before the first member's slot
+        # (or from outside this graph: an initializer, a graph input, an outer value), no
+        # cycle is possible: a path from the node back to its own input would end at that
+        # input's producer, which would have to read (transitively) the node's output and
+        # so come after that slot; the same holds for every fused node placed at its first
+        # member's slot, one after another. Then only the nodes of the window that read what
+        # the members produce need moving: none when the members fill their window (a
+        # chain, the common case), and the search is skipped.
+        for name in read:
+            src = producer.get(name)
+            if src is not None and pos[src] >= lo:
+                after, back_edge = self.descendants_in_window(member_set, set(read))
+                if back_edge is not None:
+                    if placed:  # the graph as it was
+                        del self.graph.node[-1]
+                    raise AssertionError(f"rewrite would create a cycle through '{back_edge}'")
+                break
+        else:
             if hi - lo + 1 == len(member_set):
-                after: list[int] = []
+                after = []
             else:
                 after = self._descendants(member_set, set())[0]
-        else:
-            after, back_edge = self.descendants_in_window(member_set, {i for i in fused.input if i})
-            if back_edge is not None:
-                if placed:  # the graph as it was
-                    del self.graph.node[-1]
-                raise AssertionError(f"rewrite would create a cycle through '{back_edge}'")
-        removed_inputs: list[str] = []
-        nodes, reads, consumers, producer = self.nodes, self._reads, self.consumers, self.producer
-        retired, types = self._retired, self.types
+        # The members leave the tables. A value they read that is left without readers may
+        # be dead (`_drop_dead`): only those are looked at again, once the fused node reads
+        # what it reads (a chain's input is read by the fused node instead).
+        emptied: list[str] = []
+        nodes, reads, holders = self.nodes, self._reads, self._holders
+        retired, types, none = self._retired, self.types, ()
         for member in member_set:
             node = nodes.pop(member)
             for name in node.output:  # `_retire`'s outputs, inline (the outputs read once)
@@ -973,17 +1026,22 @@ class GraphIndex:
                     retired.add(name)
                 if producer.get(name) == member:
                     del producer[name]
-            if may_hold_subgraphs(node):
+            if member in holders:
                 self._retire_subgraphs(node)
-            gone, reads[member] = reads[member], ()
+            gone, reads[member] = reads[member], none
             for name in gone:
                 readers = consumers.get(name)  # `_drop_reader`, inline
                 if type(readers) is tuple:
                     if member in readers:
-                        consumers[name] = tuple([r for r in readers if r != member])
-                elif readers is not None:
-                    readers.pop(member, None)  # type: ignore[union-attr]
-                removed_inputs.append(name)
+                        if len(readers) == 1:
+                            consumers[name] = none
+                            emptied.append(name)
+                        else:
+                            consumers[name] = tuple([r for r in readers if r != member])
+                elif readers is not None and member in readers:
+                    del readers[member]  # type: ignore[union-attr]
+                    if not readers:
+                        emptied.append(name)
             del pos[member]
         # The new node and tensors are copied into the graph now, and the index keeps the
         # graph's copies: the caller's are freed with the match (held until `write_back`,
@@ -991,15 +1049,20 @@ class GraphIndex:
         for tensor in new_initializers:
             kept = self.graph.initializer.add()
             kept.CopyFrom(tensor)
-            name = sys.intern(tensor.name)  # the str `unique_value_name` reserved
+            name = intern(tensor.name)  # the str `unique_value_name` reserved
             self.initializers[name] = kept
-            self.types.add_tensor(name, kept)
+            types.add_tensor(name, kept)
         if placed:
             placed_node = fused
         else:
             placed_node = self.graph.node.add()
             placed_node.CopyFrom(fused)
-        fused_id = self._add_node(placed_node, at_end=False)
+        fused_id = self._index_added(
+            placed_node,
+            fused_reads,
+            placed_node.output if outputs is None else outputs,
+            holder=holder,
+        )
         if after or hi - lo + 1 != len(member_set):
             after_set = set(after)
             window = [i for i in order[lo : hi + 1] if i is not None and i not in member_set]
@@ -1013,25 +1076,22 @@ class GraphIndex:
         else:  # the members filled the window: the fused node takes its first slot
             order[lo : hi + 1] = [fused_id] + [None] * (hi - lo)
             pos[fused_id] = lo
-        self._drop_dead(removed_inputs)
+        if emptied:  # `_drop_dead(emptied)`, its first step inline: most are dead weights
+            initializers, more = self.initializers, []
+            graph_outputs, graph_inputs = self.graph_outputs, self.graph_inputs
+            for name in emptied:  # what is dead does not depend on the order asked
+                if consumers[name] or name in graph_outputs:
+                    continue
+                if name in initializers and name not in graph_inputs:
+                    del initializers[name]
+                    self._dropped_initializers += 1
+                elif name in producer:  # a live node's output: maybe a dead node, and more
+                    more.append(name)
+            if more:
+                self._drop_dead(more)
         self._version += 1
         self.modified = True
         return fused_id
-
-    def _reads_before(self, node: onnx.NodeProto, slot: int) -> bool:
-        """Whether every value `node` reads comes from before `slot` in the order (or from
-        outside this graph: an initializer, a graph input, an outer value).
-
-        Then a node placed at `slot` cannot take part in a cycle: a path from the node back
-        to its own input would end at that input's producer, which would have to read
-        (transitively) the node's output and so come after `slot`. The same holds for
-        every fused node placed at its first member's slot, one after another."""
-        pos, producer = self.pos, self.producer
-        for name in node.input:
-            node_id = producer.get(name) if name else None
-            if node_id is not None and pos[node_id] >= slot:
-                return False
-        return True
 
     def _drop_dead(self, names: Iterable[str]) -> None:
         """Remove initializers and producer nodes that the rewrite left without readers."""
@@ -1044,7 +1104,7 @@ class GraphIndex:
                 continue
             if name in initializers and name not in self.graph_inputs:
                 del initializers[name]
-                self.dead_initializers.add(name)
+                self._dropped_initializers += 1
                 continue
             node_id = producer.get(name)
             if node_id is None:
@@ -1077,9 +1137,18 @@ class GraphIndex:
         dead = len(live_ids)
         self.graph.node.sort(key=lambda node: rank.get(id(node), dead))
         del self.graph.node[len(live_ids) :]
-        if self.dead_initializers:
+        if self._dropped_initializers:
             # the kept ones in their order: the input's, then the new ones as they were made
-            gone = self.dead_initializers
-            kept = sum(1 for t in self.graph.initializer if t.name not in gone)
-            self.graph.initializer.sort(key=lambda t: t.name in gone)  # stable: order kept
-            del self.graph.initializer[kept:]
+            live, tensors = self.initializers, self.graph.initializer
+            tensors.sort(key=lambda t: t.name not in live)  # stable: order kept
+            # one tensor per dropped name (names are unique), which the boundary confirms;
+            # were they not, the kept ones are counted
+            kept = len(tensors) - self._dropped_initializers
+            if not (
+                0 <= kept <= len(tensors)
+                and (kept == 0 or tensors[kept - 1].name in live)
+                and (kept == len(tensors) or tensors[kept].name not in live)
+            ):
+                kept = sum(1 for t in tensors if t.name in live)
+            del tensors[kept:]
+            self._dropped_initializers = 0
