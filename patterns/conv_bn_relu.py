@@ -199,7 +199,8 @@ class ConvBnReluPattern:
         vt = own_type(w_name) if graph.outer is None else graph.value_type(w_name)
         w_shape = None if vt is None else vt.shape
         op = conv_node.op_type
-        if w_shape is None or not all(isinstance(d, int) for d in w_shape):
+        # isinstance(d, int) for each dim, in one C loop (a generator is a call a dim)
+        if w_shape is None or not all(map(int.__instancecheck__, w_shape)):
             return rejection(
                 self.name,
                 graph,
