@@ -275,6 +275,11 @@ class _Prefetch:
         held keeps its whole model's memory alive: none once the pass's graph is gone)."""
         return len(self._folds)
 
+    @property
+    def ordered(self) -> int:
+        """Convs of the pass whose place in its order is kept (none once all are covered)."""
+        return len(self._order)
+
     def _start(self, graph: GraphIndex) -> None:
         self._graph = weakref.ref(graph, self._forget)
         self._convs = graph.anchored([("", "Conv")])
@@ -294,7 +299,13 @@ class _Prefetch:
         self._folds = folds = {}
         groups: dict[_Key, list[tuple[int, tuple[str, ...], float, _Raw]]] = {}
         nodes = graph.nodes
-        for node_id in self._convs[at : at + _AHEAD]:
+        batch = self._convs[at : at + _AHEAD]
+        if self._covered >= len(self._convs):
+            # The pass's last batch: every Conv is covered now, so `take` answers None for any
+            # fold not kept (as it would from the order): the order (an int and an entry per
+            # Conv, ~2 MB at 28k Convs) is let go, not held through the rewrite's peak.
+            self._convs, self._order = [], {}
+        for node_id in batch:
             conv_node = nodes.get(node_id)
             if conv_node is None:
                 continue
