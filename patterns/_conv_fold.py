@@ -14,7 +14,9 @@ ConvTranspose groups) takes the general path.
 from __future__ import annotations
 
 import math
+import operator
 import sys
+import typing
 import weakref
 from typing import NamedTuple
 
@@ -46,12 +48,14 @@ def fold(
     bn: onnx.NodeProto,
     epsilon: float,
     transposed_group: int = 0,
+    node_id: int | None = None,
 ) -> Folded | str:
     """Folded (W', B') as new initializers, or the reason folding is not possible.
     `transposed_group` > 0: a ConvTranspose weight [Cin, Cout/group, *k] with that group, whose
-    output channel (g, o) is W[g * Cin/group : (g + 1) * Cin/group, o]."""
+    output channel (g, o) is W[g * Cin/group : (g + 1) * Cin/group, o]. `node_id`: the Conv's
+    id in `graph` (looked up when not given)."""
     if not transposed_group:
-        fast = _fold_raw(graph, conv_node, bn, epsilon)
+        fast = _fold_raw(graph, conv_node, bn, epsilon, node_id)
         if fast is not None:
             return fast
     return _fold_general(graph, conv_node, bn, epsilon, transposed_group)
@@ -65,69 +69,65 @@ def bn_epsilon(bn: onnx.NodeProto) -> float:
     return 1e-5
 
 
-def _raw(graph: GraphIndex, name: str) -> tuple[onnx.TensorProto, bytes, np.dtype] | None:
-    """A non-overridable initializer held as raw float bytes in the model, else None."""
-    tensor = graph.initializers.get(name)
-    if tensor is None or name in graph.graph_inputs or tensor.data_location == _EXTERNAL:
-        return None
-    dtype = _RAW_FLOATS.get(tensor.data_type)
-    if dtype is None:
-        return None
-    data = tensor.raw_data
-    return (tensor, data, dtype) if data else None
+#: A tensor's fields the raw path reads, in one C call per tensor.
+_RAW_FIELDS = operator.attrgetter("data_type", "data_location", "raw_data")
 
 
 class _Raw(NamedTuple):
     """A fold's inputs as the raw path reads them. `key` says what the folded bytes depend on
-    besides `data` ([W, scale, bias, mean, var, B?] as stored): equal (key, data), equal bytes.
-    """
+    besides `chunks` ([W, scale, bias, mean, var, B?] as stored, one bytes each): equal (key,
+    chunks), equal bytes."""
 
     weight: onnx.TensorProto
     dims: tuple[int, ...]
     key: _Key
-    data: bytes
-    tensors: tuple[onnx.TensorProto, ...]
+    chunks: list[bytes]
+    tensors: list[onnx.TensorProto]
 
 
 def _names(conv_node: onnx.NodeProto, bn: onnx.NodeProto) -> tuple[str, ...]:
     """The fold's parameters: (W, scale, bias, mean, var) and the Conv's B if it has one."""
-    conv_b = conv_node.input[2] if len(conv_node.input) > 2 else ""
-    return (conv_node.input[1], *bn.input[1:5], *([conv_b] if conv_b else []))
+    # each index into a proto's repeated field costs: both read whole, once
+    conv_in, bn_in = conv_node.input[:], bn.input[:]
+    if len(conv_in) > 2 and conv_in[2]:
+        return (conv_in[1], *bn_in[1:5], conv_in[2])
+    return (conv_in[1], *bn_in[1:5])
 
 
 def _gather(graph: GraphIndex, names: tuple[str, ...], epsilon: float) -> _Raw | None:
     """The raw path's inputs (`names` as `_names` gives them), or None when a parameter is not
-    a plain raw initializer, the BN parameters are not all [Cout] of one dtype, or a size
-    disagrees with the dims."""
-    if sys.byteorder != "little" or len(names) < 5:
+    a non-overridable initializer held as raw float bytes in the model, the BN parameters are
+    not all [Cout] of one dtype, or a size disagrees with the dims."""
+    if sys.byteorder != "little" or len(names) < 5 or not graph.graph_inputs.isdisjoint(names):
         return None
-    weight = _raw(graph, names[0])
-    if weight is None:
+    found = list(map(graph.initializers.get, names))
+    try:
+        fields = list(map(_RAW_FIELDS, found))
+    except AttributeError:  # a name that is no initializer
         return None
-    w_tensor, w_data, dtype = weight
-    w_dims = tuple(w_tensor.dims)
+    tensors = typing.cast(list[onnx.TensorProto], found)  # none is None: each had the fields
+    w_type, w_location, w_data = fields[0]
+    dtype = _RAW_FLOATS.get(w_type)
+    if dtype is None or w_location == _EXTERNAL or not w_data:
+        return None
+    w_tensor = tensors[0]
+    w_dims = tuple(w_tensor.dims[:])  # a slice is one C call; iterating the field, one a dim
     if len(w_dims) < 2 or len(w_data) != math.prod(w_dims) * dtype.itemsize:
         return None
     cout = w_dims[0]
-    chunks = [w_data]
-    tensors = [w_tensor]
-    p_dtype: np.dtype | None = None
-    for name in names[1:]:
-        found = _raw(graph, name)
-        if found is None:
+    p_type = fields[1][0]
+    p_dtype = _RAW_FLOATS.get(p_type)
+    if p_dtype is None:
+        return None
+    size = cout * p_dtype.itemsize
+    one = [cout]
+    for (data_type, location, data), tensor in zip(fields[1:], tensors[1:], strict=True):
+        if data_type != p_type or location == _EXTERNAL or len(data) != size:
             return None
-        tensor, data, p_dtype_here = found
-        p_dtype = p_dtype or p_dtype_here
-        if p_dtype_here != p_dtype or tuple(tensor.dims) != (cout,):
+        if tensor.dims[:] != one:
             return None
-        if len(data) != cout * p_dtype.itemsize:
-            return None
-        chunks.append(data)
-        tensors.append(tensor)
-    assert p_dtype is not None
-    size = len(w_data) // dtype.itemsize
-    key = (dtype, p_dtype, size, cout, len(names) > 5, epsilon)
-    return _Raw(w_tensor, w_dims, key, b"".join(chunks), tuple(tensors))
+    key = (dtype, p_dtype, len(w_data) // dtype.itemsize, cout, len(names) > 5, epsilon)
+    return _Raw(w_tensor, w_dims, key, [f[2] for f in fields], tensors)
 
 
 def _fold_rows(data: bytes, n: int, key: _Key) -> tuple[np.ndarray, np.ndarray]:
@@ -173,33 +173,46 @@ def _fold_rows(data: bytes, n: int, key: _Key) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fold_raw(
-    graph: GraphIndex, conv_node: onnx.NodeProto, bn: onnx.NodeProto, epsilon: float
+    graph: GraphIndex,
+    conv_node: onnx.NodeProto,
+    bn: onnx.NodeProto,
+    epsilon: float,
+    node_id: int | None,
 ) -> Folded | str | None:
     """The fold of the common case (see the module docstring), or None for the general path."""
     names = _names(conv_node, bn)
-    ahead = PREFETCH.take(graph, conv_node, names, epsilon)
+    if node_id is None:
+        node_id = graph.producer.get(conv_node.output[0], -1)
+    ahead = PREFETCH.take(graph, node_id, names, epsilon)
     if ahead is not None:
-        raw, folded = ahead
+        raw, w_new, b_new = ahead
     else:
         found = _gather(graph, names, epsilon)
         if found is None:
             return None
         raw = found
-        out, cast = _fold_rows(raw.data, 1, raw.key)
+        out, cast = _fold_rows(b"".join(raw.chunks), 1, raw.key)
         if not np.isfinite(cast).all():
             if not np.isfinite(out).all():
                 return "folding gives non-finite weights (var + epsilon <= 0?)"
             return f"folded weights overflow {raw.key[0]}"
         folded = cast.tobytes()
+        split = raw.key[2] * raw.key[0].itemsize
+        w_new, b_new = folded[:split], folded[split:]
     base = conv_node.name or conv_node.output[0]
-    w_tensor, w_dims, cout = raw.weight, raw.dims, raw.key[3]
-    split = raw.key[2] * raw.key[0].itemsize
+    data_type = raw.weight.data_type
     return (
-        _raw_tensor(
-            graph.unique_value_name(f"{base}.W_bn_folded"), w_tensor, w_dims, folded[:split]
+        onnx.TensorProto(
+            name=graph.unique_value_name(f"{base}.W_bn_folded"),
+            data_type=data_type,
+            dims=raw.dims,
+            raw_data=w_new,
         ),
-        _raw_tensor(
-            graph.unique_value_name(f"{base}.B_bn_folded"), w_tensor, (cout,), folded[split:]
+        onnx.TensorProto(
+            name=graph.unique_value_name(f"{base}.B_bn_folded"),
+            data_type=data_type,
+            dims=(raw.key[3],),
+            raw_data=b_new,
         ),
     )
 
@@ -207,6 +220,9 @@ def _fold_raw(
 #: Convs folded ahead, per batch, and the size of a Conv (W and BN parameters, elements) up
 #: to which it is: above it numpy's per-call overhead is small beside the arithmetic.
 _AHEAD, _AHEAD_ELEMENTS = 256, 4096
+
+#: A fold computed ahead: the parameter names and epsilon it is of, its inputs, W' and B'.
+_Entry = tuple[tuple[str, ...], float, _Raw, bytes, bytes]
 
 
 class _Prefetch:
@@ -228,38 +244,41 @@ class _Prefetch:
         self._order: dict[int, int] = {}
         self._convs: list[int] = []
         self._covered = 0
-        self._folds: dict[int, tuple[tuple[str, ...], float, _Raw, bytes]] = {}
+        self._folds: dict[int, _Entry] = {}
 
     def take(
-        self, graph: GraphIndex, conv_node: onnx.NodeProto, names: tuple[str, ...], epsilon: float
-    ) -> tuple[_Raw, bytes] | None:
-        """The gathered inputs and folded [W', B'] bytes of `conv_node`'s fold with these
-        parameters if computed ahead, else None."""
+        self, graph: GraphIndex, node_id: int, names: tuple[str, ...], epsilon: float
+    ) -> tuple[_Raw, bytes, bytes] | None:
+        """The gathered inputs and the folded W' and B' bytes of Conv `node_id`'s fold with
+        these parameters if computed ahead, else None."""
         if self._graph is None or self._graph() is not graph:
             self._start(graph)
-        node_id = graph.producer.get(conv_node.output[0], -1)
         entry = self._folds.pop(node_id, None)  # each fold serves its Conv once
         if entry is None:
             at = self._order.get(node_id)
             if at is None or at < self._covered:
                 return None  # not a Conv of the pass, or one whose fold was tried ahead
             self._fill(graph, at)
-            entry = self._folds.get(node_id)
+            entry = self._folds.pop(node_id, None)
             if entry is None:
                 return None
-        known, eps, raw, folded = entry
-        initializers = graph.initializers
+        known, eps, raw, w_new, b_new = entry
         if known != names or eps != epsilon:
             return None
-        if any(initializers.get(n) is not t for n, t in zip(names, raw.tensors, strict=True)):
+        if not all(map(operator.is_, map(graph.initializers.get, names), raw.tensors)):
             return None
-        return raw, folded
+        return raw, w_new, b_new
 
     @property
     def held(self) -> int:
         """Folds computed ahead and not handed out yet (each holds its tensors, and a tensor
         held keeps its whole model's memory alive: none once the pass's graph is gone)."""
         return len(self._folds)
+
+    @property
+    def ordered(self) -> int:
+        """Convs of the pass whose place in its order is kept (none once all are covered)."""
+        return len(self._order)
 
     def _start(self, graph: GraphIndex) -> None:
         self._graph = weakref.ref(graph, self._forget)
@@ -277,10 +296,17 @@ class _Prefetch:
     def _fill(self, graph: GraphIndex, at: int) -> None:
         """Fold the Convs `at` .. `at + _AHEAD` (in the pass's order) that read a BN."""
         self._covered = at + _AHEAD
-        self._folds = {}
+        self._folds = folds = {}
         groups: dict[_Key, list[tuple[int, tuple[str, ...], float, _Raw]]] = {}
-        for node_id in self._convs[at : at + _AHEAD]:
-            conv_node = graph.nodes.get(node_id)
+        nodes = graph.nodes
+        batch = self._convs[at : at + _AHEAD]
+        if self._covered >= len(self._convs):
+            # The pass's last batch: every Conv is covered now, so `take` answers None for any
+            # fold not kept (as it would from the order): the order (an int and an entry per
+            # Conv, ~2 MB at 28k Convs) is let go, not held through the rewrite's peak.
+            self._convs, self._order = [], {}
+        for node_id in batch:
+            conv_node = nodes.get(node_id)
             if conv_node is None:
                 continue
             bn = _bn_reader(graph, conv_node)
@@ -291,15 +317,17 @@ class _Prefetch:
             if raw is not None and _elements(raw.key) <= _AHEAD_ELEMENTS:
                 groups.setdefault(raw.key, []).append((node_id, names, epsilon, raw))
         for key, members in groups.items():
-            data = b"".join(m[3].data for m in members)
+            data = b"".join([chunk for member in members for chunk in member[3].chunks])
             cast = _fold_rows(data, len(members), key)[1]
             finite = np.isfinite(cast).all(axis=1).tolist()
-            folded = cast.tobytes()
-            width = len(folded) // len(members)
+            size = key[2]
+            w_all, b_all = cast[:, :size].tobytes(), cast[:, size:].tobytes()
+            w_width, b_width = len(w_all) // len(members), len(b_all) // len(members)
             for i, (node_id, names, epsilon, raw) in enumerate(members):
                 if finite[i]:
-                    entry = (names, epsilon, raw, folded[i * width : (i + 1) * width])
-                    self._folds[node_id] = entry
+                    w_new = w_all[i * w_width : (i + 1) * w_width]
+                    b_new = b_all[i * b_width : (i + 1) * b_width]
+                    folds[node_id] = (names, epsilon, raw, w_new, b_new)
 
 
 def _elements(key: _Key) -> int:
@@ -312,21 +340,15 @@ def _bn_reader(graph: GraphIndex, conv_node: onnx.NodeProto) -> onnx.NodeProto |
     """The BatchNormalization a Conv's output feeds (through Identity nodes), as
     conv_bn_relu's match finds it, or None."""
     value = through_identity(graph, conv_node.output[0], [])
-    for r in graph.readers(value):
-        node = graph.node(r)
+    nodes = graph.nodes
+    for r in graph.consumers.get(value, ()):
+        node = nodes[r]
         if node.op_type == "BatchNormalization" and node.domain == "" and node.input[0] == value:
             return node
     return None
 
 
 PREFETCH = _Prefetch()  # one per process: a pass's folds, released with its graph
-
-
-def _raw_tensor(
-    name: str, like: onnx.TensorProto, dims: tuple[int, ...], raw: bytes
-) -> onnx.TensorProto:
-    """A tensor of `like`'s element type holding `raw` (what `_tensor` makes of the array)."""
-    return onnx.TensorProto(name=name, data_type=like.data_type, dims=dims, raw_data=raw)
 
 
 def _fold_general(

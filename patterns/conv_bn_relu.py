@@ -169,12 +169,16 @@ class ConvBnReluPattern:
         return self._unfused_activation(graph, node_id)
 
     def _match_conv(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
-        conv_node = graph.node(node_id)
-        conv_in = conv_node.input  # each read of a proto's repeated field costs: read once
+        nodes = graph.nodes
+        conv_node = nodes[node_id]
+        # each read of a proto's repeated field costs (~0.2 us an index): read once, as a list
+        conv_in = conv_node.input[:]
         ids = [node_id]
         conv_out = walk.through_identity(graph, conv_node.output[0], ids)
-        bn_id = next((r for r in graph.readers(conv_out) if _bn_of(graph.node(r), conv_out)), None)
-        bn = graph.node(bn_id) if bn_id is not None else None
+        bn_id = next(
+            (r for r in graph.consumers.get(conv_out, ()) if _bn_of(nodes[r], conv_out)), None
+        )
+        bn = nodes[bn_id] if bn_id is not None else None
         epsilon = 1e-5
         if bn is not None:
             ids.append(bn_id)  # type: ignore[arg-type]
@@ -189,9 +193,14 @@ class ConvBnReluPattern:
             # A lone Conv is not this pattern; an activation left out says so at its node.
             return None
         w_name = conv_in[1]
-        w_shape = graph.shape(w_name)
+        # `graph.shape`, its two calls inline (five lookups a match); an enclosing graph's
+        # types are asked only from a subgraph, as `value_type` does
+        own_type = graph.types.get
+        vt = own_type(w_name) if graph.outer is None else graph.value_type(w_name)
+        w_shape = None if vt is None else vt.shape
         op = conv_node.op_type
-        if w_shape is None or not all(isinstance(d, int) for d in w_shape):
+        # isinstance(d, int) for each dim, in one C loop (a generator is a call a dim)
+        if w_shape is None or not all(map(int.__instancecheck__, w_shape)):
             return rejection(
                 self.name,
                 graph,
@@ -219,7 +228,8 @@ class ConvBnReluPattern:
         cout = int(w_shape[1]) * group if transposed else int(w_shape[0])  # type: ignore[arg-type]
         bn_params = tuple(bn.input[1:5]) if bn is not None else ()
         for param in bn_params:
-            shape = graph.shape(param)
+            vt = own_type(param) if graph.outer is None else graph.value_type(param)
+            shape = None if vt is None else vt.shape
             if shape is not None and tuple(shape) != (cout,):
                 return rejection(
                     self.name,
@@ -248,7 +258,7 @@ class ConvBnReluPattern:
                 self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs,
                 notes=tuple(notes),
             )  # fmt: skip
-        folded = fold(graph, conv_node, bn, epsilon, group if transposed else 0)
+        folded = fold(graph, conv_node, bn, epsilon, group if transposed else 0, node_id)
         if isinstance(folded, tuple):
             w_new, b_new = folded
             return Match(

@@ -184,3 +184,21 @@ def test_no_fold_computed_ahead_outlives_the_fuse() -> None:
     assert len(result.report.fusions) == 2  # one chain refused, its fold unused
     gc.collect()
     assert _conv_fold.PREFETCH.held == 0
+
+
+def test_the_pass_order_is_let_go_once_every_conv_is_covered() -> None:
+    """The prefetch keeps the pass's Conv order (an entry per Conv) only until its last batch
+    is folded: a large CNN's would otherwise be held through the rewrite's memory peak. The
+    folds still go to their Convs, with the formula's bytes."""
+    from fuser.patterns import _conv_fold
+
+    rng = np.random.default_rng(11)
+    chains = [(_chain_values(rng, 4, 2, np.float32, np.float32, True, ""), 1) for _ in range(3)]
+    loaded = load_model(_graph(chains, TensorProto.FLOAT))
+    index = GraphIndex.build(loaded.model.graph, loaded, opset_map(loaded.model), TypeTable())
+    convs = index.anchored([("", "Conv")])
+    found = [conv_bn_relu.PATTERN.match(index, c) for c in convs]
+    assert _conv_fold.PREFETCH.ordered == 0  # three Convs: one batch, the last
+    assert all(isinstance(m, Match) for m in found)
+    for (values, _), m in zip(chains, found, strict=True):
+        assert tuple(t.raw_data for t in m.new_initializers) == _formula(values)  # type: ignore[union-attr]
