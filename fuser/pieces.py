@@ -3,11 +3,12 @@
 Given a whole model, each C++ tool parses all of it into its own messages (at 100k nodes some
 hundreds of MB beside Python's copy of the model). Here the main graph's nodes go to the
 tools in pieces of `PIECE_NODES`, in order, each piece a model of its own, so at most one
-piece is parsed at a time. The pieces are cut from the model's serialization (the file it was
-read from, where it is unchanged), parsed with message types that keep each node, tensor and
-value info as its bytes (`RawTypes`): a piece is laid out by one serialization, and the
-names a plan reads and the types inference gives come back as lists made in one C call each,
-not a Python message per element (at 100k nodes those were most of the stage's Python time).
+piece is parsed at a time. The pieces are cut from the model's elements as their bytes (from
+the file it was read from where it is unchanged, parsed with message types that keep each
+node, tensor and value info as its bytes, `RawTypes`): a piece is laid out by one
+serialization, and the names a plan reads and the types inference gives come back as lists
+made in one C call each, not a Python message per element (at 100k nodes those were most of
+the stage's Python time).
 
 One serialization of a piece serves both tools. It declares, as inputs, the graph inputs and
 initializers its nodes read or write (an initializer's values, like a Constant's, feed the
@@ -152,16 +153,40 @@ def may_go_in_pieces(model: onnx.ModelProto, nested: bool) -> bool:
     return not (len(graph.sparse_initializer) or len(model.training_info))
 
 
+class _Elements:
+    """A graph's elements as `raw_types().graph` holds them (each as its bytes), from the graph
+    itself: the nodes serialized at once (a piece's names are read from them), each tensor and
+    value info when a piece asks for it."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.node = [node.SerializeToString() for node in graph.node]
+        self.initializer = _Serializing(graph.initializer)
+        self.input = _Serializing(graph.input)
+        self.output = _Serializing(graph.output)
+        self.value_info = _Serializing(graph.value_info)
+
+
+class _Serializing:
+    """The serializations of a repeated field's messages, each made when asked for."""
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self._messages = messages
+
+    def __getitem__(self, index: int) -> bytes:
+        return self._messages[index].SerializeToString()
+
+
 @dataclass(frozen=True)
 class Plan:
-    """The pieces of a graph (`steps`) and what they are cut from: `graph`, the main graph of
-    the model's serialization parsed with `raw_types().graph` (each node, tensor and value
-    info as its bytes: a piece's are laid out by one serialization, not one per element),
-    and the initializers' names in order."""
+    """The pieces of a graph (`steps`) and what they are cut from: `graph`, its elements as
+    their bytes (the model's serialization parsed with `raw_types().graph` where the caller
+    had it, else `_Elements`), the initializers' names in order, and those of the graph's
+    inputs and initializers no node reads."""
 
     steps: list[Step]
-    graph: Message
+    graph: Message | _Elements
     initializers: list[str]
+    unread: set[str]  # the graph inputs and initializers no node reads
 
 
 def plan(model: onnx.ModelProto, nested: bool, data: bytes | None = None) -> Plan | None:
@@ -178,12 +203,16 @@ def plan(model: onnx.ModelProto, nested: bool, data: bytes | None = None) -> Pla
     named = [v.name for v in graph.output] + [v.name for v in graph.value_info]
     if any(n in outer for n in named):
         return None
-    raw = raw_types().model.FromString(model.SerializeToString() if data is None else data).graph
-    steps = _plan(raw, graph.node, outer)
-    produced: set[str] = set()
-    for step in steps if named else ():
-        produced.update(step.written)
-    return Plan(steps, raw, initializers) if all(n in produced for n in named) else None
+    # cut from `data` parsed whole (it is there already); else each element serialized on
+    # its own: a serialization of the whole model and its parse side by side would be two
+    # more copies of its tensors (at a fused 100k-node CNN, 100 MB on verify's peak)
+    raw = _Elements(graph) if data is None else raw_types().model.FromString(data).graph
+    wanted = frozenset(named)
+    steps, unread = _plan(raw, graph.node, outer, wanted)
+    produced = {n for step in steps for n in step.named}
+    if len(produced) < len(wanted):
+        return None
+    return Plan(steps, raw, initializers, unread)
 
 
 def _head(model: onnx.ModelProto) -> bytes:
@@ -380,7 +409,7 @@ def _walk(
     if check and "" in initializers:
         raise PieceRefusedError("an initializer has no name")
     # the inputs and initializers no node reads go with the last piece (checked there)
-    unread = set(inputs).union(initializers).difference(*(step.reads for step in steps))
+    unread = pieces.unread
     wanted = set().union(*(step.earlier for step in steps))
     outputs_wanted = {v.name: i for i, v in enumerate(graph.output)}
     model_infos = {v.name: i for i, v in enumerate(graph.value_info)}
@@ -405,22 +434,10 @@ def _walk(
         typed = [n for n in earlier if n in carried and _complete(carried[n][1])] if infer else []
         untyped = [n for n in earlier if n not in typed]
         loose = [n for n in untyped if n in carried] if infer else []
-        carrier = "fuser.unknown_dims"
-        while carrier in step.reads or carrier in step.written:
-            carrier += "_"
-        written = step.written
-        if len(model_infos) < len(written):
-            own = sorted(i for n, i in model_infos.items() if n in written)
-        else:
-            own = sorted(model_infos[n] for n in written if n in model_infos)
+        carrier = step.carrier
+        own = sorted(model_infos[n] for n in step.named if n in model_infos)
         given = [carried[n][0] for n in shared if n in carried] if infer else []
-        if len(outputs_wanted) < len(written):
-            ends = [n for n in outputs_wanted if n in written]
-            if len(ends) > 1:  # in the order the piece writes them
-                at = {n: k for k, n in enumerate(written)}
-                ends.sort(key=at.__getitem__)
-        else:
-            ends = [n for n in written if n in outputs_wanted]
+        ends = [n for n in step.named if n in outputs_wanted]
         piece = classes.graph()
         if graph.name:
             piece.name = graph.name.encode()
@@ -512,28 +529,38 @@ def _walk(
 
 @dataclass(frozen=True)
 class Step:
-    """One piece of a graph: its nodes (`start`:`stop`), the names they read and write (in
-    order, once each), those defined before the piece (`before`: of them, the graph's inputs
-    and initializers, `outer`, and the values of earlier pieces, `earlier`), and its Constant
-    nodes' indices."""
+    """One piece of a graph: its nodes (`start`:`stop`); the names they read or write that are
+    defined before the piece, in order, once each (`before`: of them, the graph's inputs and
+    initializers, `outer`, and the values of earlier pieces, `earlier`); the graph outputs
+    and value infos they write (`named`, in order); its Constant nodes' indices; and a name
+    none of its nodes reads or writes (`carrier`: the value info carrying the unknown dims'
+    names). Not the names it reads and writes: a plan is held through the walk, and at
+    100k nodes those were some 40 MB."""
 
     start: int
     stop: int
-    reads: dict[str, None]
-    written: dict[str, None]
     before: list[str]
     outer: list[str]
     earlier: list[str]
+    named: list[str]
     constants: list[int]
+    carrier: str
 
 
-def _plan(raw: Message, nodes: Sequence[onnx.NodeProto], outer: frozenset[str]) -> list[Step]:
+def _plan(
+    raw: Message | _Elements,
+    nodes: Sequence[onnx.NodeProto],
+    outer: frozenset[str],
+    named: frozenset[str],
+) -> tuple[list[Step], set[str]]:
     """The pieces of `nodes` (`raw`: their graph as `raw_types().graph` parses it), given the
-    graph's inputs and initializers: each piece's names read from its nodes' bytes at once
-    (`RawTypes.node_names`)."""
+    graph's inputs and initializers (`outer`) and its outputs and value infos (`named`): each
+    piece's names read from its nodes' bytes at once (`RawTypes.node_names`); and the names
+    of `outer` no node reads."""
     steps = []
     names_class = raw_types().node_names
     defined = set(outer)
+    unread = set(outer)
     for start in range(0, len(nodes), PIECE_NODES):
         stop = min(start + PIECE_NODES, len(nodes))
         names = names_class.FromString(b"".join(raw.node[start:stop]))
@@ -555,9 +582,14 @@ def _plan(raw: Message, nodes: Sequence[onnx.NodeProto], outer: frozenset[str]) 
         before = [n for n in {**reads, **written} if n in defined]
         earlier = [n for n in before if n not in outer]
         mine = [n for n in before if n in outer] if earlier else before
-        steps.append(Step(start, stop, reads, written, before, mine, earlier, constants))
+        ends = [n for n in written if n in named] if named else []
+        carrier = "fuser.unknown_dims"
+        while carrier in reads or carrier in written:
+            carrier += "_"
+        steps.append(Step(start, stop, before, mine, earlier, ends, constants, carrier))
         defined.update(written)
-    return steps
+        unread.difference_update(reads)
+    return steps, unread
 
 
 def _is_constant(node: onnx.NodeProto) -> bool:
