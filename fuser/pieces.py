@@ -41,6 +41,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import onnx
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -68,8 +69,6 @@ def _number(
     return length_key(message.DESCRIPTOR.fields_by_name[name].number)
 
 
-_GRAPH = _number(onnx.ModelProto, "graph")
-_VALUE_INFO = _number(onnx.GraphProto, "value_info")
 _VI_NAME = _number(onnx.ValueInfoProto, "name")
 _VI_TYPE = _number(onnx.ValueInfoProto, "type")
 
@@ -85,14 +84,6 @@ def _length(n: int) -> bytes:
 
 def _field(key: bytes, payload: bytes) -> bytes:
     return key + _length(len(payload)) + payload
-
-
-def _fields(key: bytes, payloads: list[bytes]) -> bytes:
-    """Repeated field `key` with each of `payloads`, laid out."""
-    lengths, short = _LENGTHS, _SHORT
-    return b"".join(
-        [key + (lengths[len(p)] if len(p) < short else varint(len(p))) + p for p in payloads]
-    )
 
 
 def _name_field(name: str) -> bytes:
@@ -112,11 +103,12 @@ _PLACEHOLDER_FIELD = _field(_VI_TYPE, _placeholder_type())
 
 
 def _symbol_carrier(name: str, dims: bytes) -> bytes:
-    """A value info whose dims (`dims`: laid out dim_param dims) inference takes as names in use:
-    TypeProto.tensor_type (1) of elem_type (1) float and shape (2) of those dims."""
+    """A value info (serialized) whose dims (`dims`: laid out dim_param dims) inference takes
+    as names in use: TypeProto.tensor_type (1) of elem_type (1) float and shape (2) of those
+    dims."""
     tensor = b"\x08\x01" + _field(b"\x12", dims)
     kind = _field(b"\x0a", tensor)
-    return _field(_VALUE_INFO, _name_field(name) + _field(_VI_TYPE, kind))
+    return _name_field(name) + _field(_VI_TYPE, kind)
 
 
 def _dim_fields(symbols: Iterable[str]) -> bytes:
@@ -155,11 +147,11 @@ def may_go_in_pieces(model: onnx.ModelProto, nested: bool) -> bool:
 
 class _Elements:
     """A graph's elements as `raw_types().graph` holds them (each as its bytes), from the graph
-    itself: the nodes serialized at once (a piece's names are read from them), each tensor and
-    value info when a piece asks for it."""
+    itself, each serialized when a piece asks for it (a piece's nodes twice: for the plan and
+    for the walk; kept, they would be a copy of the graph's nodes on the walk's peak)."""
 
     def __init__(self, graph: onnx.GraphProto) -> None:
-        self.node = [node.SerializeToString() for node in graph.node]
+        self.node = _Serializing(graph.node)
         self.initializer = _Serializing(graph.initializer)
         self.input = _Serializing(graph.input)
         self.output = _Serializing(graph.output)
@@ -172,7 +164,15 @@ class _Serializing:
     def __init__(self, messages: Sequence[Message]) -> None:
         self._messages = messages
 
-    def __getitem__(self, index: int) -> bytes:
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        if isinstance(index, slice):
+            return [m.SerializeToString() for m in self._messages[index]]
         return self._messages[index].SerializeToString()
 
 
@@ -438,7 +438,10 @@ def _walk(
         own = sorted(model_infos[n] for n in step.named if n in model_infos)
         given = [carried[n][0] for n in shared if n in carried] if infer else []
         ends = [n for n in step.named if n in outputs_wanted]
-        piece = classes.graph()
+        # the head's fields kept as unknown fields, written back as they are: a piece's model is
+        # one serialization (not the graph's bytes copied again behind the head's)
+        container = classes.model.FromString(head)
+        piece = container.graph
         if graph.name:
             piece.name = graph.name.encode()
         if infer:
@@ -461,25 +464,25 @@ def _walk(
         if check:
             piece.input.extend(stand_ins)
             piece.input.extend(declared)
-            data = head + _field(_GRAPH, piece.SerializeToString())
+            data = container.SerializeToString()
             try:
                 onnx.checker.check_model(data, full_check=False)
             except onnx.checker.ValidationError as exc:
                 raise PieceRefusedError(str(exc)) from exc
-            infer_data = data if not stand_ins and not failed else None
+            same = not stand_ins and not loose and not symbols and not failed
+            infer_data = data if same else None
             del data
         if not failed:
             if infer_data is None:
                 piece.ClearField("input")
                 piece.input.extend(declared)
-                infer_data = head + _field(_GRAPH, piece.SerializeToString())
-            del piece
-            # further graph fields (protobuf merges them), value infos after the ones above:
-            # the types of earlier values too partial for a checked input, then the names
-            if loose:
-                infer_data += _field(_GRAPH, _fields(_VALUE_INFO, [carried[n][0] for n in loose]))
-            if symbols:
-                infer_data += _field(_GRAPH, _symbol_carrier(carrier, symbol_dims))
+                # value infos after the ones above: the types of earlier values too partial
+                # for a checked input, then the names (the checker's copy has neither)
+                piece.value_info.extend([carried[n][0] for n in loose])
+                if symbols:
+                    piece.value_info.append(_symbol_carrier(carrier, symbol_dims))
+                infer_data = container.SerializeToString()
+            del piece, container
             try:
                 result = c_inference.infer_shapes(infer_data, False, False, False)
             except Exception:  # as the whole graph's inference failing: the caller decides
