@@ -23,10 +23,11 @@ from .modelio import LoadedModel, unchanged_on_disk
 from .pieces import (
     PieceRefusedError,
     check_pieces,
+    graph_value_types,
     infer_checked_pieces,
     infer_pieces,
+    may_go_in_pieces,
     plan,
-    typed_values_class,
 )
 from .registry import ensure_fused_ops_registered
 
@@ -68,7 +69,11 @@ def _infer_view(
     if isinstance(view, str) and not nested:
         values = _inferred_values_by_path(view)
         if values is not None:
-            return {"": _values_table(values, model)}
+            table = TypeTable()
+            for names, kinds in values:
+                table.add_types(names, kinds)
+            table.add_protos(model.graph.initializer)
+            return {"": table}
     inferred = _inferred_by_path(view) if isinstance(view, str) and nested else None
     if inferred is None:
         if isinstance(view, str):
@@ -105,11 +110,10 @@ def _values_table(values: Message, model: onnx.ModelProto) -> TypeTable:
     return table
 
 
-def _inferred_values_by_path(path: str) -> Message | None:
+def _inferred_values_by_path(path: str) -> list[tuple[list[str], list[bytes | None]]] | None:
     """Shape inference from file to file, and of its result only the main graph's inputs,
-    outputs and value infos read back (a message with those three fields: the nodes and
-    tensors are not made into Python messages, only kept as unparsed bytes until it is
-    freed); None where that fails for any reason."""
+    outputs and value infos read back, as names and types (`graph_value_types`: the nodes and
+    tensors are not made into Python messages); None where that fails for any reason."""
     with _anonymous_file() as out:
         if out is None:
             return None
@@ -117,13 +121,9 @@ def _inferred_values_by_path(path: str) -> Message | None:
             onnx.shape_inference.infer_shapes_path(path, out, check_type=False, strict_mode=False)
             with open(out, "rb") as handle:
                 data = handle.read()
-            values = typed_values_class()()
-            values.ParseFromString(data)
+            return graph_value_types(data)
         except Exception:
             return None
-    del data
-    graph: Message = values.graph
-    return graph
 
 
 def _inferred_by_path(path: str) -> onnx.ModelProto | None:
@@ -193,7 +193,13 @@ def check_and_infer(
     if view.warnings:
         return None
     ensure_fused_ops_registered()
-    if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
+    # Not with external data: the checker resolves it against the folder of the file it reads.
+    direct = as_read and not loaded.external and view.model is loaded.model
+    direct = direct and _utf8(loaded.path) and unchanged_on_disk(loaded)
+    # large: a piece at a time, cut from the file's bytes where the tools could read the file
+    large = may_go_in_pieces(view.model, view.nested)
+    steps = plan(view.model, view.nested, _file_bytes(loaded) if direct and large else None)
+    if steps is not None:
         try:
             try:
                 table = infer_pieces(view.model, loaded.model, steps)
@@ -201,13 +207,10 @@ def check_and_infer(
                 _check_whole(view.model, loaded.label)
                 table = infer_checked_pieces(view.model, loaded.model, steps)
         finally:
-            del view
+            del view, steps  # the plan holds the graph's bytes: let go before the trim
             release_freed()
         return ({"": table} if table is not None else _annotated(loaded.model)), ()
     nested = view.nested
-    # Not with external data: the checker resolves it against the folder of the file it reads.
-    direct = as_read and not loaded.external and view.model is loaded.model
-    direct = direct and _utf8(loaded.path) and unchanged_on_disk(loaded)
     source = contextlib.nullcontext(str(loaded.path)) if direct else serialized(view.model)
     with source as data:
         del view  # a copy of the model when it hides heavy tensors: no longer needed
@@ -218,6 +221,18 @@ def check_and_infer(
         types = _infer_view(data, loaded.model, nested)
     release_freed()  # the C++ tools' copies of the model, freed but kept by the allocator
     return types, ()
+
+
+def _file_bytes(loaded: LoadedModel) -> bytes | None:
+    """The bytes of `loaded`'s file, read again, if it is still as it was read (then they are
+    what the model was parsed from); None otherwise."""
+    assert loaded.path is not None
+    try:
+        with open(loaded.path, "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    return data if unchanged_on_disk(loaded) else None  # not changed while read
 
 
 def _check_whole(model: onnx.ModelProto, label: str | None = None) -> None:
@@ -269,14 +284,7 @@ def verify(model: onnx.ModelProto, label: str, source: LoadedModel | None = None
     valid than the input. Each fused node's shape inference was checked against the
     original graph when it was made; a failure here is fuser's bug, so say so."""
     try:
-        view = checker_view(model, source)
-        if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
-            try:
-                check_pieces(view.model, steps)
-            except PieceRefusedError:  # the whole graph's check has the verdict and the message
-                _check_whole(view.model)
-        else:
-            _check_whole(view.model)
+        _check_output(model, source)
     except Exception as exc:
         raise FusionError(
             f"{label}: the fused model failed verification ({_first_line(exc)}); nothing was "
@@ -284,3 +292,16 @@ def verify(model: onnx.ModelProto, label: str, source: LoadedModel | None = None
         ) from exc
     finally:
         release_freed()
+
+
+def _check_output(model: onnx.ModelProto, source: LoadedModel | None) -> None:
+    """`verify`'s check (its view and plan let go of on return, before the trim)."""
+    view = checker_view(model, source)
+    if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
+        try:
+            check_pieces(view.model, steps)
+        except PieceRefusedError:  # the whole graph's check has the verdict and the message
+            del steps
+            _check_whole(view.model)
+    else:
+        _check_whole(view.model)

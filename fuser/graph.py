@@ -233,6 +233,16 @@ class TypeTable(MutableMapping[str, ValueType]):
                     data = proto.type.SerializeToString()
                     entries[name] = shared.setdefault(data, data)
 
+    def add_types(self, names: Iterable[str], types: Iterable[bytes | None]) -> None:
+        """`add_protos` of value infos given as their names and their types' serializations
+        (None: no type), in step (what `fuser.pieces` reads of inference's results)."""
+        entries, intern, shared = self._entries, sys.intern, self._by_bytes
+        for name, data in zip(names, types, strict=True):
+            name = intern(name)
+            if name not in entries:
+                data = data or b""  # as an untyped value info's `type.SerializeToString()`
+                entries[name] = shared.setdefault(data, data)
+
     def add_tensors(self, tensors: Iterable[onnx.TensorProto]) -> dict[str, onnx.TensorProto]:
         """`add_protos(tensors)`, returning the tensors by (interned) name: one read of each
         name for both (a large model has a hundred thousand initializers)."""

@@ -2,8 +2,13 @@
 
 Given a whole model, each C++ tool parses all of it into its own messages (at 100k nodes some
 hundreds of MB beside Python's copy of the model). Here the main graph's nodes go to the
-tools in pieces of `PIECE_NODES`, in order, each piece a model of its own laid out byte by byte
-(the nodes serialized once, nothing copied), so at most one piece is parsed at a time.
+tools in pieces of `PIECE_NODES`, in order, each piece a model of its own, so at most one
+piece is parsed at a time. The pieces are cut from the model's elements as their bytes (from
+the file it was read from where it is unchanged, parsed with message types that keep each
+node, tensor and value info as its bytes, `RawTypes`): a piece is laid out by one
+serialization, and the names a plan reads and the types inference gives come back as lists
+made in one C call each, not a Python message per element (at 100k nodes those were most of
+the stage's Python time).
 
 One serialization of a piece serves both tools. It declares, as inputs, the graph inputs and
 initializers its nodes read or write (an initializer's values, like a Constant's, feed the
@@ -36,9 +41,11 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import onnx
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 from onnx.onnx_cpp2py_export import shape_inference as c_inference
 
@@ -62,13 +69,6 @@ def _number(
     return length_key(message.DESCRIPTOR.fields_by_name[name].number)
 
 
-_GRAPH = _number(onnx.ModelProto, "graph")
-_NODE = _number(onnx.GraphProto, "node")
-_NAME = _number(onnx.GraphProto, "name")
-_INITIALIZER = _number(onnx.GraphProto, "initializer")
-_INPUT = _number(onnx.GraphProto, "input")
-_OUTPUT = _number(onnx.GraphProto, "output")
-_VALUE_INFO = _number(onnx.GraphProto, "value_info")
 _VI_NAME = _number(onnx.ValueInfoProto, "name")
 _VI_TYPE = _number(onnx.ValueInfoProto, "type")
 
@@ -84,14 +84,6 @@ def _length(n: int) -> bytes:
 
 def _field(key: bytes, payload: bytes) -> bytes:
     return key + _length(len(payload)) + payload
-
-
-def _fields(key: bytes, payloads: list[bytes]) -> bytes:
-    """Repeated field `key` with each of `payloads`, laid out."""
-    lengths, short = _LENGTHS, _SHORT
-    return b"".join(
-        [key + (lengths[len(p)] if len(p) < short else varint(len(p))) + p for p in payloads]
-    )
 
 
 def _name_field(name: str) -> bytes:
@@ -111,11 +103,12 @@ _PLACEHOLDER_FIELD = _field(_VI_TYPE, _placeholder_type())
 
 
 def _symbol_carrier(name: str, dims: bytes) -> bytes:
-    """A value info whose dims (`dims`: laid out dim_param dims) inference takes as names in use:
-    TypeProto.tensor_type (1) of elem_type (1) float and shape (2) of those dims."""
+    """A value info (serialized) whose dims (`dims`: laid out dim_param dims) inference takes
+    as names in use: TypeProto.tensor_type (1) of elem_type (1) float and shape (2) of those
+    dims."""
     tensor = b"\x08\x01" + _field(b"\x12", dims)
     kind = _field(b"\x0a", tensor)
-    return _field(_VALUE_INFO, _name_field(name) + _field(_VI_TYPE, kind))
+    return _name_field(name) + _field(_VI_TYPE, kind)
 
 
 def _dim_fields(symbols: Iterable[str]) -> bytes:
@@ -129,10 +122,11 @@ _STRICT_SYMBOL = re.compile(rb"\x0a[\x07-\x7f]\x12[\x05-\x7d]unk__[0-9]+")
 _LOOSE_SYMBOL = re.compile(rb"\x12[\x05-\x7f]unk__[0-9]+")
 
 
-def _new_symbols(values: Message) -> set[str]:
-    """The `unk__N` dim names among `values`' (a parsed typed-values graph) value infos and
-    outputs: found in their bytes, or by a walk where the bytes are not plain."""
-    data = values.SerializeToString()
+def _new_symbols(types: Sequence[bytes | None]) -> set[str]:
+    """The `unk__N` dim names among `types` (serialized TypeProtos of inference's value infos
+    and outputs; None: no type): found in their bytes, or by a walk where the bytes are not
+    plain."""
+    data = b"\x00".join([t for t in types if t])  # a separator no match can span
     # each distinct match once (a few symbols repeat over most values)
     strict = Counter(_STRICT_SYMBOL.findall(data))
     loose = Counter(_LOOSE_SYMBOL.findall(data))
@@ -140,27 +134,85 @@ def _new_symbols(values: Message) -> set[str]:
     plain = sum(strict[m] for m in strict if m[4:] in found)
     if plain == sum(n for m, n in loose.items() if m[1] == len(m) - 2):
         return {s.decode() for s in found}
-    return _unknown_symbols((*values.value_info, *values.output))
+    return _type_symbols(onnx.TypeProto.FromString(t) for t in types if t)
 
 
-def plan(model: onnx.ModelProto, nested: bool) -> list[Step] | None:
-    """The pieces of `model`'s main graph, where `check_pieces`/`infer_pieces` see it as the
-    whole-graph tools do (see the module docstring); None where it goes whole. `nested`:
-    whether a node may hold a subgraph (`NodeScan.nested`)."""
+def may_go_in_pieces(model: onnx.ModelProto, nested: bool) -> bool:
+    """`plan`'s first look (no walk): False where `model` surely goes whole."""
     graph = model.graph
     if nested or len(graph.node) < MIN_NODES or model.ir_version < 4:
+        return False
+    return not (len(graph.sparse_initializer) or len(model.training_info))
+
+
+class _Elements:
+    """A graph's elements as `raw_types().graph` holds them (each as its bytes), from the graph
+    itself, each serialized when a piece asks for it (a piece's nodes twice: for the plan and
+    for the walk; kept, they would be a copy of the graph's nodes on the walk's peak)."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.node = _Serializing(graph.node)
+        self.initializer = _Serializing(graph.initializer)
+        self.input = _Serializing(graph.input)
+        self.output = _Serializing(graph.output)
+        self.value_info = _Serializing(graph.value_info)
+
+
+class _Serializing:
+    """The serializations of a repeated field's messages, each made when asked for."""
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self._messages = messages
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        if isinstance(index, slice):
+            return [m.SerializeToString() for m in self._messages[index]]
+        return self._messages[index].SerializeToString()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The pieces of a graph (`steps`) and what they are cut from: `graph`, its elements as
+    their bytes (the model's serialization parsed with `raw_types().graph` where the caller
+    had it, else `_Elements`), the initializers' names in order, and those of the graph's
+    inputs and initializers no node reads."""
+
+    steps: list[Step]
+    graph: Message | _Elements
+    initializers: list[str]
+    unread: set[str]  # the graph inputs and initializers no node reads
+
+
+def plan(model: onnx.ModelProto, nested: bool, data: bytes | None = None) -> Plan | None:
+    """The pieces of `model`'s main graph, where `check_pieces`/`infer_pieces` see it as the
+    whole-graph tools do (see the module docstring); None where it goes whole. `nested`:
+    whether a node may hold a subgraph (`NodeScan.nested`). `data`: bytes `model` was parsed
+    from, if the caller has them (its file, unchanged): the pieces are cut from them instead
+    of a serialization of `model` (the same elements in the same order, however laid out)."""
+    if not may_go_in_pieces(model, nested):
         return None
-    if len(graph.sparse_initializer) or len(model.training_info):
-        return None
-    outer = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    steps = _plan(graph.node, set(outer))
+    graph = model.graph
+    initializers = [t.name for t in graph.initializer]
+    outer = frozenset([v.name for v in graph.input] + initializers)
     named = [v.name for v in graph.output] + [v.name for v in graph.value_info]
     if any(n in outer for n in named):
         return None
-    produced: set[str] = set()
-    for step in steps if named else ():
-        produced.update(step.written)
-    return steps if all(n in produced for n in named) else None
+    # cut from `data` parsed whole (it is there already); else each element serialized on
+    # its own: a serialization of the whole model and its parse side by side would be two
+    # more copies of its tensors (at a fused 100k-node CNN, 100 MB on verify's peak)
+    raw = _Elements(graph) if data is None else raw_types().model.FromString(data).graph
+    wanted = frozenset(named)
+    steps, unread = _plan(raw, graph.node, outer, wanted)
+    produced = {n for step in steps for n in step.named}
+    if len(produced) < len(wanted):
+        return None
+    return Plan(steps, raw, initializers, unread)
 
 
 def _head(model: onnx.ModelProto) -> bytes:
@@ -172,73 +224,119 @@ def _head(model: onnx.ModelProto) -> bytes:
     return head.SerializeToString()
 
 
+@dataclass(frozen=True)
+class RawTypes:
+    """Message types laid out as onnx's (the same field numbers) that read a serialization in
+    large C calls: parsing into them makes few Python objects.
+
+    - `model`/`graph`: ModelProto's graph; GraphProto's node, name, initializer, input,
+      output and value_info, each element as its bytes (a piece is laid out from them).
+    - `node_names`: NodeProto's input, output and op_type. Several nodes' bytes one after
+      the other parse as one message (protobuf merges them): their inputs, outputs and op
+      types in order, each list made in one call.
+    - `values`: ValueInfoProto's name, and its type as bytes, merged the same way;
+      `result`: ModelProto whose graph's input, output and value_info are each one merged
+      `values` (each list of an inference result's value infos made in one call).
+    """
+
+    model: type[Message]
+    graph: type[Message]
+    node_names: type[Message]
+    values: type[Message]
+    result: type[Message]
+
+
+_RAW_PACKAGE = "fuser.raw_pieces"
+
+
 @functools.cache
-def typed_values_class() -> type[Message]:
-    """A message type laid out as ModelProto whose `graph` holds only GraphProto's `input`,
-    `output` and `value_info` (same field numbers and element type): parsing a model into it
-    makes Python messages of the value infos alone."""
-    graph_fields = onnx.GraphProto.DESCRIPTOR.fields_by_name
-    value_info = onnx.ValueInfoProto.DESCRIPTOR
+def raw_types() -> RawTypes:
+    """The message types of `RawTypes` (made once, in protobuf's default pool)."""
+    kinds = descriptor_pb2.FieldDescriptorProto
     file = descriptor_pb2.FileDescriptorProto(
-        name="fuser/typed_values.proto",
-        package="fuser.typed_values",
-        dependency=[value_info.file.name],
-        syntax="proto2",
+        name="fuser/raw_pieces.proto", package=_RAW_PACKAGE, syntax="proto2"
     )
-    graph = file.message_type.add(name="Values")
-    for name in ("input", "output", "value_info"):
-        graph.field.add(
-            name=name,
-            number=graph_fields[name].number,
-            label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED,
-            type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
-            type_name=f".{value_info.full_name}",
-        )
-    model = file.message_type.add(name="Model")
-    model.field.add(
-        name="graph",
-        number=onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number,
-        label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
-        type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
-        type_name=".fuser.typed_values.Values",
+
+    def message(
+        name: str, source: Descriptor, fields: dict[str, tuple[int, str]], merged: bool = False
+    ) -> None:
+        # fields: name -> (protobuf type, message type name or ""), numbers as `source`'s;
+        # `merged`: every field repeated (each occurrence of it in the bytes kept, in order).
+        # A message field is optional: its occurrences merge into one message.
+        added = file.message_type.add(name=name)
+        for field_name, (kind, type_name) in fields.items():
+            repeated = merged or source.fields_by_name[field_name].is_repeated
+            field = added.field.add(
+                name=field_name,
+                number=source.fields_by_name[field_name].number,
+                label=kinds.LABEL_REPEATED if repeated and not type_name else kinds.LABEL_OPTIONAL,
+                type=kind,
+            )
+            if type_name:
+                field.type_name = f".{_RAW_PACKAGE}.{type_name}"
+
+    raw, text = (kinds.TYPE_BYTES, ""), (kinds.TYPE_STRING, "")
+    graph, model = onnx.GraphProto.DESCRIPTOR, onnx.ModelProto.DESCRIPTOR
+    fields = ("node", "name", "initializer", "input", "output", "value_info")
+    message("Graph", graph, dict.fromkeys(fields, raw))
+    message("Model", model, {"graph": (kinds.TYPE_MESSAGE, "Graph")})
+    message(
+        "NodeNames",
+        onnx.NodeProto.DESCRIPTOR,
+        dict.fromkeys(("input", "output", "op_type"), text),
+        merged=True,
     )
+    message("Values", onnx.ValueInfoProto.DESCRIPTOR, {"name": text, "type": raw}, merged=True)
+    merged = (kinds.TYPE_MESSAGE, "Values")
+    message("ResultGraph", graph, {"input": merged, "output": merged, "value_info": merged})
+    message("Result", model, {"graph": (kinds.TYPE_MESSAGE, "ResultGraph")})
     pool = descriptor_pool.Default()
     try:
-        found = pool.FindMessageTypeByName("fuser.typed_values.Model")
+        pool.FindMessageTypeByName(f"{_RAW_PACKAGE}.Result")
     except KeyError:
-        found = pool.Add(file).message_types_by_name["Model"]
-    return message_factory.GetMessageClass(found)
+        pool.Add(file)
+
+    def made(name: str) -> type[Message]:
+        return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_RAW_PACKAGE}.{name}"))
+
+    return RawTypes(made("Model"), made("Graph"), made("NodeNames"), made("Values"), made("Result"))
 
 
 class PieceRefusedError(Exception):
     """A piece failed onnx's checker (the whole graph's check says whether, and why)."""
 
 
-def check_pieces(model: onnx.ModelProto, steps: list[Step]) -> None:
-    """onnx's checker on `model` a piece at a time (`steps`: its `plan`); raises `PieceRefusedError`
-    where a piece fails (then the whole graph's check gives the verdict and the message)."""
-    for _ in _walk(model, steps, infer=False):
+def check_pieces(model: onnx.ModelProto, pieces: Plan) -> None:
+    """onnx's checker on `model` a piece at a time (`pieces`: its `plan`); raises
+    `PieceRefusedError` where a piece fails (then the whole graph's check gives the verdict
+    and the message)."""
+    for _ in _walk(model, pieces, infer=False):
         pass
 
 
-def infer_pieces(
-    model: onnx.ModelProto, source: onnx.ModelProto, steps: list[Step]
-) -> TypeTable | None:
+def infer_pieces(model: onnx.ModelProto, source: onnx.ModelProto, pieces: Plan) -> TypeTable | None:
     """`check_pieces`, and the main graph's types from shape inference a piece at a time, as
     the whole graph's inference gives them (inputs, outputs, value infos, then `source`'s
     initializers); None where inference failed (for any piece: the whole graph's would too).
     Raises `PieceRefusedError` as `check_pieces` (the types of a model the whole check passes
     after all are `infer_checked_pieces`')."""
-    *_, found = _walk(model, steps, infer=True)
+    *_, found = _walk(model, pieces, infer=True)
     return _table(model, source, found)
 
 
 def infer_checked_pieces(
-    model: onnx.ModelProto, source: onnx.ModelProto, steps: list[Step]
+    model: onnx.ModelProto, source: onnx.ModelProto, pieces: Plan
 ) -> TypeTable | None:
     """`infer_pieces` without the checker (the caller has checked the model whole)."""
-    *_, found = _walk(model, steps, infer=True, check=False)
+    *_, found = _walk(model, pieces, infer=True, check=False)
     return _table(model, source, found)
+
+
+# A value's type: its TypeProto serialized, None where its value info has no type.
+_Type = bytes | None
+# What inference found: graph outputs' and the model's value infos' types by name, and the
+# names and types of the value infos it added, in order.
+_Found = tuple[dict[str, _Type], dict[str, _Type], list[str], list[_Type]]
 
 
 def _table(
@@ -247,220 +345,271 @@ def _table(
     if found is None:
         return None
     graph = model.graph
-    outputs, existing, new = found
+    outputs, existing, new_names, new_types = found
     table = TypeTable()
     table.add_protos(graph.input)
-    table.add_protos(outputs[v.name] for v in graph.output if v.name in outputs)
-    table.add_protos(existing[v.name] for v in graph.value_info if v.name in existing)
-    table.add_protos(new)
+    for known, values in ((outputs, graph.output), (existing, graph.value_info)):
+        names = [v.name for v in values if v.name in known]
+        table.add_types(names, [known[n] for n in names])
+    table.add_types(new_names, new_types)
     table.add_protos(source.graph.initializer)
     return table
 
 
-_Found = tuple[
-    dict[str, onnx.ValueInfoProto], dict[str, onnx.ValueInfoProto], list[onnx.ValueInfoProto]
-]
+def _complete(kind: bytes) -> bool:
+    """Whether the checker takes a value of type `kind` (serialized) as a main-graph input (a
+    tensor type with an element type and a shape; other kinds are left to the checker, which
+    the whole check overrules)."""
+    parsed = onnx.TypeProto.FromString(kind)
+    if parsed.WhichOneof("value") != "tensor_type":
+        return parsed.WhichOneof("value") is not None
+    return bool(parsed.tensor_type.elem_type) and parsed.tensor_type.HasField("shape")
 
 
-def _complete(value: onnx.ValueInfoProto) -> bool:
-    """Whether the checker takes `value` as a main-graph input (a tensor type with an element
-    type and a shape; other kinds are left to the checker, which the whole check overrules)."""
-    kind = value.type
-    if kind.WhichOneof("value") != "tensor_type":
-        return kind.WhichOneof("value") is not None
-    return bool(kind.tensor_type.elem_type) and kind.tensor_type.HasField("shape")
+def _values(merged: Message, raw: Sequence[bytes]) -> tuple[list[str], list[_Type]]:
+    """The names and types of value infos `raw` (their bytes), read from `merged` (the same
+    value infos parsed as one `values` message) where each has exactly one name and one type
+    (inference's serialization sets a field once), else from each one's own parse."""
+    names, types = list(merged.name), list(merged.type)
+    if len(names) == len(types) == len(raw):
+        return names, types
+    protos = [onnx.ValueInfoProto.FromString(data) for data in raw]
+    kinds = [v.type.SerializeToString() if v.HasField("type") else None for v in protos]
+    return [v.name for v in protos], kinds
+
+
+def graph_value_types(data: bytes) -> list[tuple[list[str], list[_Type]]]:
+    """The names and types of the main graph's inputs, outputs and value infos (in that
+    order) of the model serialized as `data` (its nodes and tensors only skipped over)."""
+    classes = raw_types()
+    merged = classes.result.FromString(data).graph
+    raw = classes.model.FromString(data).graph
+    fields = ("input", "output", "value_info")
+    return [_values(getattr(merged, f), getattr(raw, f)) for f in fields]
 
 
 def _walk(
-    model: onnx.ModelProto, steps: list[Step], infer: bool, check: bool = True
+    model: onnx.ModelProto, pieces: Plan, infer: bool, check: bool = True
 ) -> Iterator[_Found | None]:
     """Check (and infer) piece by piece; yields after each piece, lastly what inference found
-    (graph outputs and model value infos by name, new value infos in order) or None where it
-    failed or was not asked. A piece the checker refuses raises `PieceRefusedError`."""
-    graph = model.graph
+    (`_Found`) or None where it failed or was not asked. A piece the checker refuses raises
+    `PieceRefusedError`."""
+    graph, raw, steps = model.graph, pieces.graph, pieces.steps
+    classes = raw_types()
     head = _head(model)
-    name = _field(_NAME, graph.name.encode()) if graph.name else b""
-    inputs = {v.name: v for v in graph.input}
-    initializers: dict[str, onnx.TensorProto] = {}
-    for tensor in graph.initializer:
-        initializers.setdefault(tensor.name, tensor)
+    # indices of the raw graph's elements, by name (a repeated name: the first initializer,
+    # the last input, as the whole graph's tools take them)
+    inputs = {v.name: i for i, v in enumerate(graph.input)}
+    initializers: dict[str, int] = {}
+    for i, tensor_name in enumerate(pieces.initializers):
+        initializers.setdefault(tensor_name, i)
     # what the whole check checks once over the graph: names unique, initializers named
-    if check and (len(inputs) < len(graph.input) or len(initializers) < len(graph.initializer)):
+    if check and (len(inputs) < len(graph.input) or len(initializers) < len(pieces.initializers)):
         raise PieceRefusedError("a graph input or initializer name is not unique")
     if check and "" in initializers:
         raise PieceRefusedError("an initializer has no name")
     # the inputs and initializers no node reads go with the last piece (checked there)
-    unread = set(inputs) | set(initializers)
-    for step in steps:
-        unread.difference_update(step.reads)
-    wanted = {n for step in steps for n in step.before} - inputs.keys() - initializers.keys()
-    outputs_wanted = {v.name: v for v in graph.output}
+    unread = pieces.unread
+    wanted = set().union(*(step.earlier for step in steps))
+    outputs_wanted = {v.name: i for i, v in enumerate(graph.output)}
     model_infos = {v.name: i for i, v in enumerate(graph.value_info)}
     symbols = _unknown_symbols((*graph.input, *graph.output, *graph.value_info))
     symbol_dims = _dim_fields(sorted(symbols))
-    carried: dict[str, onnx.ValueInfoProto] = {}  # typed values defined so far that are wanted
+    # typed values defined so far that are wanted: their value infos' bytes and types
+    carried: dict[str, tuple[bytes, bytes]] = {}
     constants: dict[str, bytes] = {}  # Constant nodes defined so far, by output
-    outputs: dict[str, onnx.ValueInfoProto] = {}
-    existing: dict[str, onnx.ValueInfoProto] = {}
-    new: list[onnx.ValueInfoProto] = []
+    outputs: dict[str, _Type] = {}
+    existing: dict[str, _Type] = {}
+    new_names: list[str] = []
+    new_types: list[_Type] = []
     failed = not infer
-    values_class = typed_values_class()
-    nodes = graph.node
     for number, step in enumerate(steps):
         last = number == len(steps) - 1
-        before = set(step.before)
-        outer = [n for n in step.before if n in inputs or n in initializers]
+        outer = step.outer
         if last:
-            outer += [v.name for v in graph.input if v.name in unread]
-            outer += [t.name for t in graph.initializer if t.name in unread]
-        shared = [n for n in step.before if n in constants]  # Constants seen again
-        earlier = [n for n in step.before if n not in inputs and n not in initializers]
-        earlier = [n for n in earlier if n not in constants]
-        typed = [n for n in earlier if n in carried and _complete(carried[n])] if infer else []
+            outer = outer + [v.name for v in graph.input if v.name in unread]
+            outer += [n for n in pieces.initializers if n in unread]
+        shared = [n for n in step.earlier if n in constants]  # Constants seen again
+        earlier = [n for n in step.earlier if n not in constants]
+        typed = [n for n in earlier if n in carried and _complete(carried[n][1])] if infer else []
         untyped = [n for n in earlier if n not in typed]
         loose = [n for n in untyped if n in carried] if infer else []
-        carrier = "fuser.unknown_dims"
-        while carrier in step.reads or carrier in step.written:
-            carrier += "_"
-        own = sorted(model_infos[n] for n in step.written if n in model_infos)
-        given = [carried[n] for n in shared if n in carried] if infer else []
-        common = [
-            _fields(_INPUT, [inputs[n].SerializeToString() for n in outer if n in inputs]),
-            _fields(
-                _INITIALIZER,
-                [initializers[n].SerializeToString() for n in outer if n in initializers],
-            ),
-            _fields(_INPUT, [carried[n].SerializeToString() for n in typed]),
-            _fields(_VALUE_INFO, [graph.value_info[i].SerializeToString() for i in own]),
-            _fields(_VALUE_INFO, [v.SerializeToString() for v in given]),
-            _fields(
-                _OUTPUT,
-                [
-                    outputs_wanted[n].SerializeToString()
-                    for n in step.written
-                    if n in outputs_wanted
-                ],
-            ),
-            *([constants[n] for n in shared] if infer else []),
-            _fields(_NODE, [n.SerializeToString() for n in nodes[step.start : step.stop]]),
-        ]
+        carrier = step.carrier
+        own = sorted(model_infos[n] for n in step.named if n in model_infos)
+        given = [carried[n][0] for n in shared if n in carried] if infer else []
+        ends = [n for n in step.named if n in outputs_wanted]
+        # the head's fields kept as unknown fields, written back as they are: a piece's model is
+        # one serialization (not the graph's bytes copied again behind the head's)
+        container = classes.model.FromString(head)
+        piece = container.graph
+        if graph.name:
+            piece.name = graph.name.encode()
+        if infer:
+            piece.node.extend([constants[n] for n in shared])
+        piece.node.extend(raw.node[step.start : step.stop])
+        piece.initializer.extend(
+            [raw.initializer[initializers[n]] for n in outer if n in initializers]
+        )
+        piece.value_info.extend([raw.value_info[i] for i in own])
+        piece.value_info.extend(given)
+        piece.output.extend([raw.output[outputs_wanted[n]] for n in ends])
+        declared = [raw.input[inputs[n]] for n in outer if n in inputs]
+        declared += [carried[n][0] for n in typed]
         # the checker's inputs for the values of earlier pieces inference has no full type of
         # (inference must not see them: an untyped input is not an unknown one)
-        stand_ins = [
-            _INPUT + _length(len(f)) + f
-            for f in [_name_field(n) + _PLACEHOLDER_FIELD for n in untyped]
-        ]
+        stand_ins = [_name_field(n) + _PLACEHOLDER_FIELD for n in untyped]
         if not infer:  # Constants of earlier pieces are not brought along: they are inputs
-            stand_ins += [
-                _INPUT + _length(len(f)) + f
-                for f in [_name_field(n) + _PLACEHOLDER_FIELD for n in shared]
-            ]
+            stand_ins += [_name_field(n) + _PLACEHOLDER_FIELD for n in shared]
+        infer_data = None
         if check:
-            data = head + _field(_GRAPH, b"".join([name, *stand_ins, *common]))
+            piece.input.extend(stand_ins)
+            piece.input.extend(declared)
+            data = container.SerializeToString()
             try:
                 onnx.checker.check_model(data, full_check=False)
             except onnx.checker.ValidationError as exc:
                 raise PieceRefusedError(str(exc)) from exc
-            infer_data = data if not stand_ins and not failed else None
+            same = not stand_ins and not loose and not symbols and not failed
+            infer_data = data if same else None
             del data
-        else:
-            infer_data = None
         if not failed:
             if infer_data is None:
-                infer_data = head + _field(_GRAPH, b"".join([name, *common]))
-            # further graph fields (protobuf merges them), value infos after the ones above:
-            # the types of earlier values too partial for a checked input, then the names
-            if loose:
-                infer_data += _field(
-                    _GRAPH, _fields(_VALUE_INFO, [carried[n].SerializeToString() for n in loose])
-                )
-            if symbols:
-                infer_data += _field(_GRAPH, _symbol_carrier(carrier, symbol_dims))
-            del common
+                piece.ClearField("input")
+                piece.input.extend(declared)
+                # value infos after the ones above: the types of earlier values too partial
+                # for a checked input, then the names (the checker's copy has neither)
+                piece.value_info.extend([carried[n][0] for n in loose])
+                if symbols:
+                    piece.value_info.append(_symbol_carrier(carrier, symbol_dims))
+                infer_data = container.SerializeToString()
+            del piece, container
             try:
                 result = c_inference.infer_shapes(infer_data, False, False, False)
             except Exception:  # as the whole graph's inference failing: the caller decides
                 failed = True
             else:
-                values = values_class()
-                values.ParseFromString(result)
-                infos = values.graph.value_info
+                del infer_data
+                # the result's value infos and outputs (its nodes and tensors are only skipped
+                # over: nothing of the parse outlives this piece)
+                merged = classes.result.FromString(result).graph
+                found = classes.model.FromString(result).graph
+                infos, ends_found = found.value_info, found.output
+                names, types = _values(merged.value_info, infos)
+                end_names, end_types = _values(merged.output, ends_found)
+                del merged
                 # inference keeps the value infos it was given, in order, and appends the rest
                 first = len(own) + len(given) + len(loose) + bool(symbols)
-                made = infos[first:]
-                if any(n not in carried for n in shared):
-                    made = [v for v in made if v.name not in before]  # a Constant seen again
-                # copied out: the parsed result's memory holds the whole piece (its nodes and
-                # tensors as unknown fields) for as long as any of its messages lives
-                kept = values_class().graph
-                kept.value_info.extend(infos[: len(own)])
-                kept.value_info.extend(made)
-                kept.output.extend(values.graph.output)
-                del values, infos, made
-                for value in kept.value_info[: len(own)]:
-                    existing.setdefault(value.name, value)
-                new.extend(kept.value_info[len(own) :])
-                for value in kept.output:
-                    outputs.setdefault(value.name, value)
+                made: Sequence[int] = range(first, len(names))
+                if any(n not in carried for n in shared):  # a Constant seen again
+                    before = set(step.before)
+                    made = [k for k in made if names[k] not in before]
+                for k in range(len(own)):
+                    existing.setdefault(names[k], types[k])
+                new_names += [names[k] for k in made]
+                new_types += [types[k] for k in made]
+                for end_name, end_type in zip(end_names, end_types, strict=True):
+                    outputs.setdefault(end_name, end_type)
+                kept = [*range(len(own)), *made]
                 if wanted:
-                    for value in (*kept.value_info, *kept.output):
-                        if value.name in wanted and value.HasField("type"):
-                            carried[value.name] = value
+                    for k in kept:
+                        kind = types[k]
+                        if kind is not None and names[k] in wanted:
+                            carried[names[k]] = (infos[k], kind)
+                    for k, end_name in enumerate(end_names):
+                        kind = end_types[k]
+                        if kind is not None and end_name in wanted:
+                            carried[end_name] = (ends_found[k], kind)
                 if _UNKNOWN_PREFIX.encode() in result:
-                    found = _new_symbols(kept) - symbols
-                    symbols |= found
-                    symbol_dims += _dim_fields(sorted(found))
-                del result, kept
-            del infer_data
+                    new = _new_symbols([*(types[k] for k in kept), *end_types]) - symbols
+                    symbols |= new
+                    symbol_dims += _dim_fields(sorted(new))
+                del result, found, infos, ends_found
         for i in step.constants:
-            constants[nodes[i].output[0]] = _field(_NODE, nodes[i].SerializeToString())
+            constants[graph.node[i].output[0]] = raw.node[i]
         yield None
-    yield None if failed else (outputs, existing, new)
+    yield None if failed else (outputs, existing, new_names, new_types)
 
 
 @dataclass(frozen=True)
 class Step:
-    """One piece of a graph: its nodes (`start`:`stop`), the names they read and write (in
-    order, once each), those defined before the piece, and its Constant nodes' indices."""
+    """One piece of a graph: its nodes (`start`:`stop`); the names they read or write that are
+    defined before the piece, in order, once each (`before`: of them, the graph's inputs and
+    initializers, `outer`, and the values of earlier pieces, `earlier`); the graph outputs
+    and value infos they write (`named`, in order); its Constant nodes' indices; and a name
+    none of its nodes reads or writes (`carrier`: the value info carrying the unknown dims'
+    names). Not the names it reads and writes: a plan is held through the walk, and at
+    100k nodes those were some 40 MB."""
 
     start: int
     stop: int
-    reads: dict[str, None]
-    written: dict[str, None]
     before: list[str]
+    outer: list[str]
+    earlier: list[str]
+    named: list[str]
     constants: list[int]
+    carrier: str
 
 
-def _plan(nodes: Sequence[onnx.NodeProto], defined: set[str]) -> list[Step]:
-    """The pieces of `nodes`, given the names defined before the first (one walk)."""
+def _plan(
+    raw: Message | _Elements,
+    nodes: Sequence[onnx.NodeProto],
+    outer: frozenset[str],
+    named: frozenset[str],
+) -> tuple[list[Step], set[str]]:
+    """The pieces of `nodes` (`raw`: their graph as `raw_types().graph` parses it), given the
+    graph's inputs and initializers (`outer`) and its outputs and value infos (`named`): each
+    piece's names read from its nodes' bytes at once (`RawTypes.node_names`); and the names
+    of `outer` no node reads."""
     steps = []
+    names_class = raw_types().node_names
+    defined = set(outer)
+    unread = set(outer)
     for start in range(0, len(nodes), PIECE_NODES):
         stop = min(start + PIECE_NODES, len(nodes))
-        read: list[str] = []
-        wrote: list[str] = []
-        constants = []
-        for i in range(start, stop):
-            node = nodes[i]
-            read += node.input
-            wrote += node.output
-            constant = node.op_type == "Constant" and node.domain in _CONSTANT_DOMAINS
-            if constant and len(node.output) == 1:
-                constants.append(i)
-        reads = dict.fromkeys(read)
-        written = dict.fromkeys(wrote)
+        names = names_class.FromString(b"".join(raw.node[start:stop]))
+        reads = dict.fromkeys(names.input)
+        written = dict.fromkeys(names.output)
         reads.pop("", None)
         written.pop("", None)
+        op_types = list(names.op_type)
+        del names
+        # one op type per node (a node without one fails the piece's check before its
+        # Constants are read); else each node's own
+        if len(op_types) != stop - start:
+            candidates: Iterable[int] = range(start, stop)
+        elif "Constant" in op_types:
+            candidates = [start + k for k, op in enumerate(op_types) if op == "Constant"]
+        else:
+            candidates = ()
+        constants = [i for i in candidates if _is_constant(nodes[i])]
         before = [n for n in {**reads, **written} if n in defined]
-        steps.append(Step(start, stop, reads, written, before, constants))
+        earlier = [n for n in before if n not in outer]
+        mine = [n for n in before if n in outer] if earlier else before
+        ends = [n for n in written if n in named] if named else []
+        carrier = "fuser.unknown_dims"
+        while carrier in reads or carrier in written:
+            carrier += "_"
+        steps.append(Step(start, stop, before, mine, earlier, ends, constants, carrier))
         defined.update(written)
-    return steps
+        unread.difference_update(reads)
+    return steps, unread
+
+
+def _is_constant(node: onnx.NodeProto) -> bool:
+    """A Constant node of the ONNX domain with one output (inference reads its tensor)."""
+    return node.op_type == "Constant" and node.domain in _CONSTANT_DOMAINS and len(node.output) == 1
 
 
 def _unknown_symbols(values: Iterable[onnx.ValueInfoProto]) -> set[str]:
     """The dim names of `values` that inference could have made (`unk__N`)."""
+    return _type_symbols(value.type for value in values)
+
+
+def _type_symbols(kinds: Iterable[onnx.TypeProto]) -> set[str]:
+    """The dim names of types `kinds` that inference could have made (`unk__N`)."""
     found = set()
-    for value in values:
-        for dim in _dims(value.type):
+    for kind in kinds:
+        for dim in _dims(kind):
             if dim.dim_param.startswith(_UNKNOWN_PREFIX):
                 found.add(dim.dim_param)
     return found

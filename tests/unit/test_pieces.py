@@ -22,17 +22,19 @@ def _small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pieces, "MIN_NODES", 6)
 
 
-def _run(model: onnx.ModelProto, whole: bool, monkeypatch: pytest.MonkeyPatch) -> object:
+def _run(
+    model: onnx.ModelProto, whole: bool, monkeypatch: pytest.MonkeyPatch, as_read: bool = False
+) -> object:
     """check_and_infer's types as an ordered list, or the error's message."""
     with monkeypatch.context() as patch:
         if whole:
-            patch.setattr(check_infer, "plan", lambda m, n: None)
+            patch.setattr(check_infer, "plan", lambda *args: None)
         else:  # the pieces route must be the one taken
             real = pieces.plan
             taken = []
-            patch.setattr(check_infer, "plan", lambda m, n: taken.append(real(m, n)) or taken[-1])
+            patch.setattr(check_infer, "plan", lambda *a: taken.append(real(*a)) or taken[-1])
         try:
-            checked = check_infer.check_and_infer(load_model(model))
+            checked = check_infer.check_and_infer(load_model(model), as_read=as_read)
         except ModelLoadError as exc:
             result: object = str(exc)
         else:
@@ -163,7 +165,7 @@ def test_the_output_check_in_pieces_says_what_the_whole_check_says(kind, monkeyp
     def verified(whole: bool) -> str:
         with monkeypatch.context() as patch:
             if whole:
-                patch.setattr(check_infer, "plan", lambda m, n: None)
+                patch.setattr(check_infer, "plan", lambda *args: None)
             with pytest.raises(FusionError) as caught:
                 check_infer.verify(_broken(kind), "m.onnx")
         return str(caught.value)
@@ -222,7 +224,7 @@ def test_a_value_of_unknown_rank_crossing_pieces_is_declared_for_the_checker_onl
     nodes[4].input[0] = "v3f"
     view = checker_view(model)
     steps = pieces.plan(view.model, view.nested)
-    assert steps is not None and steps[1].before == ["v3"]
+    assert steps is not None and steps.steps[1].before == ["v3"]
     types = dict(_same(model, monkeypatch))  # type: ignore[arg-type]
     assert types["v3"].shape is None
 
@@ -244,3 +246,57 @@ def test_a_piece_refused_wrongly_is_overruled_by_the_whole_check(monkeypatch):
     assert [(n, table[n]) for n in table] == whole
     check_infer.verify(model, "m.onnx")  # passes: the whole check says so
     assert refused == [1, 1]
+
+
+def test_pieces_cut_from_the_files_bytes_are_the_whole_graphs(tmp_path, monkeypatch):
+    # a model read from a file it still is: the pieces are cut from the file's own bytes
+    # (laid out by another writer than fuser's protobuf: here onnx.save's), not a new
+    # serialization of the model
+    path = tmp_path / "m.onnx"
+    onnx.save(_nonzero_chain(), path)
+    given = []
+    real = pieces.plan
+
+    def recorded(model, nested, data=None):
+        given.append(data)
+        return real(model, nested, data)
+
+    monkeypatch.setattr(pieces, "plan", recorded)
+    monkeypatch.setattr(check_infer, "plan", recorded)
+    whole = _run(path, True, monkeypatch, as_read=True)  # type: ignore[arg-type]
+    assert _run(path, False, monkeypatch, as_read=True) == whole  # type: ignore[arg-type]
+    assert given and given[-1] == path.read_bytes()
+    assert {t.shape for t in dict(whole).values()} >= {(2, 3), (2, "unk__1")}  # type: ignore[arg-type]
+
+
+def test_value_infos_whose_fields_do_not_line_up_are_read_one_by_one():
+    # merged, the names and types of value infos line up only where each has one of each
+    typed = helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, "n"])
+    untyped = onnx.ValueInfoProto(name="b")
+    nameless = helper.make_tensor_value_info("", TensorProto.INT64, [3])
+    raw = [v.SerializeToString() for v in (typed, untyped, nameless, typed)]
+    merged = pieces.raw_types().values.FromString(b"".join(raw))
+    names, types = pieces._values(merged, raw)
+    assert names == ["a", "b", "", "a"]
+    assert types == [
+        typed.type.SerializeToString(),
+        None,
+        nameless.type.SerializeToString(),
+        typed.type.SerializeToString(),
+    ]
+    both = raw[:1] + raw[3:]
+    merged = pieces.raw_types().values.FromString(b"".join(both))
+    assert pieces._values(merged, both) == (["a", "a"], [types[0], types[0]])
+
+
+def test_constants_are_found_where_a_node_has_no_op_type(monkeypatch):
+    # the op types of a piece's nodes line up with its nodes only where each has one
+    shape = helper.make_tensor("s", TensorProto.INT64, [2], [3, 2])
+    model = _chain(8)
+    model.graph.node.insert(1, helper.make_node("Constant", [], ["shape"], value=shape))
+    model.graph.node.append(helper.make_node("Reshape", ["y", "shape"], ["z"]))
+    steps = pieces.plan(model, nested=False)
+    assert steps is not None and steps.steps[0].constants == [1]
+    model.graph.node[0].ClearField("op_type")
+    steps = pieces.plan(model, nested=False)
+    assert steps is not None and steps.steps[0].constants == [1]
