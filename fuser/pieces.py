@@ -179,22 +179,19 @@ class _Serializing:
 @dataclass(frozen=True)
 class Plan:
     """The pieces of a graph (`steps`) and what they are cut from: `graph`, its elements as
-    their bytes (the model's serialization parsed with `raw_types().graph` where the caller
-    had it, else `_Elements`), the initializers' names in order, and those of the graph's
+    their bytes (`_Elements`), the initializers' names in order, and those of the graph's
     inputs and initializers no node reads."""
 
     steps: list[Step]
-    graph: Message | _Elements
+    graph: _Elements
     initializers: list[str]
     unread: set[str]  # the graph inputs and initializers no node reads
 
 
-def plan(model: onnx.ModelProto, nested: bool, data: bytes | None = None) -> Plan | None:
+def plan(model: onnx.ModelProto, nested: bool) -> Plan | None:
     """The pieces of `model`'s main graph, where `check_pieces`/`infer_pieces` see it as the
     whole-graph tools do (see the module docstring); None where it goes whole. `nested`:
-    whether a node may hold a subgraph (`NodeScan.nested`). `data`: bytes `model` was parsed
-    from, if the caller has them (its file, unchanged): the pieces are cut from them instead
-    of a serialization of `model` (the same elements in the same order, however laid out)."""
+    whether a node may hold a subgraph (`NodeScan.nested`)."""
     if not may_go_in_pieces(model, nested):
         return None
     graph = model.graph
@@ -203,10 +200,10 @@ def plan(model: onnx.ModelProto, nested: bool, data: bytes | None = None) -> Pla
     named = [v.name for v in graph.output] + [v.name for v in graph.value_info]
     if any(n in outer for n in named):
         return None
-    # cut from `data` parsed whole (it is there already); else each element serialized on
-    # its own: a serialization of the whole model and its parse side by side would be two
-    # more copies of its tensors (at a fused 100k-node CNN, 100 MB on verify's peak)
-    raw = _Elements(graph) if data is None else raw_types().model.FromString(data).graph
+    # each element serialized on its own: a serialization of the whole model and its parse
+    # side by side would be two more copies of its tensors (at a fused 100k-node CNN, 100 MB
+    # on verify's peak)
+    raw = _Elements(graph)
     wanted = frozenset(named)
     steps, unread = _plan(raw, graph.node, outer, wanted)
     produced = {n for step in steps for n in step.named}
@@ -551,12 +548,12 @@ class Step:
 
 
 def _plan(
-    raw: Message | _Elements,
+    raw: _Elements,
     nodes: Sequence[onnx.NodeProto],
     outer: frozenset[str],
     named: frozenset[str],
 ) -> tuple[list[Step], set[str]]:
-    """The pieces of `nodes` (`raw`: their graph as `raw_types().graph` parses it), given the
+    """The pieces of `nodes` (`raw`: their graph's elements as bytes), given the
     graph's inputs and initializers (`outer`) and its outputs and value infos (`named`): each
     piece's names read from its nodes' bytes at once (`RawTypes.node_names`); and the names
     of `outer` no node reads."""

@@ -248,27 +248,6 @@ def test_a_piece_refused_wrongly_is_overruled_by_the_whole_check(monkeypatch):
     assert refused == [1, 1]
 
 
-def test_pieces_cut_from_the_files_bytes_are_the_whole_graphs(tmp_path, monkeypatch):
-    # a model read from a file it still is: the pieces are cut from the file's own bytes
-    # (laid out by another writer than fuser's protobuf: here onnx.save's), not a new
-    # serialization of the model
-    path = tmp_path / "m.onnx"
-    onnx.save(_nonzero_chain(), path)
-    given = []
-    real = pieces.plan
-
-    def recorded(model, nested, data=None):
-        given.append(data)
-        return real(model, nested, data)
-
-    monkeypatch.setattr(pieces, "plan", recorded)
-    monkeypatch.setattr(check_infer, "plan", recorded)
-    whole = _run(path, True, monkeypatch, as_read=True)  # type: ignore[arg-type]
-    assert _run(path, False, monkeypatch, as_read=True) == whole  # type: ignore[arg-type]
-    assert given and given[-1] == path.read_bytes()
-    assert {t.shape for t in dict(whole).values()} >= {(2, 3), (2, "unk__1")}  # type: ignore[arg-type]
-
-
 def test_value_infos_whose_fields_do_not_line_up_are_read_one_by_one():
     # merged, the names and types of value infos line up only where each has one of each
     typed = helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, "n"])
