@@ -5,6 +5,7 @@ Public so that whoever adds a fusion family tests it the same way the built-in o
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -13,6 +14,7 @@ from onnx import helper, numpy_helper
 
 from .api import FusionResult, fuse
 from .decide import AlwaysFuse
+from .graph import GraphIndex
 from .modelio import load_model
 from .validation import ValidationResult, validate_models
 
@@ -125,3 +127,22 @@ def conv_bn_chain(
         helper.make_node("BatchNormalization", [f"{prefix}.y", *(p.name for p in params)], [out]),
     ]
     return nodes, [w, *params]
+
+
+def fusible_pair(
+    index: GraphIndex, rng: random.Random
+) -> tuple[tuple[int, int], list[str], list[str]] | None:
+    """A random live node of `index` and its only reader, as a rewrite test fuses them:
+    ((node, reader), the pair's inputs but the value between them, the reader's outputs);
+    None where the draw cannot be fused (the value has other readers or is a graph output, or
+    fusing would close a cycle through a node outside the pair). One `rng.choice` per call."""
+    first = rng.choice(list(index.live_nodes()))
+    out = index.node(first).output[0]
+    readers = index.readers(out)
+    if len(readers) != 1 or index.is_graph_output(out):
+        return None
+    second = readers[0]
+    inputs = [i for m in (first, second) for i in index.node(m).input if i != out]
+    if index.descendants_in_window({first, second}, set(inputs))[1] is not None:
+        return None
+    return (first, second), inputs, list(index.node(second).output)

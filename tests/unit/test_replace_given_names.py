@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuser.graph import GraphIndex, TypeTable
 from fuser.modelio import load_model
+from fuser.testing import fusible_pair
 
 
 def _model(rng: random.Random, n: int) -> onnx.ModelProto:
@@ -42,17 +43,9 @@ def _fuse(index: GraphIndex, rng: random.Random, tries: int, *, given: bool) -> 
     both kinds of call; the pair's other inputs in order, an absent one at the end trimmed."""
     done = 0
     for _ in range(tries):
-        first = rng.choice(list(index.live_nodes()))
-        out = index.node(first).output[0]
-        readers = index.readers(out)
-        if len(readers) != 1 or index.is_graph_output(out):
+        if (pair := fusible_pair(index, rng)) is None:
             continue
-        second = readers[0]
-        members = {first, second}
-        inputs = [i for m in (first, second) for i in index.node(m).input if i != out]
-        if index.descendants_in_window(members, set(inputs))[1] is not None:
-            continue
-        outputs = list(index.node(second).output)
+        members, inputs, outputs = pair
         fused = index.new_node()
         fused.op_type, fused.domain, fused.name = "Pair", "fuser", f"f{done}"
         fused.input.extend(inputs)

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuser.graph import GraphIndex, TypeTable
 from fuser.modelio import load_model
+from fuser.testing import fusible_pair
 
 
 def _random_model(rng: random.Random, n: int) -> onnx.ModelProto:
@@ -39,21 +40,12 @@ def _fuse_random_pairs(index: GraphIndex, rng: random.Random, tries: int) -> int
     """Replace random (node, its only reader) pairs by one `fuser` node; returns how many."""
     done = 0
     for _ in range(tries):
-        live = list(index.live_nodes())
-        first = rng.choice(live)
-        out = index.node(first).output[0]
-        readers = index.readers(out)
-        if len(readers) != 1 or index.is_graph_output(out):
+        if (pair := fusible_pair(index, rng)) is None:
             continue
-        second = readers[0]
-        members = {first, second}
-        inputs = [i for m in (first, second) for i in index.node(m).input if i != out]
-        _, back = index.descendants_in_window(members, set(inputs))
-        if back is not None:
-            continue
+        (first, second), inputs, outputs = pair
         fused = onnx.NodeProto(
             op_type="Pair", domain="fuser", name=f"f{done}", input=inputs,
-            output=list(index.node(second).output),
+            output=outputs,
         )  # fmt: skip
         index.replace([first, second], fused)
         done += 1
