@@ -19,7 +19,7 @@ from .decide import Decider
 from .errors import ModelLoadError, UsageError
 from .finish import FuseOptions, finish
 from .graph import TypeTable
-from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, load_model, save_model
+from .modelio import LoadedModel, ModelSource, load_model, save_model, too_large_for_one_protobuf
 from .normalize import fill_outputs, normalize, sort_nodes
 from .registry import select
 from .report import FusionRecord, FusionReport, RejectionRecord, fusion_dict, near_miss_dict
@@ -64,7 +64,7 @@ class FusionResult:
         that would overwrite the input or its external data.
         """
         if external is None:
-            external = self.source.external or self.model.ByteSize() > PROTOBUF_LIMIT_BYTES
+            external = self.source.external or too_large_for_one_protobuf(self.model)
         return save_model(self.model, path, source=self.source, external=external, extra=extra)
 
 

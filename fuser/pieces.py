@@ -51,7 +51,7 @@ from onnx.onnx_cpp2py_export import shape_inference as c_inference
 
 from .checkview import copy_field
 from .graph import TypeTable
-from .stream_save import length_key, varint
+from .stream_save import length_key, length_prefix
 
 # Nodes per piece: the tools' memory is a piece's; each piece costs a few parses of the
 # model's own fields (opset imports, functions), so pieces are not made tiny.
@@ -73,22 +73,13 @@ _VI_NAME = _number(onnx.ValueInfoProto, "name")
 _VI_TYPE = _number(onnx.ValueInfoProto, "type")
 
 
-# Lengths below this are looked up (most fields are shorter): a piece has ~10^5 fields.
-_SHORT = 1 << 14
-_LENGTHS = [varint(n) for n in range(_SHORT)]
-
-
-def _length(n: int) -> bytes:
-    return _LENGTHS[n] if n < _SHORT else varint(n)
-
-
 def _field(key: bytes, payload: bytes) -> bytes:
-    return key + _length(len(payload)) + payload
+    return key + length_prefix(len(payload)) + payload
 
 
 def _name_field(name: str) -> bytes:
     data = name.encode()
-    return _VI_NAME + _length(len(data)) + data
+    return _VI_NAME + length_prefix(len(data)) + data
 
 
 def _placeholder_type() -> bytes:

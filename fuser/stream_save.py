@@ -1,4 +1,4 @@
-"""Writing a model with external data without a second copy of it in memory.
+"""Writing a model (with external data or inline) without a second copy of it in memory.
 
 The model is written in protobuf's wire format piece by piece, as `SerializeToString` would
 lay it out (fields in number order, each repeated element tag + length + bytes): the graph's
@@ -44,6 +44,16 @@ def varint(value: int) -> bytes:
 def length_key(number: int) -> bytes:
     """The key of length-delimited field `number` (what precedes its length and bytes)."""
     return varint(number << 3 | _LEN)
+
+
+# Lengths below this are looked up (most elements and fields are shorter).
+_SHORT = 1 << 14
+_LENGTHS = [varint(n) for n in range(_SHORT)]
+
+
+def length_prefix(n: int) -> bytes:
+    """`varint(n)`, looked up where `n` is small (a large model has ~10^5 elements)."""
+    return _LENGTHS[n] if n < _SHORT else varint(n)
 
 
 def moves_out(tensor: onnx.TensorProto) -> bool:
@@ -111,7 +121,7 @@ def write_external(
             found = [move(t) for t in node_tensors(node) if moves_out(t)]
             if found:
                 by_node[i] = found
-    # 2. The model, piece by piece; sizes first (a length prefix precedes each message).
+    # 2. The model, piece by piece, those elements staged.
     staged_inits = {
         i: _staged_tensor(graph.initializer[i], location, *span)
         for i, span in by_initializer.items()
@@ -128,17 +138,39 @@ def write_external(
                 _point_at(tensor, location, offset, length)
         return copy
 
+    _write_pieces(model, model_file, dict.fromkeys(by_node, staged_node), staged_inits)
+
+
+def write_inline(model: onnx.ModelProto, model_file: BinaryIO) -> None:
+    """Write `model` to `model_file` as `SerializeToString(deterministic=True)` lays it out,
+    one graph element at a time: the whole serialization (a copy of the model's size) is
+    never held. For a `streamable` model."""
+    _write_pieces(model, model_file, {}, {})
+
+
+def _write_pieces(
+    model: onnx.ModelProto,
+    model_file: BinaryIO,
+    staged_nodes: dict[int, Callable[[int], onnx.NodeProto]],
+    staged_inits: dict[int, onnx.TensorProto],
+) -> None:
+    """`model` laid out field by field, the graph element by element (sizes first: a length
+    prefix precedes each message), with the nodes of `staged_nodes` (made when written) and
+    the initializers of `staged_inits` in place of the graph's own."""
+    graph = model.graph
+
     def graph_pieces(sizes_only: bool) -> Iterator[tuple[bytes, int, Message | None]]:
-        """(key, size, message to write or None when sizing) per field element."""
+        """(key, size, message to write) per field element; when sizing no message, else no
+        size for a message (it is measured as it is serialized)."""
         for fd, value in graph.ListFields():
             key = length_key(fd.number)
             if fd.is_repeated and fd.message_type is not None:
                 for i, element in enumerate(value):
-                    if fd.name == "node" and i in by_node:
-                        element = staged_node(i)
+                    if fd.name == "node" and i in staged_nodes:
+                        element = staged_nodes[i](i)
                     elif fd.name == "initializer" and i in staged_inits:
                         element = staged_inits[i]
-                    yield key, element.ByteSize(), None if sizes_only else element
+                    yield (key, element.ByteSize(), None) if sizes_only else (key, 0, element)
             else:
                 single = onnx.GraphProto()
                 copy_field(fd, value, single)
@@ -146,7 +178,7 @@ def write_external(
                 yield b"", len(data), None if sizes_only else _Raw(data)
 
     def piece_len(key: bytes, size: int) -> int:
-        return size if not key else len(key) + len(varint(size)) + size
+        return size if not key else len(key) + len(length_prefix(size)) + size
 
     graph_size = sum(piece_len(k, s) for k, s, _ in graph_pieces(True))
     for fd, value in model.ListFields():
@@ -156,12 +188,17 @@ def write_external(
             model_file.write(single.SerializeToString(deterministic=True))
             continue
         model_file.write(length_key(fd.number) + varint(graph_size))
-        for key, size, element in graph_pieces(False):
+        batch: list[bytes] = []  # written a few thousand elements at a time: few write calls
+        for key, _, element in graph_pieces(False):
             if isinstance(element, _Raw):
-                model_file.write(element.data)
+                batch.append(element.data)
             elif element is not None:
-                model_file.write(key + varint(size))
-                model_file.write(element.SerializeToString(deterministic=True))
+                data = element.SerializeToString(deterministic=True)
+                batch.append(key + length_prefix(len(data)) + data)
+            if len(batch) >= 4096:
+                model_file.write(b"".join(batch))
+                batch.clear()
+        model_file.write(b"".join(batch))
 
 
 class _Raw:
@@ -172,8 +209,9 @@ class _Raw:
 
 
 def streamable(model: onnx.ModelProto) -> bool:
-    """Whether `write_external` lays `model` out as protobuf would: no unknown fields at the
-    two levels it writes field by field (deeper ones travel inside each element's bytes)."""
+    """Whether `write_external` and `write_inline` lay `model` out as protobuf would: no
+    unknown fields at the two levels they write field by field (deeper ones travel inside
+    each element's bytes)."""
     return not (
         len(unknown_fields.UnknownFieldSet(model))
         or len(unknown_fields.UnknownFieldSet(model.graph))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import onnx
 
 from . import engine, functions
-from .modelio import PROTOBUF_LIMIT_BYTES, LoadedModel, ModelSource, save_model
+from .modelio import LoadedModel, ModelSource, save_model, too_large_for_one_protobuf
 
 if TYPE_CHECKING:
     from .api import FusionResult
@@ -34,7 +34,7 @@ class UnfuseResult:
     def save(self, path: str | os.PathLike[str], *, external: bool | None = None) -> list[Path]:
         """Write the model atomically (external tensors streamed next to it); the files."""
         if external is None:
-            external = self.source.external or self.model.ByteSize() > PROTOBUF_LIMIT_BYTES
+            external = self.source.external or too_large_for_one_protobuf(self.model)
         return save_model(self.model, path, source=self.source, external=external)
 
 

@@ -104,3 +104,33 @@ def test_unknown_fields_take_the_copying_path() -> None:
     model.ParseFromString(model.SerializeToString() + b"\xf8\x07\x01")  # field 127, unknown
     assert not stream_save.streamable(model)
     assert stream_save.streamable(_model())
+
+
+def test_inline_save_is_the_models_own_serialization(tmp_path: Path) -> None:
+    # every place a tensor can sit, functions and training-free extras: laid out a graph
+    # element at a time, the bytes are `SerializeToString(deterministic=True)`'s
+    model = _model()
+    model.functions.add(name="f", domain="local", input=["a"], output=["a"])
+    model.producer_name, model.doc_string = "fuser-test", "d" * 300
+    before = model.SerializeToString(deterministic=True)
+    written = save_model(model, tmp_path / "m.onnx", external=False)
+    assert written == [tmp_path / "m.onnx"]
+    assert written[0].read_bytes() == before
+    assert model.SerializeToString(deterministic=True) == before  # the model is untouched
+
+
+def test_the_size_limit_is_read_element_by_element(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the sum over the graph's elements bounds the serialization from above and by little
+    from fuser import modelio
+
+    model = _model()
+    size = model.ByteSize()
+    elements = sum(len(v) for fd, v in model.graph.ListFields() if fd.is_repeated)
+    fields = len(model.ListFields()) + len(model.graph.ListFields())
+    slack = 16 * (elements + fields) + len(str(model.metadata_props)) + 64
+    monkeypatch.setattr(modelio, "PROTOBUF_LIMIT_BYTES", size - 1)
+    assert modelio.too_large_for_one_protobuf(model)
+    monkeypatch.setattr(modelio, "PROTOBUF_LIMIT_BYTES", size + slack)
+    assert not modelio.too_large_for_one_protobuf(model)
+    monkeypatch.setattr(modelio, "PROTOBUF_LIMIT_BYTES", 100)  # past it early: stops there
+    assert modelio.too_large_for_one_protobuf(model)
