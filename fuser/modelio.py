@@ -335,11 +335,12 @@ def save_model(
             model_file = batch.open(out)
             data_file = batch.open(data_path) if external else None
             extra_files = [(batch.open(p), data) for p, data in (extra or {}).items()]
-            if data_file is None and _streamable(model):  # no second copy of the model held
+            streamable = _streamable(model)  # then no second copy of the model is held
+            if data_file is None and streamable:
                 _write_inline(model, model_file)
             elif data_file is None:
                 model_file.write(model.SerializeToString(deterministic=True))
-            elif _streamable(model):  # no second copy of the model held
+            elif streamable:
                 _write_external(
                     model, model_file, data_file, data_path.name,
                     lambda tensor: _external_source_bytes(source, tensor),

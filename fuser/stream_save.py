@@ -13,7 +13,7 @@ name; the bytes are the ones copying the whole model and externalizing it would 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import BinaryIO
 
 import onnx
@@ -138,25 +138,27 @@ def write_external(
                 _point_at(tensor, location, offset, length)
         return copy
 
-    _write_pieces(model, model_file, dict.fromkeys(by_node, staged_node), staged_inits)
+    _write_pieces(model, model_file, staged_inits, by_node.keys(), staged_node)
 
 
 def write_inline(model: onnx.ModelProto, model_file: BinaryIO) -> None:
     """Write `model` to `model_file` as `SerializeToString(deterministic=True)` lays it out,
     one graph element at a time: the whole serialization (a copy of the model's size) is
     never held. For a `streamable` model."""
-    _write_pieces(model, model_file, {}, {})
+    _write_pieces(model, model_file, {})
 
 
 def _write_pieces(
     model: onnx.ModelProto,
     model_file: BinaryIO,
-    staged_nodes: dict[int, Callable[[int], onnx.NodeProto]],
     staged_inits: dict[int, onnx.TensorProto],
+    restaged: Container[int] = (),
+    staged_node: Callable[[int], onnx.NodeProto] | None = None,
 ) -> None:
     """`model` laid out field by field, the graph element by element (sizes first: a length
-    prefix precedes each message), with the nodes of `staged_nodes` (made when written) and
-    the initializers of `staged_inits` in place of the graph's own."""
+    prefix precedes each message), with the initializers of `staged_inits` and the nodes
+    numbered in `restaged` (as `staged_node` makes them, when written) in place of the
+    graph's own."""
     graph = model.graph
 
     def graph_pieces(sizes_only: bool) -> Iterator[tuple[bytes, int, Message | None]]:
@@ -166,8 +168,8 @@ def _write_pieces(
             key = length_key(fd.number)
             if fd.is_repeated and fd.message_type is not None:
                 for i, element in enumerate(value):
-                    if fd.name == "node" and i in staged_nodes:
-                        element = staged_nodes[i](i)
+                    if fd.name == "node" and i in restaged and staged_node is not None:
+                        element = staged_node(i)
                     elif fd.name == "initializer" and i in staged_inits:
                         element = staged_inits[i]
                     yield (key, element.ByteSize(), None) if sizes_only else (key, 0, element)
