@@ -6,6 +6,7 @@ a command is read in one file and the rules it follows (one-line errors, exit 2)
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import sys
@@ -180,17 +181,29 @@ class ReadableGroup(TyperGroup):
                     param.metavar = _metavar(param)
                 if param.param_type_name == "argument":
                     # typer prints an argument's Python type (`<str>`) beside its name, and
-                    # has no setting for it: the help text says what the argument is.
+                    # has no setting for it: the help text says what the argument is. typer
+                    # 0.29 asks the argument (`display_type_rich`), 0.28 its click type's
+                    # metavar: a copy of the type, as click's types are shared singletons.
                     setattr(param, "display_type_rich", _no_type)  # noqa: B010 (a method: mypy)
+                    if getattr(param, "type", None) is not None:
+                        param.type = copy.copy(param.type)
+                        setattr(param.type, "get_metavar", _no_metavar)  # noqa: B010
 
 
 def _no_type(ctx: Any) -> None:
     return None
 
 
+def _no_metavar(param: Any, ctx: Any = None) -> str:
+    return ""
+
+
 def _metavar(param: Any) -> str:
     if getattr(param, "is_flag", False):
         return ""
+    # typer 0.29 knows a path parameter by its annotation, 0.28 by its click type
     if getattr(getattr(param, "type_descriptor", None), "is_path", False):
+        return "FILE"
+    if getattr(getattr(param, "type", None), "name", None) == "path":
         return "FILE"
     return str(param.name or "value").upper()

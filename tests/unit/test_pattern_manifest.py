@@ -55,3 +55,20 @@ def test_listing_commands_import_no_heavy_library(args: list[str]) -> None:
     assert loaded == ["LOADED"], f"{' '.join(args)} imported {loaded[1:]}"
     if args[0] == "patterns":
         assert "conv_bn_relu" in done.stdout
+
+
+def test_a_fuse_does_not_import_pydantic(tmp_path: Path) -> None:
+    # typer 0.29 coerces each CLI parameter through a pydantic TypeAdapter: pydantic's import
+    # cost every command about 0.1 s and 7 MB (pyproject.toml keeps typer below 0.29)
+    probe = PROBE.format(heavy=repr(("pydantic",)))
+    args = ["fuse", "example:resnet", "-o", str(tmp_path / "out.onnx"), "-q", "--no-cache"]
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).anchor,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out.onnx").stat().st_size > 0
+    assert done.stdout.strip().splitlines()[-1].split() == ["LOADED"], "fuse imported pydantic"
