@@ -8,8 +8,9 @@ over the input. What the commands share is in `cli_common`.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -62,6 +63,32 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    except SystemExit as done:
+        exit_now(done)
+    exit_now(SystemExit(0))
+
+
+def exit_now(done: SystemExit) -> NoReturn:
+    """End the process as `done` says, without tearing the interpreter down.
+
+    A command has written all it writes by now (atomically, temporary files removed in its
+    own `finally` blocks, the tuning cache committed write by write); what is left is freeing
+    every module and object one by one, which costs a fuse about 0.1-0.2 s: more than a
+    10k-node model's save. mypy ends the same way, for the same reason. A process that loaded
+    mpi4py ends normally: MPI_Finalize runs at exit, and mpirun waits for it.
+    """
+    if "mpi4py" in sys.modules:
+        raise done
+    code = done.code
+    if code is not None and not isinstance(code, int):
+        err.print(str(code), highlight=False, soft_wrap=True)  # as SystemExit("...") prints
+        code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
+        pass
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -366,3 +367,24 @@ def test_unknown_example_is_one_line(tmp_path: Path) -> None:
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "unknown example model 'nope'" in lines[0] and "resnet" in lines[0]
     assert not out.exists()
+
+
+def test_a_command_ends_with_all_it_said_and_wrote(tmp_path: Path) -> None:
+    # The entry point ends the process without tearing the interpreter down (cli.exit_now):
+    # what was printed (into a pipe: block-buffered), the output file and the tuning cache
+    # must all be complete, and the exit code kept.
+    src = _save(tmp_path / "in.onnx", small_cnn())
+    cache = tmp_path / "tuning.sqlite"
+    done = fuser(
+        "fuse", str(src), "-o", str(tmp_path / "out.onnx"), "--json", "--cache", str(cache)
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)  # the whole JSON document, to its last brace
+    assert report["summary"]["conv_bn_relu"] == 1
+    onnx.checker.check_model(onnx.load(str(tmp_path / "out.onnx")))
+    with sqlite3.connect(cache) as conn:  # every tiling the fuse priced is in the cache
+        assert conn.execute("SELECT COUNT(*) FROM tilings").fetchone()[0] >= 1
+    missing = fuser("fuse", str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "o2.onnx"))
+    assert missing.returncode == 2 and "missing.onnx" in missing.stderr
+    usage = fuser("fuse", str(src))  # no -o: click's usage error, exit 2
+    assert usage.returncode == 2 and "--output" in usage.stderr
