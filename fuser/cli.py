@@ -75,9 +75,11 @@ def exit_now(done: SystemExit) -> NoReturn:
     own `finally` blocks, the tuning cache committed write by write); what is left is freeing
     every module and object one by one, which costs a fuse about 0.1-0.2 s: more than a
     10k-node model's save. mypy ends the same way, for the same reason. A process that loaded
-    mpi4py ends normally: MPI_Finalize runs at exit, and mpirun waits for it.
+    mpi4py ends normally (MPI_Finalize runs at exit, and mpirun waits for it), and so does one
+    under a profiler or tracer (cProfile, pyinstrument, coverage write their results at exit).
     """
-    if "mpi4py" in sys.modules:
+    watched = sys.getprofile() is not None or sys.gettrace() is not None
+    if watched or "mpi4py" in sys.modules or "coverage" in sys.modules:
         raise done
     code = done.code
     if code is not None and not isinstance(code, int):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pstats
 import shutil
 import sqlite3
 import subprocess
@@ -388,3 +389,20 @@ def test_a_command_ends_with_all_it_said_and_wrote(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "missing.onnx" in missing.stderr
     usage = fuser("fuse", str(src))  # no -o: click's usage error, exit 2
     assert usage.returncode == 2 and "--output" in usage.stderr
+
+
+def test_a_profiled_command_ends_normally(tmp_path: Path) -> None:
+    # Under a profiler the process ends through Python's shutdown, where cProfile writes.
+    src = _save(tmp_path / "in.onnx", small_cnn())
+    stats = tmp_path / "fuse.prof"
+    args = ["fuse", str(src), "-o", str(tmp_path / "out.onnx"), "-q", "--no-cache"]
+    done = subprocess.run(
+        [sys.executable, "-m", "cProfile", "-o", str(stats), "-m", "fuser.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).anchor,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out.onnx").stat().st_size > 0
+    assert pstats.Stats(str(stats)).total_calls > 0
