@@ -270,7 +270,7 @@ class CostModelDecider:
         `known` holds metas of values the graph has no type for (filled in here with this
         node's inferred outputs, so the next node of a chain can be priced)."""
         from .kernels import search as kernel_search
-        from .kernels.api import KernelError
+        from .kernels.api import KernelError, meta_of
         from .kernels.registry import estimate, get_kernel
 
         if node.op_type in _FREE_OPS and node.domain in ("", "ai.onnx"):
@@ -321,12 +321,13 @@ class CostModelDecider:
                     found = kernel_search.best(domain, node.op_type, metas, attrs, self.machine)
                     cycles = found.best.cycles
                     tiling = kernel.tiling_to_attrs(found.best.tiling)
-                elif not any(isinstance(x, np.ndarray) for x in inputs) and (
-                    kernel.tiling_from_attrs(attrs) is None
-                ):
+                elif not consts and kernel.tiling_from_attrs(attrs) is None:
                     # The run at its run-time tiling that a fused op's staged schedule times
                     # too (a LayerNormalization before the MatMuls it feeds): one run, shared.
-                    cycles = kernel_search.timed_cycles(kernel, metas, attrs, self.machine)
+                    # Constants it does not read (`consts` holds those it does: a LayerNorm's
+                    # scale is not) go as their metas.
+                    timing = [None if x is None else meta_of(x) for x in inputs]
+                    cycles = kernel_search.timed_cycles(kernel, timing, attrs, self.machine)
                 else:
                     run = kernel.run(self.machine, inputs, attrs, functional=False, timeline=False)
                     cycles = run.stats.cycles

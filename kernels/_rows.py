@@ -181,7 +181,10 @@ def run(
     only) and the stats."""
     if functional and x_rows is None:
         raise KernelError(f"{plan.op}: a functional run needs the input rows")
-    tiles = [(s, min(s + t.rows, plan.rows)) for s in range(0, plan.rows, t.rows)]
+    # (start, stop) of each tile of t.rows rows, the last one cut at plan.rows: built as two
+    # ranges zipped (a timing run of a big LayerNorm has tens of thousands of tiles).
+    stops = [*range(t.rows, plan.rows, t.rows), plan.rows] if plan.rows else []
+    tiles = list(zip(range(0, plan.rows, t.rows), stops, strict=True))
     outs = [np.empty((plan.rows, o.width), o.dtype) for o in plan.outs] if functional else []
     program = partial(_program, plan, t, x_rows, residents, fn, outs, functional)
     stats = launch(
@@ -214,40 +217,33 @@ def _program(
         slot = queues[f"res{i}"].alloc()
         core.copy_in(slot, nbytes, residents[i] if functional else None, label=f"in res{i}")
         res_tiles.append(slot)
-    isz = plan.in_dtype.itemsize
+    # What every tile repeats, made once: a row kernel's tiles number in the tens of thousands.
+    in_row = plan.width * plan.in_dtype.itemsize
+    x_queue = queues["x"]
+    out_queues = [queues[o.name] for o in plan.outs]
+    out_rows = [o.width * o.dtype.itemsize for o in plan.outs]  # bytes per row of each output
+    first_row, narrowest = out_rows[0], min(out_rows)
+    copies = [(k, o.emit, out_rows[k], f"out {o.name}") for k, o in enumerate(plan.outs)]
+    compute = partial(_single, fn, len(plan.outs))
+    head, *rest = plan.steps
     for r0, r1 in items:
         n = r1 - r0
-        xin = queues["x"].alloc()
-        core.copy_in(xin, n * plan.width * isz, None if x_rows is None else x_rows[r0:r1])
-        out_tiles = [queues[o.name].alloc() for o in plan.outs]
+        xin = x_queue.alloc()
+        core.copy_in(xin, n * in_row, None if x_rows is None else x_rows[r0:r1])
+        out_tiles = [q.alloc() for q in out_queues]
         first = out_tiles[0]
         # The first step computes the whole tile (one numpy call: fast); the later steps only
         # charge their instructions, in order on the same pipe, which is all the timing needs.
-        for j, step in enumerate(plan.steps):
-            if j == 0:
-                core.vector(
-                    step.ops,
-                    step.dtype,
-                    n * step.per_row,
-                    (xin, *res_tiles),
-                    out_tiles,
-                    partial(_single, fn, len(out_tiles)),
-                    out_bytes=min(n * o.width * o.dtype.itemsize for o in plan.outs),
-                )
-            else:
-                core.vector(
-                    step.ops,
-                    step.dtype,
-                    n * step.per_row,
-                    (first,),
-                    (first,),
-                    None,
-                    out_bytes=n * plan.outs[0].width * plan.outs[0].dtype.itemsize,
-                )
-        for k, (o, tile) in enumerate(zip(plan.outs, out_tiles, strict=True)):
+        core.vector(head.ops, head.dtype, n * head.per_row, (xin, *res_tiles), out_tiles, compute,
+                    out_bytes=n * narrowest)  # fmt: skip
+        for step in rest:
+            core.vector(step.ops, step.dtype, n * step.per_row, (first,), (first,), None,
+                        out_bytes=n * first_row)  # fmt: skip
+        for k, emit, row_bytes, label in copies:
+            tile = out_tiles[k]
             dst = outs[k][r0:r1] if functional else None
-            if o.emit:
-                core.copy_out(tile, n * o.width * o.dtype.itemsize, dst, label=f"out {o.name}")
+            if emit:
+                core.copy_out(tile, n * row_bytes, dst, label=label)
             elif dst is not None and tile.data is not None:
                 dst[...] = tile.data
 

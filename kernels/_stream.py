@@ -284,20 +284,28 @@ class StreamKernel(Kernel):
                 out_bytes=lay.prologue_bytes,
             )
         osz = lay.out.dtype.itemsize
+        # What every tile repeats, made once (a core streams hundreds of tiles): each streamed
+        # input's queue, element size and source, and the tile's other reads.
+        streamed = [
+            (queues[f"in{i}"], _meta(metas, i).dtype.itemsize, sources.get(i)) for i in lay.streamed
+        ]
+        others = [prep] if prep is not None else residents
+        functional = core.functional
+        out_queue = queues["out"]
         for start, stop in items:
             for s in range(start, stop, t.elems):
                 e = min(s + t.elems, stop)
                 n = e - s
                 tiles = []
-                for i in lay.streamed:
-                    slot = queues[f"in{i}"].alloc()
-                    src = sources[i].take(s, e) if i in sources else None
-                    core.copy_in(slot, n * _meta(metas, i).dtype.itemsize, src)
+                for queue, isz, source in streamed:
+                    slot = queue.alloc()
+                    core.copy_in(slot, n * isz, source.take(s, e) if source is not None else None)
                     tiles.append(slot)
-                o = queues["out"].alloc()
-                reads = [*tiles, *([prep] if prep is not None else residents)]
-                fn = partial(self._tile_fn, attrs, lay, sources, s, e)
-                core.vector(lay.ops, lay.compute_dtype, n, reads, (o,), fn, out_bytes=n * osz)
+                o = out_queue.alloc()
+                # The tile's arithmetic, only made where it runs (a functional run).
+                fn = partial(self._tile_fn, attrs, lay, sources, s, e) if functional else None
+                core.vector(lay.ops, lay.compute_dtype, n, [*tiles, *others], (o,), fn,
+                            out_bytes=n * osz)  # fmt: skip
                 core.copy_out(o, n * osz, None if out is None else out[s:e])
 
     def _prologue_fn(self, attrs: Mapping[str, Any], *resident: np.ndarray) -> np.ndarray:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -175,6 +175,15 @@ class Kernel(ABC):
             None if (x is None or isinstance(x, TensorMeta)) else np.asarray(x) for x in inputs
         )
         return self.simulate(machine, arrays, metas, attrs, tiling, functional, timeline)
+
+    def timing_key(
+        self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any]
+    ) -> Hashable | None:
+        """What a timing-only run at the run-time tiling depends on, besides the machine, where
+        that is less than the inputs' shapes and every attribute (None: all of them, the safe
+        default). Runs with equal keys take the same cycles, so `search.timed_cycles` runs one
+        of them: e.g. LayerNormalization's plan, which `stash_type` leaves alone for float32."""
+        return None
 
     def host_tiling(
         self, inputs_meta: Sequence[TensorMeta | None], attrs: Mapping[str, Any], machine: Machine

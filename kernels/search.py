@@ -49,7 +49,7 @@ import numpy as np
 
 from ._columns import TilingColumns
 from ._cost_base import CostModel
-from .api import Kernel, TensorMeta, Tiling, TilingError
+from .api import Kernel, KernelError, TensorMeta, Tiling, TilingError
 from .npu.machine import Machine
 from .registry import all_models, get_kernel, get_model
 
@@ -353,7 +353,7 @@ def timed_cycles(
     staged schedule prices a stage whose op has no cost model. Memoized per process as `best`
     is: the same stage recurs in every decision whose chain holds it (a LayerNorm of one width
     before MatMuls of many), at each symbolic size, and in every priced staged candidate."""
-    key = _memo_key(kernel.domain, kernel.op_type, metas, attrs, machine, 0)
+    key = _timed_key(kernel, metas, attrs, machine)
     hit = _TIMED.get(key) if key is not None else None
     if hit is not None:
         return hit
@@ -365,6 +365,28 @@ def timed_cycles(
             _TIMED.clear()
         _TIMED[key] = cycles
     return cycles
+
+
+def _timed_key(
+    kernel: Kernel,
+    metas: Sequence[TensorMeta | None],
+    attrs: Mapping[str, Any],
+    machine: Machine,
+) -> Hashable | None:
+    """The memo key of a timing run: the kernel's `timing_key` where it has one (a key that
+    cannot be made leaves the run to raise its own error), else that of `best`."""
+    try:
+        problem = kernel.timing_key(metas, attrs)
+    except (KernelError, ValueError, TypeError, IndexError):
+        problem = None
+    if problem is None:
+        return _memo_key(kernel.domain, kernel.op_type, metas, attrs, machine, 0)
+    key = ("timing", kernel.domain, kernel.op_type, problem, cache_target(machine))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _memo_key(

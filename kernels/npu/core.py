@@ -60,7 +60,9 @@ class Core:
         # L2, so the chip's HBM serves each named tensor once (`npu.launch.hbm_bytes`).
         self.gm_reads: dict[str, int] = {}
         self._started: set[Pipe] = set()
-        self._vector_costs: dict[tuple[str, np.dtype], tuple[float, float]] = {}
+        self._vector_costs: dict[
+            tuple[tuple[str, ...], np.dtype], tuple[tuple[float, float], ...]
+        ] = {}
         self._k0: dict[np.dtype, int] = {}
         # MTE1 cost per destination level: (start-up cycles, bytes per cycle).
         self._mte1 = {
@@ -235,12 +237,14 @@ class Core:
         when several are written).
         """
         names = (ops,) if isinstance(ops, str) else tuple(ops)
+        # The (k, b) of each op, looked up once per core for the whole instruction list.
+        costs = self._vector_costs.get((names, dtype))
+        if costs is None:
+            costs = tuple(self.machine.vector_cost(op, dtype) for op in names)
+            self._vector_costs[(names, dtype)] = costs
         cycles = 0.0
-        for op in names:
-            kb = self._vector_costs.get((op, dtype))
-            if kb is None:
-                kb = self._vector_costs[(op, dtype)] = self.machine.vector_cost(op, dtype)
-            cycles += kb[0] * n + kb[1]
+        for k, b in costs:
+            cycles += k * n + b
         written = n * np.dtype(dtype).itemsize if out_bytes is None else out_bytes
         for t in writes:
             t.check_fits(written)

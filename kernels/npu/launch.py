@@ -70,10 +70,12 @@ def launch(
     results: list[_CoreResult] = []
     cache: dict[Hashable, _CoreResult] = {}
     for c, share in enumerate(shares):
-        items = [work[i] for i in share]
+        # One slice, one map: a row kernel's work is tens of thousands of tiles, and these
+        # run for every core, simulated or not.
+        items = work[share.start : share.stop]
         key: Hashable | None = None
         if not functional and signature is not None:
-            key = tuple(signature(w) for w in items)
+            key = tuple(map(signature, items))
             if key in cache:
                 results.append(cache[key])
                 continue

@@ -150,3 +150,53 @@ def test_opening_gives_up_after_the_timeout(tmp_path: Path) -> None:
     finally:
         holder.execute("ROLLBACK")
         holder.close()
+
+
+def traced_open(monkeypatch, path: Path) -> tuple[TuningCache, list[str]]:  # type: ignore[no-untyped-def]
+    """A cache at `path`, opened, and the statements its connection ran."""
+    import fuser.tuning_cache as tuning_cache
+
+    statements: list[str] = []
+    connect = sqlite3.connect
+
+    def traced(*args, **kwargs):  # type: ignore[no-untyped-def]
+        conn = connect(*args, **kwargs)
+        conn.set_trace_callback(statements.append)
+        return conn
+
+    monkeypatch.setattr(tuning_cache.sqlite3, "connect", traced)
+    cache = TuningCache(path)
+    assert cache.put(key(7), {"tile_m": 7}, 7.0)
+    return cache, statements
+
+
+def test_a_new_file_is_created_without_waiting_for_the_disk(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The WAL switch and the table of a new, empty file run with synchronous=OFF (nothing but
+    # an empty cache to lose); every write after it at NORMAL, as before.
+    cache, statements = traced_open(monkeypatch, tmp_path / "new.sqlite")
+    off = statements.index("PRAGMA synchronous=OFF")
+    assert (
+        off
+        < statements.index("PRAGMA journal_mode=WAL")
+        < statements.index("PRAGMA synchronous=NORMAL")
+        < statements.index("BEGIN IMMEDIATE")
+    )
+    conn = cache._connect()
+    assert conn is not None and conn.execute("PRAGMA synchronous").fetchone()[0] == 1
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert cache.get(key(7)) is not None
+
+
+def test_an_existing_database_is_converted_to_wal_durably(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A database with entries in rollback-journal mode (an older fuser's) keeps synchronous
+    # writes while it is switched to WAL, and its entries.
+    path = tmp_path / "old.sqlite"
+    first = TuningCache(path)
+    assert first.put(key(1), {"tile_m": 1}, 1.0)
+    first.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA journal_mode=DELETE")
+    cache, statements = traced_open(monkeypatch, path)
+    assert "PRAGMA synchronous=OFF" not in statements
+    assert "PRAGMA journal_mode=WAL" in statements
+    assert cache.get(key(1)) is not None and len(cache) == 2

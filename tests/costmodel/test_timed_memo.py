@@ -60,8 +60,15 @@ def test_a_repeated_stage_runs_its_kernel_once(monkeypatch: pytest.MonkeyPatch) 
     first = _staged.stage_cycles(B910, "LayerNormalization", x, {"axis": -1, "epsilon": 1e-5})
     again = _staged.stage_cycles(B910, "LayerNormalization", x, {"axis": -1, "epsilon": 1e-5})
     assert first == again and len(calls) == 1
-    # Another epsilon, another width or a cleared memo is another run.
-    _staged.stage_cycles(B910, "LayerNormalization", x, {"axis": -1, "epsilon": 1e-3})
+    # Another epsilon takes no part in the timing (`timing_key`: the row plan): the same run.
+    # Another width or a cleared memo is another run.
+    assert (
+        _staged.stage_cycles(B910, "LayerNormalization", x, {"axis": -1, "epsilon": 1e-3})
+        == (
+            kernel.run(B910, x, {"axis": -1, "epsilon": 1e-3}, functional=False, timeline=False)
+        ).stats.cycles
+    )
+    assert len(calls) == 2  # the check's own run
     wider = [TensorMeta((5, 9, 40), F16), TensorMeta((40,), F16), TensorMeta((40,), F16)]
     _staged.stage_cycles(B910, "LayerNormalization", wider, {"axis": -1, "epsilon": 1e-5})
     assert len(calls) == 3
@@ -98,3 +105,56 @@ def test_an_unfused_node_and_a_stage_of_the_same_op_share_one_run(
     assert (cycles, symbolic) == (direct, False)
     assert ks.timed_cycles(kernel, metas, attrs, B910) == direct
     assert len(calls) == 1 and calls[0] == ((7, 33, 40), (40,), (40,))
+
+
+@pytest.mark.parametrize(("dtype", "runs"), [(F32, 1), (F16, 2)])
+def test_stash_type_is_timed_once_where_it_leaves_the_plan_alone(
+    monkeypatch: pytest.MonkeyPatch, dtype: np.dtype, runs: int
+) -> None:
+    # stash_type only picks the Mean/InvStdDev dtype: float32 either way for a float32 input
+    # (one run for both, and for the attribute left out), float16 or float32 for a float16 one.
+    kernel = get_kernel("", "LayerNormalization")
+    assert kernel is not None
+    x = [TensorMeta((6, 11, 40), dtype), TensorMeta((40,), dtype), TensorMeta((40,), dtype)]
+    variants = [{"axis": -1, "stash_type": 1}, {"axis": -1, "stash_type": 0}, {"axis": 2}]
+    direct = [
+        kernel.run(B910, x, attrs, functional=False, timeline=False).stats.cycles
+        for attrs in variants
+    ]
+    ks.clear_memo()
+    calls = counted_runs(monkeypatch, kernel)
+    assert [ks.timed_cycles(kernel, x, attrs, B910) for attrs in variants] == direct
+    assert len(calls) == runs
+    assert (kernel.timing_key(x, variants[0]) == kernel.timing_key(x, variants[1])) == (runs == 1)
+
+
+def test_a_layernorm_with_constant_weights_is_timed_from_their_metas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Small initializers reach `price_node` as arrays; LayerNorm's timing reads none of them
+    # (`value_inputs`), so the node is timed from metas through `timed_cycles`: the very run a
+    # stage of the same LayerNorm makes, at the cycles of the run with the arrays.
+    kernel = get_kernel("", "LayerNormalization")
+    assert kernel is not None
+    ks.clear_memo()
+    model = onnx.parser.parse_model(
+        """<ir_version: 9, opset_import: ["" : 17]>
+        g (float[7, 33, 40] x) => (float[7, 33, 40] y)
+        <float[40] s = {1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0,
+            7.0, 8.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+            8.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0}> {
+            y = LayerNormalization <axis = -1, epsilon = 0.001> (x, s, s)
+        }"""
+    )
+    loaded = load_model(model)
+    graph = GraphIndex.build(loaded.model.graph, loaded, {"": 17}, infer_types(loaded.model)[""])
+    weights = np.arange(40, dtype=np.float32)
+    attrs = {"axis": -1, "epsilon": float(np.float32(0.001))}
+    arrays = [TensorMeta((7, 33, 40), F32), weights, weights]
+    direct = kernel.run(B910, arrays, attrs, functional=False, timeline=False).stats.cycles
+    calls = counted_runs(monkeypatch, kernel)
+    decider = CostModelDecider.for_target("ascend910b", cache=False)
+    assert decider.price_node(graph, loaded.model.graph.node[0]) == (direct, False)
+    metas = [TensorMeta((7, 33, 40), F32), TensorMeta((40,), F32), TensorMeta((40,), F32)]
+    assert _staged.stage_cycles(B910, "LayerNormalization", metas, attrs) == direct
+    assert calls == [((7, 33, 40), (40,), (40,))]  # the stage was the node's run, memoized
