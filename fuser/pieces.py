@@ -145,18 +145,21 @@ class _Elements:
     for the walk; kept, they would be a copy of the graph's nodes on the walk's peak)."""
 
     def __init__(self, graph: onnx.GraphProto) -> None:
-        self.node = _Serializing(graph.node)
-        self.initializer = _Serializing(graph.initializer)
-        self.input = _Serializing(graph.input)
-        self.output = _Serializing(graph.output)
-        self.value_info = _Serializing(graph.value_info)
+        self.node = _Serializing(graph.node, onnx.NodeProto)
+        self.initializer = _Serializing(graph.initializer, onnx.TensorProto)
+        self.input = _Serializing(graph.input, onnx.ValueInfoProto)
+        self.output = _Serializing(graph.output, onnx.ValueInfoProto)
+        self.value_info = _Serializing(graph.value_info, onnx.ValueInfoProto)
 
 
 class _Serializing:
-    """The serializations of a repeated field's messages, each made when asked for."""
+    """The serializations of a repeated field's messages (of type `kind`), each made when
+    asked for: many at once by `kind`'s own method mapped over them (no Python call per
+    message: at 100k nodes a piece's plan and walk ask for some 350k)."""
 
-    def __init__(self, messages: Sequence[Message]) -> None:
+    def __init__(self, messages: Sequence[Message], kind: type[Message]) -> None:
         self._messages = messages
+        self._serialize = kind.SerializeToString
 
     @overload
     def __getitem__(self, index: int) -> bytes: ...
@@ -166,8 +169,12 @@ class _Serializing:
 
     def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
         if isinstance(index, slice):
-            return [m.SerializeToString() for m in self._messages[index]]
-        return self._messages[index].SerializeToString()
+            return list(map(self._serialize, self._messages[index]))
+        return self._serialize(self._messages[index])
+
+    def take(self, indices: Iterable[int]) -> list[bytes]:
+        """The serializations of the messages at `indices`, in that order."""
+        return list(map(self._serialize, map(self._messages.__getitem__, indices)))
 
 
 @dataclass(frozen=True)
@@ -439,12 +446,12 @@ def _walk(
             piece.node.extend([constants[n] for n in shared])
         piece.node.extend(raw.node[step.start : step.stop])
         piece.initializer.extend(
-            [raw.initializer[initializers[n]] for n in outer if n in initializers]
+            raw.initializer.take([initializers[n] for n in outer if n in initializers])
         )
-        piece.value_info.extend([raw.value_info[i] for i in own])
+        piece.value_info.extend(raw.value_info.take(own))
         piece.value_info.extend(given)
-        piece.output.extend([raw.output[outputs_wanted[n]] for n in ends])
-        declared = [raw.input[inputs[n]] for n in outer if n in inputs]
+        piece.output.extend(raw.output.take([outputs_wanted[n] for n in ends]))
+        declared = raw.input.take([inputs[n] for n in outer if n in inputs])
         declared += [carried[n][0] for n in typed]
         # the checker's inputs for the values of earlier pieces inference has no full type of
         # (inference must not see them: an untyped input is not an unknown one)
