@@ -337,13 +337,13 @@ def save_model(
             extra_files = [(batch.open(p), data) for p, data in (extra or {}).items()]
             streamable = _streamable(model)  # then no second copy of the model is held
             if data_file is None and streamable:
-                _write_inline(model, model_file)
+                _write_inline(model, model_file, out.parent)
             elif data_file is None:
                 model_file.write(model.SerializeToString(deterministic=True))
             elif streamable:
                 _write_external(
                     model, model_file, data_file, data_path.name,
-                    lambda tensor: _external_source_bytes(source, tensor),
+                    lambda tensor: _external_source_bytes(source, tensor), out.parent,
                 )  # fmt: skip
             else:
                 staged = onnx.ModelProto()
