@@ -284,7 +284,8 @@ def verify(model: onnx.ModelProto, label: str, source: LoadedModel | None = None
 def _check_output(model: onnx.ModelProto, source: LoadedModel | None) -> None:
     """`verify`'s check (its view and plan let go of on return, before the trim)."""
     view = checker_view(model, source)
-    if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
+    steps = plan(view.model, view.nested, check_only=True)
+    if steps is not None:  # large: a piece at a time
         try:
             check_pieces(view.model, steps)
         except PieceRefusedError:  # the whole graph's check has the verdict and the message
