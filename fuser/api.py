@@ -19,7 +19,7 @@ from .decide import Decider
 from .errors import ModelLoadError, UsageError
 from .finish import FuseOptions, finish
 from .graph import TypeTable
-from .modelio import LoadedModel, ModelSource, load_model, save_model, too_large_for_one_protobuf
+from .modelio import LoadedModel, ModelSource, load_model, save_model
 from .normalize import fill_outputs, normalize, sort_nodes
 from .registry import select
 from .report import FusionRecord, FusionReport, RejectionRecord, fusion_dict, near_miss_dict
@@ -63,9 +63,14 @@ class FusionResult:
         Raises `OutputError` (naming the path) for a folder, an unwritable place, or a path
         that would overwrite the input or its external data.
         """
-        if external is None:
-            external = self.source.external or too_large_for_one_protobuf(self.model)
-        return save_model(self.model, path, source=self.source, external=external, extra=extra)
+        if external is None and self.source.external:
+            external = True
+        # fuser writes every tensor it makes inline: only an input's may be external. Else
+        # inline unless past protobuf's limit (the inline write counts as it goes).
+        return save_model(
+            self.model, path, source=self.source, external=external, extra=extra,
+            holds_external=self.source.external,
+        )  # fmt: skip
 
 
 def fuse(

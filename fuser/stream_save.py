@@ -25,7 +25,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
 from .checkview import copy_field
-from .modelio import EXTERNAL_THRESHOLD_BYTES, node_tensors
+from .modelio import EXTERNAL_THRESHOLD_BYTES, KEY_BYTES, node_tensors, size_beside_elements
 
 _LEN = 2  # wire type of a length-delimited field
 # Reads the data of one external tensor of the input (from its validated file).
@@ -145,12 +145,26 @@ def write_external(
     _write_pieces(model, model_file, staged_inits, by_node.keys(), staged_node, scratch)
 
 
-def write_inline(model: onnx.ModelProto, model_file: BinaryIO, scratch: Path | None = None) -> None:
+def write_inline(
+    model: onnx.ModelProto,
+    model_file: BinaryIO,
+    scratch: Path | None = None,
+    limit: int | None = None,
+) -> bool:
     """Write `model` to `model_file` as `SerializeToString(deterministic=True)` lays it out,
     one graph element at a time: the whole serialization (a copy of the model's size) is
     never held. For a `streamable` model. `scratch`: the folder of the graph's scratch file
-    (see `_write_pieces`)."""
-    _write_pieces(model, model_file, {}, scratch=scratch)
+    (see `_write_pieces`). With `limit`, where `too_large_for_one_protobuf`'s count (taken of
+    the elements as they are serialized) passes it, nothing is written: returns False."""
+    try:
+        _write_pieces(model, model_file, {}, scratch=scratch, limit=limit)
+    except _PastLimitError:
+        return False
+    return True
+
+
+class _PastLimitError(Exception):
+    """The model passed `write_inline`'s limit (before anything was written)."""
 
 
 def _write_pieces(
@@ -160,10 +174,12 @@ def _write_pieces(
     restaged: Container[int] = (),
     staged_node: Callable[[int], onnx.NodeProto] | None = None,
     scratch: Path | None = None,
+    limit: int | None = None,
 ) -> None:
     """`model` laid out field by field, the graph element by element, with the initializers of
     `staged_inits` and the nodes numbered in `restaged` (as `staged_node` makes them, when
-    written) in place of the graph's own.
+    written) in place of the graph's own. With `limit`: `_PastLimitError`, before anything
+    is written to `model_file`, where `too_large_for_one_protobuf`'s count passes it.
 
     The graph's length prefix precedes its elements: they are serialized once, into an
     anonymous scratch file in folder `scratch` (the output's: the bytes go to that disk
@@ -190,8 +206,15 @@ def _write_pieces(
                 data = single.SerializeToString(deterministic=True)
                 yield b"", len(data), None if sizes_only else _Raw(data)
 
-    def write_graph(out: BinaryIO) -> int:
-        """The graph's elements written to `out`; returns their length."""
+    # what too_large_for_one_protobuf counts beside the elements (each element: its size and
+    # KEY_BYTES), and what it may come to
+    counted = size_beside_elements(model) if limit is not None else 0
+    allowed = limit if limit is not None else -1
+
+    def write_graph(out: BinaryIO, counting: bool) -> int:
+        """The graph's elements written to `out`; returns their length. `counting`: against
+        the limit, as they are serialized."""
+        nonlocal counted
         total = 0
         batch: list[bytes] = []  # written a few thousand elements at a time: few write calls
         for key, _, element in graph_pieces(False):
@@ -203,6 +226,10 @@ def _write_pieces(
                 prefix = key + length_prefix(len(data))
                 batch += (prefix, data)
                 total += len(prefix) + len(data)
+                if counting:
+                    counted += KEY_BYTES + len(data)
+                    if counted > allowed >= 0:
+                        raise _PastLimitError
             if len(batch) >= 8192:
                 out.write(b"".join(batch))
                 batch.clear()
@@ -214,10 +241,14 @@ def _write_pieces(
 
     with _scratch_file(scratch) as body:
         if body is not None:
-            graph_size = write_graph(body)
+            graph_size = write_graph(body, counting=True)
             body.seek(0)
         else:
-            graph_size = sum(piece_len(k, s) for k, s, _ in graph_pieces(True))
+            sizes = [(k, s) for k, s, _ in graph_pieces(True)]
+            counted += sum(KEY_BYTES + s for k, s in sizes if k)
+            if counted > allowed >= 0:
+                raise _PastLimitError
+            graph_size = sum(piece_len(k, s) for k, s in sizes)
         for fd, value in model.ListFields():
             if fd.name != "graph":
                 single = onnx.ModelProto()
@@ -226,7 +257,7 @@ def _write_pieces(
                 continue
             model_file.write(length_key(fd.number) + varint(graph_size))
             if body is None:
-                write_graph(model_file)
+                write_graph(model_file, counting=False)  # counted while sizing
             else:
                 shutil.copyfileobj(body, model_file, _COPY_CHUNK)
 

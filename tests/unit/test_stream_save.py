@@ -170,3 +170,44 @@ def test_the_scratch_file_is_in_the_outputs_folder(
     save_model(_model(), tmp_path / "out" / "m.onnx", external=False)
     assert folders == [tmp_path / "out"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.onnx"]
+
+
+def _count(model: onnx.ModelProto) -> int:
+    """too_large_for_one_protobuf's count of `model` (it passes the limit where this does)."""
+    from fuser import modelio
+
+    elements = [v for fd, value in model.graph.ListFields() if fd.is_repeated for v in value]
+    counted = sum(modelio.KEY_BYTES + v.ByteSize() for v in elements if hasattr(v, "ByteSize"))
+    return modelio.size_beside_elements(model) + counted
+
+
+@pytest.mark.parametrize("scratch", [True, False])
+@pytest.mark.parametrize("past", [True, False])
+def test_an_inline_save_past_the_limit_goes_external_as_the_size_check_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scratch: bool, past: bool
+) -> None:
+    # save_model(external=None) counts the sizes as it writes inline (no pass of its own):
+    # past protobuf's limit exactly where too_large_for_one_protobuf says so, it writes with
+    # external data instead, the files those of deciding first
+    from fuser import modelio
+
+    model = _model()
+    monkeypatch.setattr(modelio, "PROTOBUF_LIMIT_BYTES", _count(model) - past)
+    assert modelio.too_large_for_one_protobuf(model) is past
+    expected = save_model(model, tmp_path / "a" / "m.onnx", external=past)
+    if not scratch:
+        monkeypatch.setattr(stream_save.tempfile, "TemporaryFile", _no_scratch)
+    checks = []
+    real = modelio.too_large_for_one_protobuf
+    monkeypatch.setattr(
+        modelio, "too_large_for_one_protobuf", lambda m: [checks.append(m), real(m)][1]
+    )
+    written = save_model(model, tmp_path / "b" / "m.onnx", holds_external=False)
+    assert checks == []  # no size pass of its own
+    assert [p.name for p in written] == [p.name for p in expected]
+    assert [p.read_bytes() for p in written] == [p.read_bytes() for p in expected]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(p.name for p in written)
+
+
+def _no_scratch(*args: object, **kwargs: object) -> None:
+    raise OSError(28, "No space left on device")
