@@ -15,11 +15,12 @@ import onnx
 from . import engine
 from . import functions as functions_mod
 from .body_check import BodyCheckedDecider
+from .checkview import scan_nodes
 from .decide import Decider
 from .errors import ModelLoadError, UsageError
 from .finish import FuseOptions, finish
 from .graph import TypeTable
-from .modelio import LoadedModel, ModelSource, load_model, save_model, too_large_for_one_protobuf
+from .modelio import LoadedModel, ModelSource, load_model, save_model
 from .normalize import fill_outputs, normalize, sort_nodes
 from .registry import select
 from .report import FusionRecord, FusionReport, RejectionRecord, fusion_dict, near_miss_dict
@@ -63,9 +64,14 @@ class FusionResult:
         Raises `OutputError` (naming the path) for a folder, an unwritable place, or a path
         that would overwrite the input or its external data.
         """
-        if external is None:
-            external = self.source.external or too_large_for_one_protobuf(self.model)
-        return save_model(self.model, path, source=self.source, external=external, extra=extra)
+        if external is None and self.source.external:
+            external = True
+        # fuser writes every tensor it makes inline: only an input's may be external. Else
+        # inline unless past protobuf's limit (the inline write counts as it goes).
+        return save_model(
+            self.model, path, source=self.source, external=external, extra=extra,
+            holds_external=self.source.external,
+        )  # fmt: skip
 
 
 def fuse(
@@ -107,15 +113,18 @@ def fuse(
     # What onnxruntime tolerates, fixed in fuser's copy. Nodes out of order are sorted only
     # once the checker refuses the model (or before inference where it does not check first):
     # finding that they are in order is a walk over every node, which the checker makes anyway.
-    normalized = normalize(loaded, sort=False)
+    # One walk over the nodes for both (normalizing changes none of them).
+    scan = scan_nodes(loaded.model)
+    normalized = normalize(loaded, sort=False, scan=scan)
     # One serialization for both tools, where it can; none when the file is the model as is.
     try:
-        checked = engine.check_and_infer(loaded, as_read=not normalized)
+        checked = engine.check_and_infer(loaded, as_read=not normalized, scan=scan)
     except ModelLoadError:
         if not (order := sort_nodes(loaded)):
             raise  # in order: refused for another reason
         normalized = [*order, *normalized]
         checked = engine.check_and_infer(loaded, as_read=False)
+    del scan  # its lists hold node protos
     if checked is None:
         normalized = [*sort_nodes(loaded), *normalized]
     if checked is not None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import onnx
 from google.protobuf.message import Message
 
-from .checkview import checker_view, inference_view, scan_nodes
+from .checkview import NodeScan, checker_view, inference_view, scan_nodes
 from .errors import FusionError, ModelLoadError
 from .graph import TypeTable, may_hold_subgraphs
 from .heap import release_freed
@@ -178,7 +178,7 @@ def serialized(model: onnx.ModelProto) -> Iterator[str | bytes]:
 
 
 def check_and_infer(
-    loaded: LoadedModel, *, as_read: bool = False
+    loaded: LoadedModel, *, as_read: bool = False, scan: NodeScan | None = None
 ) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
     """`check_structure` and `infer_types` on one serialization of the model's view, when
     both tools see the same view: every graph input and output typed (then the checker needs
@@ -187,8 +187,9 @@ def check_and_infer(
 
     `as_read`: the caller has not changed `loaded.model` since it was parsed. Then, where the
     view is the model itself, no tensor is external and its file is as it was read, the tools
-    read that file: the same model, not serialized again."""
-    view = checker_view(loaded.model, loaded)
+    read that file: the same model, not serialized again. `scan`: `scan_nodes` of
+    `loaded.model` as it is now, if made already."""
+    view = checker_view(loaded.model, loaded, scan)
     if view.warnings:
         return None
     ensure_fused_ops_registered()
@@ -284,7 +285,8 @@ def verify(model: onnx.ModelProto, label: str, source: LoadedModel | None = None
 def _check_output(model: onnx.ModelProto, source: LoadedModel | None) -> None:
     """`verify`'s check (its view and plan let go of on return, before the trim)."""
     view = checker_view(model, source)
-    if (steps := plan(view.model, view.nested)) is not None:  # large: a piece at a time
+    steps = plan(view.model, view.nested, check_only=True)
+    if steps is not None:  # large: a piece at a time
         try:
             check_pieces(view.model, steps)
         except PieceRefusedError:  # the whole graph's check has the verdict and the message

@@ -490,11 +490,14 @@ def _untyped_io(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.ValueInfoPro
             yield kind, value, missing
 
 
-def checker_view(model: onnx.ModelProto, source: LoadedModel | None = None) -> View:
+def checker_view(
+    model: onnx.ModelProto, source: LoadedModel | None = None, scan: NodeScan | None = None
+) -> View:
     """`model` as onnx's checker should see it (the model itself when nothing needs hiding).
     `source`: where the model's external data files are (the input fuser read), for the
-    external attribute tensors the view reads inline."""
-    scan = scan_nodes(model)
+    external attribute tensors the view reads inline. `scan`: `scan_nodes(model)`, if made
+    already (its nodes as they are now)."""
+    scan = scan or scan_nodes(model)
     hidden = _heavy_initializers(model.graph)
     untyped = list(_untyped_io(model.graph))
     if not hidden and not untyped and not scan.legacy and not scan.external:

@@ -36,26 +36,38 @@ EXTERNAL_THRESHOLD_BYTES = 1024
 PROTOBUF_LIMIT_BYTES = 2_000_000_000
 
 
+# What `too_large_for_one_protobuf` counts for each field's or element's tag and length: at
+# most this many bytes.
+KEY_BYTES = 16
+
+
 def too_large_for_one_protobuf(model: onnx.ModelProto) -> bool:
     """Whether `model` serialized would pass `PROTOBUF_LIMIT_BYTES`. Summed a graph element at
     a time, stopping once past it: the model's own `ByteSize` serializes all of it into C
     memory that stays in the process (30-60 MB on the save peak of a 100k-node model)."""
+    total = size_beside_elements(model)
+    for gd, field in model.graph.ListFields():
+        if gd.is_repeated and gd.message_type is not None:
+            for element in field:
+                total += KEY_BYTES + element.ByteSize()
+                if total > PROTOBUF_LIMIT_BYTES:
+                    return True
+    return total > PROTOBUF_LIMIT_BYTES
+
+
+def size_beside_elements(model: onnx.ModelProto) -> int:
+    """`too_large_for_one_protobuf`'s count of all of `model` but its graph's repeated message
+    elements (an inline save sums those as it serializes them: `save_model`)."""
     total = 0
-    graph = model.graph
     for fd, value in model.ListFields():
         if fd.name != "graph":
-            total += 16 + (sum(v.ByteSize() for v in value) if fd.is_repeated and fd.message_type
-                           else len(str(value)))  # fmt: skip
+            repeated = fd.is_repeated and fd.message_type
+            total += KEY_BYTES + (sum(v.ByteSize() for v in value) if repeated else len(str(value)))
             continue
-        for gd, field in graph.ListFields():
-            if gd.is_repeated and gd.message_type is not None:
-                for element in field:
-                    total += 16 + element.ByteSize()  # 16: the tag and length, at most
-                    if total > PROTOBUF_LIMIT_BYTES:
-                        return True
-            else:
-                total += 16 + len(str(field))
-    return total > PROTOBUF_LIMIT_BYTES
+        for gd, field in model.graph.ListFields():
+            if not (gd.is_repeated and gd.message_type is not None):
+                total += KEY_BYTES + len(str(field))
+    return total
 
 
 @dataclass(frozen=True)
@@ -312,6 +324,7 @@ def save_model(
     source: LoadedModel | None = None,
     external: bool | None = None,
     extra: Mapping[Path, bytes] | None = None,
+    holds_external: bool | None = None,
 ) -> list[Path]:
     """Write `model` to `path`, plus the `extra` files, as one step; returns the files written.
 
@@ -319,14 +332,22 @@ def save_model(
     external tensors or exceeds protobuf's limit) the tensors go to `<name>.data` beside the
     output, streamed one by one from wherever they live now. All files appear together or not
     at all (see `fuser.atomic`); none of them may be a file of `source` (OutputError).
+    `holds_external`: whether the model references external tensors, where the caller knows
+    (else, with `external=None`, its tensors are looked at).
     """
     from .stream_save import streamable as _streamable  # stream_save reads this module
     from .stream_save import write_external as _write_external
     from .stream_save import write_inline as _write_inline
 
     out = Path(path)
+    streamable = _streamable(model)  # then no second copy of the model is held
+    limited = False  # inline unless past protobuf's limit, found as the model is written
     if external is None:
-        external = has_external_data(model) or too_large_for_one_protobuf(model)
+        external = has_external_data(model) if holds_external is None else holds_external
+        if not external and streamable:
+            limited = True  # the inline write sums the sizes anyway: no pass of its own
+        elif not external:
+            external = too_large_for_one_protobuf(model)
     data_path = out.with_name(out.name + ".data")
     others = list(extra or {})
     check_output_paths([out, *([data_path] if external else []), *others], source)
@@ -335,15 +356,22 @@ def save_model(
             model_file = batch.open(out)
             data_file = batch.open(data_path) if external else None
             extra_files = [(batch.open(p), data) for p, data in (extra or {}).items()]
-            streamable = _streamable(model)  # then no second copy of the model is held
+            written = False
             if data_file is None and streamable:
-                _write_inline(model, model_file)
+                limit = PROTOBUF_LIMIT_BYTES if limited else None
+                written = _write_inline(model, model_file, out.parent, limit)
+                if not written:  # past the limit, nothing written yet: with external data
+                    external = True
+                    check_output_paths([data_path], source)
+                    data_file = batch.open(data_path)
+            if written:
+                pass
             elif data_file is None:
                 model_file.write(model.SerializeToString(deterministic=True))
             elif streamable:
                 _write_external(
                     model, model_file, data_file, data_path.name,
-                    lambda tensor: _external_source_bytes(source, tensor),
+                    lambda tensor: _external_source_bytes(source, tensor), out.parent,
                 )  # fmt: skip
             else:
                 staged = onnx.ModelProto()

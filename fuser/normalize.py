@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 import onnx
 from onnx import defs
 
-from .checkview import LAYERNORM_OPSET, legacy_layernorms, missing_type, onnx_opset
+from .checkview import LAYERNORM_OPSET, NodeScan, legacy_layernorms, missing_type, onnx_opset
 from .errors import ModelLoadError
 from .graph import GraphIndex, TypeTable, ValueType, may_hold_subgraphs, subgraph_free_names
 from .modelio import LoadedModel
@@ -32,19 +32,23 @@ from .modelio import LoadedModel
 IR_INITIALIZERS_AS_CONSTANTS = 4
 
 
-def normalize(loaded: LoadedModel, *, sort: bool = True) -> list[str]:
+def normalize(loaded: LoadedModel, *, sort: bool = True, scan: NodeScan | None = None) -> list[str]:
     """Check the opsets and fix what onnxruntime tolerates, in `loaded.model`; returns what was
     done, one sentence each (empty for a model that needed nothing).
 
     `sort=False` leaves the node order alone: for a caller whose next step is onnx's checker,
     which refuses nodes out of topological order, and that calls `sort_nodes` only then
     (checking the order is a walk over every node's inputs and outputs, most of a large
-    model's normalization), putting its notes first as this does."""
+    model's normalization), putting its notes first as this does. `scan`: `scan_nodes` of
+    the model, if made already (with `sort=False`: sorting would reorder what it found);
+    normalizing changes no node, so the caller may give it to `checker_view` after."""
+    if scan is not None and sort:
+        raise ValueError("normalize: a scan of the nodes is for sort=False only")
     check_opsets(loaded)
     notes: list[str] = sort_nodes(loaded) if sort else []
     notes += _ir_version(loaded.model)
     notes += _type_inputs_from_initializers(loaded.model.graph)
-    legacy = legacy_layernorms(loaded.model)
+    legacy = scan.layernorms if scan is not None else legacy_layernorms(loaded.model)
     if legacy:
         names = ", ".join(f"'{n.name or n.output[0]}'" for n in legacy[:3])
         more = f" and {len(legacy) - 3} more" if len(legacy) > 3 else ""

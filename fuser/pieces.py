@@ -2,8 +2,9 @@
 
 Given a whole model, each C++ tool parses all of it into its own messages (at 100k nodes some
 hundreds of MB beside Python's copy of the model). Here the main graph's nodes go to the
-tools in pieces of `PIECE_NODES`, in order, each piece a model of its own, so at most one
-piece is parsed at a time. The pieces are cut from the model's elements as their bytes (from
+tools in pieces of `PIECE_NODES` (half as many for the checker alone), in order, each piece
+a model of its own, so at most one piece is parsed at a time. The pieces are cut from the
+model's elements as their bytes (from
 the file it was read from where it is unchanged, parsed with message types that keep each
 node, tensor and value info as its bytes, `RawTypes`): a piece is laid out by one
 serialization, and the names a plan reads and the types inference gives come back as lists
@@ -61,6 +62,22 @@ from .stream_save import length_key, length_prefix
 PIECE_NODES = 2048
 # Below this many nodes the graph goes whole (the tools' copy is small).
 MIN_NODES = 2 * PIECE_NODES
+
+
+def _piece_nodes(check_only: bool) -> tuple[int, int]:
+    """(nodes per piece, fewest nodes of a graph cut in pieces): for the checker alone (the
+    output check) half those of check and inference. The output check is a small model's
+    fuse peak (a piece's bytes and the checker's parse, on top of all the passes left), and a
+    piece that is only checked costs little (no types carried in, no unknown dims): at 10k
+    nodes pieces of 1024 took the fuse peak from 104 to 100 MB (cnn), 87 to 85 (transformer),
+    98 to 95 (mixed; benchmarks/fuse_memory.py), for no more time at 100k (verify 0.41-0.51 s
+    in pieces of 1024, 0.41-0.70 s in 2048). Check and inference stay at 2048: in pieces of
+    1024 a 100k-node transformer's took 0.25 s longer (per piece, its types carried and its
+    unknown dims' names)."""
+    if check_only:
+        return max(1, PIECE_NODES // 2), MIN_NODES // 2
+    return PIECE_NODES, MIN_NODES
+
 
 _UNKNOWN_PREFIX = "unk__"  # onnx's SymbolTableImpl names unknown dims so
 _CONSTANT_DOMAINS = ("", "ai.onnx")
@@ -131,10 +148,11 @@ def _new_symbols(types: Sequence[bytes | None]) -> set[str]:
     return _type_symbols(onnx.TypeProto.FromString(t) for t in types if t)
 
 
-def may_go_in_pieces(model: onnx.ModelProto, nested: bool) -> bool:
+def may_go_in_pieces(model: onnx.ModelProto, nested: bool, check_only: bool = False) -> bool:
     """`plan`'s first look (no walk): False where `model` surely goes whole."""
     graph = model.graph
-    if nested or len(graph.node) < MIN_NODES or model.ir_version < 4:
+    fewest = _piece_nodes(check_only)[1]
+    if nested or len(graph.node) < fewest or model.ir_version < 4:
         return False
     return not (len(graph.sparse_initializer) or len(model.training_info))
 
@@ -145,18 +163,21 @@ class _Elements:
     for the walk; kept, they would be a copy of the graph's nodes on the walk's peak)."""
 
     def __init__(self, graph: onnx.GraphProto) -> None:
-        self.node = _Serializing(graph.node)
-        self.initializer = _Serializing(graph.initializer)
-        self.input = _Serializing(graph.input)
-        self.output = _Serializing(graph.output)
-        self.value_info = _Serializing(graph.value_info)
+        self.node = _Serializing(graph.node, onnx.NodeProto)
+        self.initializer = _Serializing(graph.initializer, onnx.TensorProto)
+        self.input = _Serializing(graph.input, onnx.ValueInfoProto)
+        self.output = _Serializing(graph.output, onnx.ValueInfoProto)
+        self.value_info = _Serializing(graph.value_info, onnx.ValueInfoProto)
 
 
 class _Serializing:
-    """The serializations of a repeated field's messages, each made when asked for."""
+    """The serializations of a repeated field's messages (of type `kind`), each made when
+    asked for: many at once by `kind`'s own method mapped over them (no Python call per
+    message: at 100k nodes a piece's plan and walk ask for some 350k)."""
 
-    def __init__(self, messages: Sequence[Message]) -> None:
+    def __init__(self, messages: Sequence[Message], kind: type[Message]) -> None:
         self._messages = messages
+        self._serialize = kind.SerializeToString
 
     @overload
     def __getitem__(self, index: int) -> bytes: ...
@@ -166,8 +187,12 @@ class _Serializing:
 
     def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
         if isinstance(index, slice):
-            return [m.SerializeToString() for m in self._messages[index]]
-        return self._messages[index].SerializeToString()
+            return list(map(self._serialize, self._messages[index]))
+        return self._serialize(self._messages[index])
+
+    def take(self, indices: Iterable[int]) -> list[bytes]:
+        """The serializations of the messages at `indices`, in that order."""
+        return list(map(self._serialize, map(self._messages.__getitem__, indices)))
 
 
 @dataclass(frozen=True)
@@ -182,11 +207,12 @@ class Plan:
     unread: set[str]  # the graph inputs and initializers no node reads
 
 
-def plan(model: onnx.ModelProto, nested: bool) -> Plan | None:
+def plan(model: onnx.ModelProto, nested: bool, check_only: bool = False) -> Plan | None:
     """The pieces of `model`'s main graph, where `check_pieces`/`infer_pieces` see it as the
     whole-graph tools do (see the module docstring); None where it goes whole. `nested`:
-    whether a node may hold a subgraph (`NodeScan.nested`)."""
-    if not may_go_in_pieces(model, nested):
+    whether a node may hold a subgraph (`NodeScan.nested`); `check_only`: pieces for
+    `check_pieces` alone (smaller: `_piece_nodes`)."""
+    if not may_go_in_pieces(model, nested, check_only):
         return None
     graph = model.graph
     initializers = [t.name for t in graph.initializer]
@@ -199,7 +225,7 @@ def plan(model: onnx.ModelProto, nested: bool) -> Plan | None:
     # on verify's peak)
     raw = _Elements(graph)
     wanted = frozenset(named)
-    steps, unread = _plan(raw, graph.node, outer, wanted)
+    steps, unread = _plan(raw, graph.node, outer, wanted, _piece_nodes(check_only)[0])
     produced = {n for step in steps for n in step.named}
     if len(produced) < len(wanted):
         return None
@@ -439,12 +465,12 @@ def _walk(
             piece.node.extend([constants[n] for n in shared])
         piece.node.extend(raw.node[step.start : step.stop])
         piece.initializer.extend(
-            [raw.initializer[initializers[n]] for n in outer if n in initializers]
+            raw.initializer.take([initializers[n] for n in outer if n in initializers])
         )
-        piece.value_info.extend([raw.value_info[i] for i in own])
+        piece.value_info.extend(raw.value_info.take(own))
         piece.value_info.extend(given)
-        piece.output.extend([raw.output[outputs_wanted[n]] for n in ends])
-        declared = [raw.input[inputs[n]] for n in outer if n in inputs]
+        piece.output.extend(raw.output.take([outputs_wanted[n] for n in ends]))
+        declared = raw.input.take([inputs[n] for n in outer if n in inputs])
         declared += [carried[n][0] for n in typed]
         # the checker's inputs for the values of earlier pieces inference has no full type of
         # (inference must not see them: an untyped input is not an unknown one)
@@ -546,8 +572,9 @@ def _plan(
     nodes: Sequence[onnx.NodeProto],
     outer: frozenset[str],
     named: frozenset[str],
+    size: int,
 ) -> tuple[list[Step], set[str]]:
-    """The pieces of `nodes` (`raw`: their graph's elements as bytes), given the
+    """The pieces of `nodes` (`size` nodes each; `raw`: their graph's elements as bytes), given the
     graph's inputs and initializers (`outer`) and its outputs and value infos (`named`): each
     piece's names read from its nodes' bytes at once (`RawTypes.node_names`); and the names
     of `outer` no node reads."""
@@ -555,8 +582,8 @@ def _plan(
     names_class = raw_types().node_names
     defined = set(outer)
     unread = set(outer)
-    for start in range(0, len(nodes), PIECE_NODES):
-        stop = min(start + PIECE_NODES, len(nodes))
+    for start in range(0, len(nodes), size):
+        stop = min(start + size, len(nodes))
         names = names_class.FromString(b"".join(raw.node[start:stop]))
         reads = dict.fromkeys(names.input)
         written = dict.fromkeys(names.output)

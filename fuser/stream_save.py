@@ -13,7 +13,11 @@ name; the bytes are the ones copying the whole model and externalizing it would 
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
 from collections.abc import Callable, Container, Iterator
+from pathlib import Path
 from typing import BinaryIO
 
 import onnx
@@ -21,7 +25,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
 from .checkview import copy_field
-from .modelio import EXTERNAL_THRESHOLD_BYTES, node_tensors
+from .modelio import EXTERNAL_THRESHOLD_BYTES, KEY_BYTES, node_tensors, size_beside_elements
 
 _LEN = 2  # wire type of a length-delimited field
 # Reads the data of one external tensor of the input (from its validated file).
@@ -95,10 +99,10 @@ def _staged_tensor(
 
 def write_external(
     model: onnx.ModelProto, model_file: BinaryIO, data_file: BinaryIO, location: str,
-    read_external: ReadExternal,
+    read_external: ReadExternal, scratch: Path | None = None,
 ) -> None:  # fmt: skip
     """Write `model` to `model_file` and its large tensors to `data_file` (named `location`
-    beside it); `model` is not changed."""
+    beside it); `model` is not changed. `scratch`: as `write_inline`'s."""
     graph = model.graph
     # 1. The data, in iter_all_tensors order: main-graph initializers, then node by node.
     spans: list[tuple[int, int]] = []
@@ -138,14 +142,29 @@ def write_external(
                 _point_at(tensor, location, offset, length)
         return copy
 
-    _write_pieces(model, model_file, staged_inits, by_node.keys(), staged_node)
+    _write_pieces(model, model_file, staged_inits, by_node.keys(), staged_node, scratch)
 
 
-def write_inline(model: onnx.ModelProto, model_file: BinaryIO) -> None:
+def write_inline(
+    model: onnx.ModelProto,
+    model_file: BinaryIO,
+    scratch: Path | None = None,
+    limit: int | None = None,
+) -> bool:
     """Write `model` to `model_file` as `SerializeToString(deterministic=True)` lays it out,
     one graph element at a time: the whole serialization (a copy of the model's size) is
-    never held. For a `streamable` model."""
-    _write_pieces(model, model_file, {})
+    never held. For a `streamable` model. `scratch`: the folder of the graph's scratch file
+    (see `_write_pieces`). With `limit`, where `too_large_for_one_protobuf`'s count (taken of
+    the elements as they are serialized) passes it, nothing is written: returns False."""
+    try:
+        _write_pieces(model, model_file, {}, scratch=scratch, limit=limit)
+    except _PastLimitError:
+        return False
+    return True
+
+
+class _PastLimitError(Exception):
+    """The model passed `write_inline`'s limit (before anything was written)."""
 
 
 def _write_pieces(
@@ -154,11 +173,19 @@ def _write_pieces(
     staged_inits: dict[int, onnx.TensorProto],
     restaged: Container[int] = (),
     staged_node: Callable[[int], onnx.NodeProto] | None = None,
+    scratch: Path | None = None,
+    limit: int | None = None,
 ) -> None:
-    """`model` laid out field by field, the graph element by element (sizes first: a length
-    prefix precedes each message), with the initializers of `staged_inits` and the nodes
-    numbered in `restaged` (as `staged_node` makes them, when written) in place of the
-    graph's own."""
+    """`model` laid out field by field, the graph element by element, with the initializers of
+    `staged_inits` and the nodes numbered in `restaged` (as `staged_node` makes them, when
+    written) in place of the graph's own. With `limit`: `_PastLimitError`, before anything
+    is written to `model_file`, where `too_large_for_one_protobuf`'s count passes it.
+
+    The graph's length prefix precedes its elements: they are serialized once, into an
+    anonymous scratch file in folder `scratch` (the output's: the bytes go to that disk
+    anyway; the system's temp folder if None) as their lengths are summed, then copied from
+    it. Where no scratch file can be made, they are serialized twice: once for their sizes
+    (`ByteSize`, itself a serialization in upb), once to write them."""
     graph = model.graph
 
     def graph_pieces(sizes_only: bool) -> Iterator[tuple[bytes, int, Message | None]]:
@@ -179,28 +206,77 @@ def _write_pieces(
                 data = single.SerializeToString(deterministic=True)
                 yield b"", len(data), None if sizes_only else _Raw(data)
 
-    def piece_len(key: bytes, size: int) -> int:
-        return size if not key else len(key) + len(length_prefix(size)) + size
+    # what too_large_for_one_protobuf counts beside the elements (each element: its size and
+    # KEY_BYTES), and what it may come to
+    counted = size_beside_elements(model) if limit is not None else 0
+    allowed = limit if limit is not None else -1
 
-    graph_size = sum(piece_len(k, s) for k, s, _ in graph_pieces(True))
-    for fd, value in model.ListFields():
-        if fd.name != "graph":
-            single = onnx.ModelProto()
-            copy_field(fd, value, single)
-            model_file.write(single.SerializeToString(deterministic=True))
-            continue
-        model_file.write(length_key(fd.number) + varint(graph_size))
+    def write_graph(out: BinaryIO, counting: bool) -> int:
+        """The graph's elements written to `out`; returns their length. `counting`: against
+        the limit, as they are serialized."""
+        nonlocal counted
+        total = 0
         batch: list[bytes] = []  # written a few thousand elements at a time: few write calls
         for key, _, element in graph_pieces(False):
             if isinstance(element, _Raw):
                 batch.append(element.data)
+                total += len(element.data)
             elif element is not None:
                 data = element.SerializeToString(deterministic=True)
-                batch.append(key + length_prefix(len(data)) + data)
-            if len(batch) >= 4096:
-                model_file.write(b"".join(batch))
+                prefix = key + length_prefix(len(data))
+                batch += (prefix, data)
+                total += len(prefix) + len(data)
+                if counting:
+                    counted += KEY_BYTES + len(data)
+                    if counted > allowed >= 0:
+                        raise _PastLimitError
+            if len(batch) >= 8192:
+                out.write(b"".join(batch))
                 batch.clear()
-        model_file.write(b"".join(batch))
+        out.write(b"".join(batch))
+        return total
+
+    def piece_len(key: bytes, size: int) -> int:
+        return size if not key else len(key) + len(length_prefix(size)) + size
+
+    with _scratch_file(scratch) as body:
+        if body is not None:
+            graph_size = write_graph(body, counting=True)
+            body.seek(0)
+        else:
+            sizes = [(k, s) for k, s, _ in graph_pieces(True)]
+            counted += sum(KEY_BYTES + s for k, s in sizes if k)
+            if counted > allowed >= 0:
+                raise _PastLimitError
+            graph_size = sum(piece_len(k, s) for k, s in sizes)
+        for fd, value in model.ListFields():
+            if fd.name != "graph":
+                single = onnx.ModelProto()
+                copy_field(fd, value, single)
+                model_file.write(single.SerializeToString(deterministic=True))
+                continue
+            model_file.write(length_key(fd.number) + varint(graph_size))
+            if body is None:
+                write_graph(model_file, counting=False)  # counted while sizing
+            else:
+                shutil.copyfileobj(body, model_file, _COPY_CHUNK)
+
+
+# The scratch file is copied to the model file a chunk of this many bytes at a time.
+_COPY_CHUNK = 1 << 20
+
+
+@contextlib.contextmanager
+def _scratch_file(folder: Path | None) -> Iterator[BinaryIO | None]:
+    """A new anonymous read-write file in `folder` (gone when closed, however the process
+    ends where the system has O_TMPFILE), or None where none can be made there."""
+    with contextlib.ExitStack() as stack:
+        handle: BinaryIO | None
+        try:
+            handle = stack.enter_context(tempfile.TemporaryFile(dir=folder))
+        except OSError:
+            handle = None
+        yield handle
 
 
 class _Raw:

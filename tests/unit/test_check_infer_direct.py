@@ -156,9 +156,9 @@ def test_fuse_reads_the_file_only_when_normalize_changed_nothing(tmp_path, monke
     seen: list[bool] = []
     real = api.engine.check_and_infer
 
-    def spy(loaded, *, as_read=False):  # type: ignore[no-untyped-def]
+    def spy(loaded, *, as_read=False, scan=None):  # type: ignore[no-untyped-def]
         seen.append(as_read)
-        return real(loaded, as_read=as_read)
+        return real(loaded, as_read=as_read, scan=scan)
 
     monkeypatch.setattr(api.engine, "check_and_infer", spy)
     model = _two_values("y", [2, 3])

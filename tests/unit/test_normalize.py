@@ -369,3 +369,54 @@ def test_heavy_initializers_are_typed_but_not_copied_into_the_views() -> None:
     model.graph.node.append(helper.make_node("NoSuchOp", ["y"], ["z"], name="bad"))
     with pytest.raises(ModelLoadError, match="NoSuchOp"):
         fuser.fuse(model, cache=False)
+
+
+@pytest.mark.parametrize("opset", [16, 17])
+def test_one_walk_over_the_nodes_serves_normalize_and_the_input_check(
+    opset: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fuse scans the input's nodes once, before normalize, and gives the scan to the check
+    # (normalizing changes no node); the notes and the types are those of scanning twice
+    from fuser import api, check_infer, checkview
+    from fuser.modelio import load_model
+    from fuser.normalize import normalize
+
+    model = layernorm_matmul(opset)
+
+    def load_stage(shared: bool) -> tuple[list[str], list[object], int]:
+        scans = []
+        real = checkview.scan_nodes
+
+        def counted(m: onnx.ModelProto) -> checkview.NodeScan:
+            scans.append(m)
+            return real(m)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(checkview, "scan_nodes", counted)
+            loaded = load_model(model)
+            scan = counted(loaded.model) if shared else None
+            notes = normalize(loaded, sort=False, scan=scan)
+            checked = check_infer.check_and_infer(loaded, as_read=not notes, scan=scan)
+        assert checked is not None
+        table = checked[0][""]
+        return notes, [(name, table[name]) for name in table], len(scans)
+
+    shared, alone = load_stage(True), load_stage(False)
+    assert shared[:2] == alone[:2]
+    assert shared[2] == alone[2] - 1  # one walk fewer (a legacy model's view walks again)
+    assert bool(shared[0]) is (opset < 17)  # the legacy note, from the shared scan
+    spied = []
+    real_scan = api.scan_nodes
+    monkeypatch.setattr(api, "scan_nodes", lambda m: spied.append(m) or real_scan(m))
+    fuser.fuse(model)
+    assert len(spied) == 1
+
+
+def test_a_scan_is_not_taken_where_normalize_sorts() -> None:
+    from fuser.checkview import scan_nodes
+    from fuser.modelio import load_model
+    from fuser.normalize import normalize
+
+    loaded = load_model(conv_bn_relu())
+    with pytest.raises(ValueError, match="sort=False"):
+        normalize(loaded, scan=scan_nodes(loaded.model))

@@ -165,7 +165,7 @@ def test_the_output_check_in_pieces_says_what_the_whole_check_says(kind, monkeyp
     def verified(whole: bool) -> str:
         with monkeypatch.context() as patch:
             if whole:
-                patch.setattr(check_infer, "plan", lambda *args: None)
+                patch.setattr(check_infer, "plan", lambda *args, **kwargs: None)
             with pytest.raises(FusionError) as caught:
                 check_infer.verify(_broken(kind), "m.onnx")
         return str(caught.value)
@@ -279,3 +279,31 @@ def test_constants_are_found_where_a_node_has_no_op_type(monkeypatch):
     model.graph.node[0].ClearField("op_type")
     steps = pieces.plan(model, nested=False)
     assert steps is not None and steps.steps[0].constants == [1]
+
+
+def test_the_checker_alone_takes_pieces_half_as_large(monkeypatch):
+    # PIECE_NODES 3, MIN_NODES 6 here: pieces of 1 node, from 3 nodes up, for the checker
+    # alone (the output check); of 3 from 6 up for check and inference
+    model = _chain(11)
+    both, alone = pieces.plan(model, nested=False), pieces.plan(model, False, check_only=True)
+    assert both is not None and alone is not None
+    assert [(s.start, s.stop) for s in both.steps] == [(0, 3), (3, 6), (6, 9), (9, 11)]
+    assert [(s.start, s.stop) for s in alone.steps] == [(k, k + 1) for k in range(11)]
+    assert pieces.plan(_chain(4), nested=False) is None
+    assert pieces.plan(_chain(4), nested=False, check_only=True) is not None
+    assert pieces.plan(_chain(2), nested=False, check_only=True) is None
+
+
+def test_the_output_check_takes_the_checkers_pieces(monkeypatch):
+    asked = []
+    real = pieces.plan
+
+    def spy(model, nested, check_only=False):
+        asked.append(check_only)
+        return real(model, nested, check_only)
+
+    monkeypatch.setattr(check_infer, "plan", spy)
+    check_infer.verify(_chain(4), "m.onnx")
+    assert asked == [True]
+    check_infer.check_and_infer(load_model(_chain(11)))
+    assert asked == [True, False]

@@ -134,3 +134,80 @@ def test_the_size_limit_is_read_element_by_element(monkeypatch: pytest.MonkeyPat
     assert not modelio.too_large_for_one_protobuf(model)
     monkeypatch.setattr(modelio, "PROTOBUF_LIMIT_BYTES", 100)  # past it early: stops there
     assert modelio.too_large_for_one_protobuf(model)
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_without_a_scratch_file_the_bytes_are_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, external: bool
+) -> None:
+    # the graph is serialized once into a scratch file beside the output; where none can be
+    # made, it is sized and serialized in two passes: the files are the same either way
+    model = _model()
+    with_scratch = save_model(model, tmp_path / "a" / "m.onnx", external=external)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(stream_save.tempfile, "TemporaryFile", refused)
+    without = save_model(model, tmp_path / "b" / "m.onnx", external=external)
+    assert [p.read_bytes() for p in with_scratch] == [p.read_bytes() for p in without]
+    assert with_scratch[0].read_bytes() == (
+        without[0].read_bytes() if external else model.SerializeToString(deterministic=True)
+    )
+
+
+def test_the_scratch_file_is_in_the_outputs_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folders = []
+    real = stream_save.tempfile.TemporaryFile
+
+    def spy(*args: object, dir: Path | None = None, **kwargs: object) -> object:
+        folders.append(dir)
+        return real(*args, dir=dir, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(stream_save.tempfile, "TemporaryFile", spy)
+    save_model(_model(), tmp_path / "out" / "m.onnx", external=False)
+    assert folders == [tmp_path / "out"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.onnx"]
+
+
+def _count(model: onnx.ModelProto) -> int:
+    """too_large_for_one_protobuf's count of `model` (it passes the limit where this does)."""
+    from fuser import modelio
+
+    elements = [v for fd, value in model.graph.ListFields() if fd.is_repeated for v in value]
+    counted = sum(modelio.KEY_BYTES + v.ByteSize() for v in elements if hasattr(v, "ByteSize"))
+    return modelio.size_beside_elements(model) + counted
+
+
+@pytest.mark.parametrize("scratch", [True, False])
+@pytest.mark.parametrize("past", [True, False])
+def test_an_inline_save_past_the_limit_goes_external_as_the_size_check_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scratch: bool, past: bool
+) -> None:
+    # save_model(external=None) counts the sizes as it writes inline (no pass of its own):
+    # past protobuf's limit exactly where too_large_for_one_protobuf says so, it writes with
+    # external data instead, the files those of deciding first
+    from fuser import modelio
+
+    model = _model()
+    monkeypatch.setattr(modelio, "PROTOBUF_LIMIT_BYTES", _count(model) - past)
+    assert modelio.too_large_for_one_protobuf(model) is past
+    expected = save_model(model, tmp_path / "a" / "m.onnx", external=past)
+    if not scratch:
+        monkeypatch.setattr(stream_save.tempfile, "TemporaryFile", _no_scratch)
+    checks = []
+    real = modelio.too_large_for_one_protobuf
+    monkeypatch.setattr(
+        modelio, "too_large_for_one_protobuf", lambda m: [checks.append(m), real(m)][1]
+    )
+    written = save_model(model, tmp_path / "b" / "m.onnx", holds_external=False)
+    assert checks == []  # no size pass of its own
+    assert [p.name for p in written] == [p.name for p in expected]
+    assert [p.read_bytes() for p in written] == [p.read_bytes() for p in expected]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(p.name for p in written)
+
+
+def _no_scratch(*args: object, **kwargs: object) -> None:
+    raise OSError(28, "No space left on device")
