@@ -11,6 +11,7 @@ node that owns the subgraph: a fusion must never hide a value a subgraph still n
 from __future__ import annotations
 
 import heapq
+import operator
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
@@ -1150,15 +1151,27 @@ class GraphIndex:
         if self._dropped_initializers:
             # the kept ones in their order: the input's, then the new ones as they were made
             live, tensors = self.initializers, self.graph.initializer
-            tensors.sort(key=lambda t: t.name not in live)  # stable: order kept
-            # one tensor per dropped name (names are unique), which the boundary confirms;
-            # were they not, the kept ones are counted
-            kept = len(tensors) - self._dropped_initializers
-            if not (
-                0 <= kept <= len(tensors)
-                and (kept == 0 or tensors[kept - 1].name in live)
-                and (kept == len(tensors) or tensors[kept].name not in live)
+            # A CNN's folds drop every tensor the model had and keep the new ones, made after
+            # them: the kept ones are then the last ones, as `initializers` lists them (its
+            # order is the graph's: built in it, new ones added at the end), and the dead are
+            # cut off the front. That is checked on the kept tensors alone: reading the dead
+            # ones makes a Python object for each (most of this step at 150k tensors).
+            kept = list(live.values())
+            dropped = len(tensors) - len(kept)
+            if dropped == self._dropped_initializers and all(
+                map(operator.is_, tensors[dropped:], kept)
             ):
-                kept = sum(1 for t in tensors if t.name in live)
-            del tensors[kept:]
+                del tensors[:dropped]
+            else:
+                tensors.sort(key=lambda t: t.name not in live)  # stable: order kept
+                # one tensor per dropped name (names are unique), which the boundary confirms;
+                # were they not, the kept ones are counted
+                count = len(tensors) - self._dropped_initializers
+                if not (
+                    0 <= count <= len(tensors)
+                    and (count == 0 or tensors[count - 1].name in live)
+                    and (count == len(tensors) or tensors[count].name not in live)
+                ):
+                    count = sum(1 for t in tensors if t.name in live)
+                del tensors[count:]
             self._dropped_initializers = 0
