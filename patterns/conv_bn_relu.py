@@ -175,9 +175,11 @@ class ConvBnReluPattern:
         conv_in = conv_node.input[:]
         ids = [node_id]
         conv_out = walk.through_identity(graph, conv_node.output[0], ids)
-        bn_id = next(
-            (r for r in graph.consumers.get(conv_out, ()) if _bn_of(nodes[r], conv_out)), None
-        )
+        bn_id = None
+        for r in graph.consumers.get(conv_out, ()):  # a loop, not next(generator): a call less
+            if _bn_of(nodes[r], conv_out):
+                bn_id = r
+                break
         bn = nodes[bn_id] if bn_id is not None else None
         epsilon = 1e-5
         if bn is not None:
