@@ -295,7 +295,8 @@ class TypeTable(MutableMapping[str, ValueType]):
                 known = self._by_bytes[source] = _UNTYPED if parsed is None else parsed
         else:
             assert isinstance(source, onnx.TensorProto)
-            key = (source.data_type, tuple(source.dims))
+            # a slice reads the dims in one C call (iterating the field: one a dim)
+            key = (source.data_type, tuple(source.dims[:]))
             known = self._by_dims.get(key)
             if known is None:
                 known = self._by_dims[key] = ValueType(*key)
