@@ -492,8 +492,15 @@ class GraphIndex:
             self._holders.add(node_id)
         self._reads.append(reads)  # at `node_id` (see `_index_nodes`)
         consumers, producer = self.consumers, self.producer
-        for name in reads:
-            consumers[name] = _with_reader(consumers.get(name), node_id)
+        for name in reads:  # `_with_reader`'s common cases inline (a rewrite adds one node)
+            readers = consumers.get(name)
+            if readers is None:
+                consumers[name] = (node_id,)
+            elif type(readers) is tuple and len(readers) < _FEW_READERS:
+                if node_id not in readers:
+                    consumers[name] = (*readers, node_id)
+            else:
+                consumers[name] = _with_reader(readers, node_id)
         for name in outputs:
             if name:
                 if name in producer:
@@ -817,6 +824,9 @@ class GraphIndex:
         (a subgraph's new name would shadow an outer value the subgraph reads) and not in any
         subgraph (ONNX names are unique across scopes: a main-graph name a subgraph defines
         again breaks SSA)."""
+        taken = self._taken
+        if taken is not None and self.outer is None and self._taken_from_index:
+            return self._unique_root_name(base, taken)  # the usual case, asked without a call
         taken = self._model_names()
         root = self._root()
         if self is root and root._taken_from_index:  # the usual case: a main graph's pass
@@ -1089,16 +1099,17 @@ class GraphIndex:
             order[lo : hi + 1] = [fused_id] + [None] * (hi - lo)
             pos[fused_id] = lo
         if emptied:  # `_drop_dead(emptied)`, its first step inline: most are dead weights
-            initializers, more = self.initializers, []
+            initializers, more, dropped = self.initializers, [], 0
             graph_outputs, graph_inputs = self.graph_outputs, self.graph_inputs
             for name in emptied:  # what is dead does not depend on the order asked
                 if consumers[name] or name in graph_outputs:
                     continue
                 if name in initializers and name not in graph_inputs:
                     del initializers[name]
-                    self._dropped_initializers += 1
+                    dropped += 1
                 elif name in producer:  # a live node's output: maybe a dead node, and more
                     more.append(name)
+            self._dropped_initializers += dropped  # counted here: an attribute store less each
             if more:
                 self._drop_dead(more)
         self._version += 1
