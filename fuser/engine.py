@@ -212,9 +212,8 @@ def _run_pattern(
             )
             continue
         signature = _attributes_key(found, decision.attributes)
-        disagreement = inferred_type_disagreement(
-            index, found, fused_attributes(found, decision.attributes), memo, signature
-        )
+        attributes = fused_attributes(found, decision.attributes)  # made once, for both
+        disagreement = inferred_type_disagreement(index, found, attributes, memo, signature)
         if disagreement is not None:
             log.rejected.append(
                 RejectionRecord(
@@ -233,25 +232,25 @@ def _run_pattern(
             if shared is None:
                 shared = memo.notes[said] = (*notes, f"cost model: {decision.reason}")
             notes = shared
-        _apply(index, found, decision.attributes, decision.prediction, log, notes, memo, signature)
+        _apply(index, found, attributes, decision.prediction, log, notes, memo, signature)
     ticker.reach(start + live)
 
 
 def _apply(
     index: GraphIndex,
     match: Match,
-    extra_attrs: Mapping[str, int],
+    attributes: dict[str, Any],
     prediction: Prediction | None,
     log: PassLog,
     notes: tuple[str, ...],
     memo: _Memo | None = None,
     signature: Hashable | None = None,
 ) -> None:
+    """Rewrite `match` into one fused node with `attributes` (`fused_attributes`), and log it."""
     replaced = index.describe_all(match.nodes)
     anchor = index.node(match.nodes[0])
     base = anchor.name or f"{anchor.op_type}_{match.nodes[0]}"
     name = index.unique_node_name(f"{base}/{match.op.name}")
-    attributes = fused_attributes(match, extra_attrs)
     if memo is not None and signature is not None:  # equal keys, equal attributes (and order)
         attributes = memo.attributes.setdefault((signature, tuple(attributes)), attributes)
     for reader, old, new in match.rewires:

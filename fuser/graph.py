@@ -11,6 +11,7 @@ node that owns the subgraph: a fusion must never hide a value a subgraph still n
 from __future__ import annotations
 
 import heapq
+import operator
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
@@ -294,7 +295,8 @@ class TypeTable(MutableMapping[str, ValueType]):
                 known = self._by_bytes[source] = _UNTYPED if parsed is None else parsed
         else:
             assert isinstance(source, onnx.TensorProto)
-            key = (source.data_type, tuple(source.dims))
+            # a slice reads the dims in one C call (iterating the field: one a dim)
+            key = (source.data_type, tuple(source.dims[:]))
             known = self._by_dims.get(key)
             if known is None:
                 known = self._by_dims[key] = ValueType(*key)
@@ -490,8 +492,15 @@ class GraphIndex:
             self._holders.add(node_id)
         self._reads.append(reads)  # at `node_id` (see `_index_nodes`)
         consumers, producer = self.consumers, self.producer
-        for name in reads:
-            consumers[name] = _with_reader(consumers.get(name), node_id)
+        for name in reads:  # `_with_reader`'s common cases inline (a rewrite adds one node)
+            readers = consumers.get(name)
+            if readers is None:
+                consumers[name] = (node_id,)
+            elif type(readers) is tuple and len(readers) < _FEW_READERS:
+                if node_id not in readers:
+                    consumers[name] = (*readers, node_id)
+            else:
+                consumers[name] = _with_reader(readers, node_id)
         for name in outputs:
             if name:
                 if name in producer:
@@ -815,6 +824,9 @@ class GraphIndex:
         (a subgraph's new name would shadow an outer value the subgraph reads) and not in any
         subgraph (ONNX names are unique across scopes: a main-graph name a subgraph defines
         again breaks SSA)."""
+        taken = self._taken
+        if taken is not None and self.outer is None and self._taken_from_index:
+            return self._unique_root_name(base, taken)  # the usual case, asked without a call
         taken = self._model_names()
         root = self._root()
         if self is root and root._taken_from_index:  # the usual case: a main graph's pass
@@ -1087,16 +1099,17 @@ class GraphIndex:
             order[lo : hi + 1] = [fused_id] + [None] * (hi - lo)
             pos[fused_id] = lo
         if emptied:  # `_drop_dead(emptied)`, its first step inline: most are dead weights
-            initializers, more = self.initializers, []
+            initializers, more, dropped = self.initializers, [], 0
             graph_outputs, graph_inputs = self.graph_outputs, self.graph_inputs
             for name in emptied:  # what is dead does not depend on the order asked
                 if consumers[name] or name in graph_outputs:
                     continue
                 if name in initializers and name not in graph_inputs:
                     del initializers[name]
-                    self._dropped_initializers += 1
+                    dropped += 1
                 elif name in producer:  # a live node's output: maybe a dead node, and more
                     more.append(name)
+            self._dropped_initializers += dropped  # counted here: an attribute store less each
             if more:
                 self._drop_dead(more)
         self._version += 1
@@ -1150,15 +1163,27 @@ class GraphIndex:
         if self._dropped_initializers:
             # the kept ones in their order: the input's, then the new ones as they were made
             live, tensors = self.initializers, self.graph.initializer
-            tensors.sort(key=lambda t: t.name not in live)  # stable: order kept
-            # one tensor per dropped name (names are unique), which the boundary confirms;
-            # were they not, the kept ones are counted
-            kept = len(tensors) - self._dropped_initializers
-            if not (
-                0 <= kept <= len(tensors)
-                and (kept == 0 or tensors[kept - 1].name in live)
-                and (kept == len(tensors) or tensors[kept].name not in live)
+            # A CNN's folds drop every tensor the model had and keep the new ones, made after
+            # them: the kept ones are then the last ones, as `initializers` lists them (its
+            # order is the graph's: built in it, new ones added at the end), and the dead are
+            # cut off the front. That is checked on the kept tensors alone: reading the dead
+            # ones makes a Python object for each (most of this step at 150k tensors).
+            kept = list(live.values())
+            dropped = len(tensors) - len(kept)
+            if dropped == self._dropped_initializers and all(
+                map(operator.is_, tensors[dropped:], kept)
             ):
-                kept = sum(1 for t in tensors if t.name in live)
-            del tensors[kept:]
+                del tensors[:dropped]
+            else:
+                tensors.sort(key=lambda t: t.name not in live)  # stable: order kept
+                # one tensor per dropped name (names are unique), which the boundary confirms;
+                # were they not, the kept ones are counted
+                count = len(tensors) - self._dropped_initializers
+                if not (
+                    0 <= count <= len(tensors)
+                    and (count == 0 or tensors[count - 1].name in live)
+                    and (count == len(tensors) or tensors[count].name not in live)
+                ):
+                    count = sum(1 for t in tensors if t.name in live)
+                del tensors[count:]
             self._dropped_initializers = 0

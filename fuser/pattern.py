@@ -139,7 +139,7 @@ def _read_input_facts(graph: GraphIndex, match: Match) -> InputFacts:
             continue
         tensor = new.get(name) if new is not None else None
         if tensor is not None:
-            facts.append((tensor.data_type, tuple(tensor.dims), FOLDED))
+            facts.append((tensor.data_type, tuple(tensor.dims[:]), FOLDED))  # one C call
             continue
         vt = own(name)
         if vt is None:

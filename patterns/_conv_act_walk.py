@@ -69,11 +69,21 @@ class Refused:
 
 def through_identity(graph: GraphIndex, value: str, members: list[int]) -> str:
     """Step forward through Identity nodes that are `value`'s only reader (they join
-    `members`)."""
-    while (r := only_reader(graph, value)) is not None and _is(graph.node(r), "Identity"):
+    `members`).
+
+    `only_reader` and `_is` inline: this runs three times per Conv of a CNN (its match, its
+    fold's prefetch, its activation), where a Python call per step is most of the cost."""
+    consumers, nodes, outputs = graph.consumers, graph.nodes, graph.graph_outputs
+    while True:
+        readers = consumers.get(value)
+        if not readers or len(readers) != 1 or value in outputs:
+            return value
+        r = next(iter(readers))
+        node = nodes[r]
+        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+            return value
         members.append(r)
-        value = graph.node(r).output[0]
-    return value
+        value = node.output[0]
 
 
 def back_through_identity(graph: GraphIndex, value: str) -> str:
@@ -90,17 +100,17 @@ def find(graph: GraphIndex, value: str) -> Found | Refused | None:
     """The activation reading `value` (see the module docstring)."""
     members: list[int] = []
     v = through_identity(graph, value, members)
-    readers = graph.readers(v)
+    readers = list(graph.consumers.get(v, ()))  # `graph.readers(v)`, inline
     if len(readers) == 1:
         # The common case, decided without the general walk (which gives the same answer):
         # a lone Relu, Sigmoid or Tanh reading v, which is no graph output.
-        node = graph.node(readers[0])
+        node = graph.nodes[readers[0]]
         op = node.op_type
         if (
             op in _PLAIN
             and node.domain in ("", "ai.onnx")
             and node.input[0] == v
-            and not graph.is_graph_output(v)
+            and v not in graph.graph_outputs
         ):
             return Found(_PLAIN[op], (*members, readers[0]), node.output[0])
     shaped = [r for r in readers if _activation_shaped(graph, r, v)]

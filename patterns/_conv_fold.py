@@ -49,13 +49,15 @@ def fold(
     epsilon: float,
     transposed_group: int = 0,
     node_id: int | None = None,
+    names: tuple[str, ...] | None = None,
 ) -> Folded | str:
     """Folded (W', B') as new initializers, or the reason folding is not possible.
     `transposed_group` > 0: a ConvTranspose weight [Cin, Cout/group, *k] with that group, whose
     output channel (g, o) is W[g * Cin/group : (g + 1) * Cin/group, o]. `node_id`: the Conv's
-    id in `graph` (looked up when not given)."""
+    id in `graph` (looked up when not given); `names`: `_names(conv_node, bn)`, when the
+    caller has read them."""
     if not transposed_group:
-        fast = _fold_raw(graph, conv_node, bn, epsilon, node_id)
+        fast = _fold_raw(graph, conv_node, bn, epsilon, node_id, names)
         if fast is not None:
             return fast
     return _fold_general(graph, conv_node, bn, epsilon, transposed_group)
@@ -178,9 +180,11 @@ def _fold_raw(
     bn: onnx.NodeProto,
     epsilon: float,
     node_id: int | None,
+    names: tuple[str, ...] | None = None,
 ) -> Folded | str | None:
     """The fold of the common case (see the module docstring), or None for the general path."""
-    names = _names(conv_node, bn)
+    if names is None:
+        names = _names(conv_node, bn)
     if node_id is None:
         node_id = graph.producer.get(conv_node.output[0], -1)
     ahead = PREFETCH.take(graph, node_id, names, epsilon)

@@ -175,9 +175,11 @@ class ConvBnReluPattern:
         conv_in = conv_node.input[:]
         ids = [node_id]
         conv_out = walk.through_identity(graph, conv_node.output[0], ids)
-        bn_id = next(
-            (r for r in graph.consumers.get(conv_out, ()) if _bn_of(nodes[r], conv_out)), None
-        )
+        bn_id = None
+        for r in graph.consumers.get(conv_out, ()):  # a loop, not next(generator): a call less
+            if _bn_of(nodes[r], conv_out):
+                bn_id = r
+                break
         bn = nodes[bn_id] if bn_id is not None else None
         epsilon = 1e-5
         if bn is not None:
@@ -258,7 +260,9 @@ class ConvBnReluPattern:
                 self.name, CONV_BN_RELU, tuple(ids), inputs, (out_value,), attrs,
                 notes=tuple(notes),
             )  # fmt: skip
-        folded = fold(graph, conv_node, bn, epsilon, group if transposed else 0, node_id)
+        # what the fold reads (W, the four BN parameters, B if any), from the inputs read above
+        names = (w_name, *bn_params, conv_b) if conv_b else (w_name, *bn_params)
+        folded = fold(graph, conv_node, bn, epsilon, group if transposed else 0, node_id, names)
         if isinstance(folded, tuple):
             w_new, b_new = folded
             return Match(
@@ -348,7 +352,7 @@ def _attribute_value(a: onnx.AttributeProto) -> Any:
     read directly (the helper's generality costs more than the rest of a Conv's match)."""
     kind = a.type
     if kind == _INTS:
-        return list(a.ints)
+        return a.ints[:]  # a list, made in one C call (list() iterates the field)
     if kind == _INT:
         return a.i
     if kind == _STRING:

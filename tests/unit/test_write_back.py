@@ -77,3 +77,46 @@ def test_write_back_holds_the_live_nodes_in_order(seed: int) -> None:
     assert graph.node[0].doc_string == "edited"
     index.write_back()  # again: nothing changes
     assert [n.SerializeToString() for n in graph.node][1:] == expected[1:]
+
+
+def _chain_model(n: int) -> onnx.ModelProto:
+    """x -> Add(w0) -> Add(w1) -> ... : node i reads initializer w{i}."""
+    inits = [numpy_helper.from_array(np.full((2,), i, np.float32), f"w{i}") for i in range(n)]
+    nodes = [
+        helper.make_node("Add", ["x" if i == 0 else f"v{i - 1}", f"w{i}"], [f"v{i}"], name=f"n{i}")
+        for i in range(n)
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info(f"v{n - 1}", TensorProto.FLOAT, [2])],
+        initializer=inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("every", [1, 2, 3, 7])
+def test_write_back_cuts_the_dead_initializers_wherever_they_lie(every: int) -> None:
+    """Pairs fused every `every`-th pair leave their two weights dead and read a new one: few
+    runs of dead tensors (every=1: one) or more than write_back cuts one by one (every=2, 3:
+    it sorts); either way the others stay, in their order, the new ones after them."""
+    n = 200
+    loaded = load_model(_chain_model(n))
+    graph = loaded.model.graph
+    index = GraphIndex.build(graph, loaded, {"": 17}, TypeTable())
+    made = []
+    for pair in range(0, n // 2, every):
+        first, second = 2 * pair, 2 * pair + 1
+        new = numpy_helper.from_array(np.full((2,), -pair, np.float32), f"new{pair}")
+        made.append(new.name)
+        fused = onnx.NodeProto(
+            op_type="Pair", domain="fuser", name=f"f{pair}",
+            input=["x" if first == 0 else f"v{first - 1}", new.name], output=[f"v{second}"],
+        )  # fmt: skip
+        index.replace([first, second], fused, [new])
+    index.write_back()
+    fused_pairs = set(range(0, n // 2, every))
+    expected = [f"w{i}" for i in range(n) if i // 2 not in fused_pairs] + made
+    assert [t.name for t in graph.initializer] == expected
+    assert list(index.initializers) == expected  # the index holds them in the graph's order
