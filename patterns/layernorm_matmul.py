@@ -67,6 +67,7 @@ from ._walk import (
     Epsilon,
     NearMiss,
     attr,
+    attrs,
     const_shape,
     epsilon,
     follow,
@@ -469,8 +470,12 @@ def _other(node: onnx.NodeProto, value: str) -> str:
     return node.input[1] if node.input[0] == value else node.input[0]
 
 
+_LAYERNORM_ATTRS = {"axis": -1, "epsilon": 1e-5, "stash_type": 1}
+
+
 def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
     node = graph.node(anchor)
+    read = attrs(node, _LAYERNORM_ATTRS)
     scale = node.input[1] if len(node.input) > 1 else ""
     bias = node.input[2] if len(node.input) > 2 else ""
     return _Norm(
@@ -479,9 +484,9 @@ def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
         scale,
         bias,
         node.output[0],
-        int(attr(node, "axis", -1)),
-        Epsilon(float(attr(node, "epsilon", 1e-5))),
-        int(attr(node, "stash_type", 1)),
+        int(read["axis"]),
+        Epsilon(float(read["epsilon"])),
+        int(read["stash_type"]),
     )
 
 
