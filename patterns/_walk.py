@@ -234,7 +234,7 @@ _REDUCE_ATTRS = {"keepdims": 1, "axes": None, "noop_with_empty_axes": 0}
 def reduce_axes(graph: GraphIndex, node_id: int, x_rank: int | None) -> list[int]:
     """The axes a Reduce* node averages over (attribute or input; empty = all), negative when
     the rank is known; a near miss if keepdims is not 1 or the axes are not constant."""
-    node = graph.node(node_id)
+    node = graph.nodes[node_id]
     read = attrs(node, _REDUCE_ATTRS)
     keepdims = read["keepdims"]
     if keepdims != 1:
@@ -325,7 +325,7 @@ def epsilon(
     """The epsilon Add `add` adds to `operand` (the variance or mean square): a one-element
     constant, kept exactly. One that float32 holds goes in the float attribute; a double one
     of a double norm (x_type) travels as an input; any other is a near miss."""
-    node = graph.node(add)
+    node = graph.nodes[add]
     name = node.input[1] if node.input[0] == operand else node.input[0]
     value = scalar(graph, name, "epsilon", add, max_rank)
     if float(np.float32(value)) == value:
