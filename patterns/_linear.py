@@ -94,8 +94,15 @@ def _weight_shape(graph: GraphIndex, node_id: int, nodes: tuple[int, ...]) -> tu
     """The 2-D shape of the constant weight of MatMul/Gemm `node_id`, or a near miss. Only the
     shape: a plain initializer's data is not read (a match needs its values only to fold
     Gemm's transB or alpha)."""
-    node = graph.node(node_id)
+    node = graph.nodes[node_id]
     weight = node.input[1]
+    # The usual weight, a plain 2-D initializer (as `const_shape` reads it): its two dims
+    # without the tuple of them (one per Linear of every match).
+    tensor = graph.initializers.get(weight)
+    if tensor is not None and weight not in graph.producer and weight not in graph.graph_inputs:
+        dims = tensor.dims
+        if len(dims) == 2:
+            return dims[0], dims[1]
     shape = const_shape(graph, weight)
     if shape is None:
         where = f"{node.op_type} '{graph.describe(node_id)}'"
@@ -116,7 +123,7 @@ def _weight_shape(graph: GraphIndex, node_id: int, nodes: tuple[int, ...]) -> tu
 def _matmul(
     graph: GraphIndex, node_id: int, value: str, pre: tuple[int, ...], flatten: int
 ) -> Linear:
-    node = graph.node(node_id)
+    node = graph.nodes[node_id]
     nodes = (*pre, node_id)
     if node.input[0] != value:
         raise NearMiss(
@@ -129,7 +136,7 @@ def _matmul(
     out = node.output[0]
     add = only_reader(graph, out)
     if add is not None:
-        a = graph.node(add)
+        a = graph.nodes[add]
         if a.op_type == "Add" and a.domain == "" and list(a.input).count(out) == 1:
             other = a.input[1] if a.input[0] == out else a.input[0]
 
@@ -146,7 +153,7 @@ def _matmul(
 
 
 def _gemm(graph: GraphIndex, node_id: int, pre: tuple[int, ...], flatten: int) -> Linear:
-    node = graph.node(node_id)
+    node = graph.nodes[node_id]
     name = graph.describe(node_id)
     nodes = (*pre, node_id)
     if attr(node, "transA", 0):
@@ -206,9 +213,9 @@ def _shape_items(
     if found is not None:
         return [int(v) for v in found.reshape(-1)]
     node_id = graph.producer.get(name)
-    if node_id is None or graph.node(node_id).domain != "" or depth > 16:
+    if node_id is None or graph.nodes[node_id].domain != "" or depth > 16:
         return None
-    node = graph.node(node_id)
+    node = graph.nodes[node_id]
     nodes.append(node_id)
     of_rank = rank(graph, of)
 
@@ -242,7 +249,7 @@ def _shape_items(
     source = graph.producer.get(node.input[0])
     if source is None:
         return None
-    shape_node = graph.node(source)
+    shape_node = graph.nodes[source]
     nodes.append(source)
     if op == "Gather" and attr(node, "axis", 0) == 0:
         index = const(graph, node.input[1])
@@ -276,7 +283,7 @@ _TO_THE_END = 2**31 - 1  # a Slice end at least this large runs to the end of a 
 
 
 def _is_linear_reader(graph: GraphIndex, reader: int, value: str) -> bool:
-    r = graph.node(reader)
+    r = graph.nodes[reader]
     return r.domain == "" and r.op_type in ("Gemm", "MatMul") and r.input[0] == value
 
 
@@ -286,7 +293,7 @@ def _flatten_reshape(
     """Reshape(value, [-1, K]) -> Gemm/MatMul (one or several, as Qwen's shared-expert gate/up)
     as flattened Linears; None if no Linear reads the Reshape; a near miss if its target does
     more than flatten the leading dims, or if something else reads the flattened value too."""
-    node = graph.node(node_id)
+    node = graph.nodes[node_id]
     flat = node.output[0]
     readers = graph.readers(flat)
     linear_readers = [r for r in readers if _is_linear_reader(graph, r, flat)]
@@ -294,11 +301,11 @@ def _flatten_reshape(
         return None
     name = graph.describe(node_id)
     first = linear_readers[0]
-    where = f"Reshape '{name}' before {graph.node(first).op_type} '{graph.describe(first)}'"
+    where = f"Reshape '{name}' before {graph.nodes[first].op_type} '{graph.describe(first)}'"
     others = [r for r in readers if r not in linear_readers]
     if others or graph.is_graph_output(flat):
         who = (
-            f"'{graph.describe(others[0])}' ({graph.node(others[0]).op_type})"
+            f"'{graph.describe(others[0])}' ({graph.nodes[others[0]].op_type})"
             if others
             else "the graph output"
         )
@@ -334,7 +341,7 @@ def _flatten_reshape(
         )
     own = {*shape_nodes, node_id}
     for i in shape_nodes:
-        for out in graph.node(i).output:
+        for out in graph.nodes[i].output:
             if graph.is_graph_output(out) or not set(graph.readers(out)) <= own:
                 raise NearMiss(
                     f"the target shape of Reshape '{name}' is computed by "
@@ -346,7 +353,7 @@ def _flatten_reshape(
     pre = (*dict.fromkeys(shape_nodes), node_id)
     return [
         _gemm(graph, r, pre, 1)
-        if graph.node(r).op_type == "Gemm"
+        if graph.nodes[r].op_type == "Gemm"
         else _matmul(graph, r, flat, pre, 1)
         for r in linear_readers
     ]
@@ -399,9 +406,9 @@ def _selected_for_linear(graph: GraphIndex, node_id: int, value: str) -> NearMis
     """A near miss when a Gather/Slice/Transpose of the normalized value feeds a MatMul, Gemm
     or Conv (ViT/BERT's [CLS] pooler head, a Transpose -> Conv): the fused op multiplies every
     row of N as it is."""
-    node = graph.node(node_id)
+    node = graph.nodes[node_id]
     for r in graph.readers(node.output[0]):
-        reader = graph.node(r)
+        reader = graph.nodes[r]
         if reader.domain == "" and reader.op_type in ("MatMul", "Gemm", "Conv"):
             return NearMiss(
                 f"{node.op_type} '{graph.describe(node_id)}' takes part of the normalized value "
@@ -418,7 +425,7 @@ def _untyped_cast(
 ) -> None:
     """A near miss if Cast `r` of `value`, whose element type nothing declares, leads to a
     Linear: whether it narrows, widens or does nothing cannot be known."""
-    inner = classify(graph, graph.node(r).output[0], width, narrow, selects)
+    inner = classify(graph, graph.nodes[r].output[0], width, narrow, selects)
     if inner.linears:
         raise NearMiss(
             f"Cast '{graph.describe(r)}' of the normalized value '{value}' feeds a Linear "
@@ -454,8 +461,8 @@ def classify(
     groups: list[_Group] = []
     misses: list[NearMiss] = []
     outside: list[str] = ["the graph output"] if graph.is_graph_output(value) else []
-    for r in graph.readers(value):
-        node = graph.node(r)
+    for r in graph.consumers.get(value, ()):  # not `readers`: no list copy per value
+        node = graph.nodes[r]
         try:
             found: list[Linear] | None = None
             cast = node.op_type == "Cast" and node.domain == ""
@@ -508,7 +515,7 @@ def classify(
         kept = 0
     for g in groups:
         if g.cast_to != kept:
-            first = graph.node(g.first)
+            first = graph.nodes[g.first]
             misses.append(
                 NearMiss(
                     f"'{graph.describe(g.first)}' ({first.op_type}) reads the normalized value "

@@ -10,7 +10,8 @@ every reason names the node and the value a user sees in `fuser inspect`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,22 +31,40 @@ class NearMiss(Exception):  # noqa: N818 - a control-flow signal, not an error
         self.reason, self.value, self.nodes = reason, value, nodes
 
 
-_INT, _FLOAT = onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT
+_INT, _FLOAT, _INTS = onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx.AttributeProto.INTS
+
+
+def _value(a: onnx.AttributeProto) -> Any:
+    # An int, a float or ints are read directly: get_attribute_value's dispatch costs more
+    # than the read, and these are most of the attributes a match asks for.
+    kind = a.type
+    if not a.ref_attr_name:
+        if kind == _INT:
+            return a.i
+        if kind == _FLOAT:
+            return a.f
+        if kind == _INTS:  # a Reduce*'s axes
+            return list(a.ints)
+    return onnx.helper.get_attribute_value(a)
 
 
 def attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
     """The value of attribute `name` of `node`, or `default`."""
     for a in node.attribute:
         if a.name == name:
-            # An int or a float is read directly: get_attribute_value's dispatch costs more
-            # than the read, and these are most of the attributes a match asks for.
-            kind = a.type
-            if kind == _INT and not a.ref_attr_name:
-                return a.i
-            if kind == _FLOAT and not a.ref_attr_name:
-                return a.f
-            return onnx.helper.get_attribute_value(a)
+            return _value(a)
     return default
+
+
+def attrs(node: onnx.NodeProto, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """`attr(node, name, default)` for each name and default of `defaults`, in one pass over
+    the node's attributes (a match reading several of one node's attributes)."""
+    found: dict[str, Any] = {}
+    for a in node.attribute:
+        name = a.name
+        if name in defaults and name not in found:  # the first of a name, as `attr` reads
+            found[name] = _value(a)
+    return {**defaults, **found}
 
 
 def const(graph: GraphIndex, name: str) -> np.ndarray | None:
@@ -64,6 +83,36 @@ def const(graph: GraphIndex, name: str) -> np.ndarray | None:
     return graph.constant(name)
 
 
+# The raw little-endian layout of the float types a one-element constant (an epsilon, an
+# exponent) is written in, by element type: `constant_scalar` reads those without numpy.
+_RAW_FLOATS = {
+    onnx.TensorProto.FLOAT: struct.Struct("<f"),
+    onnx.TensorProto.DOUBLE: struct.Struct("<d"),
+}
+_DEFAULT_LOCATION = onnx.TensorProto.DEFAULT
+
+
+def constant_scalar(graph: GraphIndex, name: str) -> tuple[float, int] | None:
+    """(value, rank) of `name` if it is a one-element float32/float64 `Constant` node of rank
+    0 or 1 stored as raw data: what `const` reads, without a numpy round trip (a norm's
+    epsilon and exponent are these, one per norm). None for any other form: ask `const`."""
+    node = graph.producer_of(name) if name else None
+    if node is None or node.op_type != "Constant" or node.domain != "" or not node.attribute:
+        return None
+    a = node.attribute[0]
+    if a.name != "value":
+        return None
+    t = a.t
+    layout = _RAW_FLOATS.get(t.data_type)
+    dims = t.dims
+    if layout is None or len(dims) > 1 or (dims and dims[0] != 1):
+        return None
+    raw = t.raw_data
+    if len(raw) != layout.size or t.data_location != _DEFAULT_LOCATION or t.HasField("segment"):
+        return None
+    return float(layout.unpack(raw)[0]), len(dims)
+
+
 def operand_const(graph: GraphIndex, name: str) -> np.ndarray | None:
     """`const` for an operand that is usually an activation: one whose inferred shape has a
     symbolic dim is computed at run time, and its producers are not walked."""
@@ -77,10 +126,11 @@ def const_shape(graph: GraphIndex, name: str, *, operand: bool = False) -> tuple
     """The shape of `name` if it is a constant (`operand_const` if `operand`, else `const`),
     else None. A plain initializer of this graph is a constant whose shape is its dims: the
     data is not read (a match asks for weights' and gammas' shapes, not their values)."""
-    if name in graph.initializers and name not in graph.producer:
+    tensor = graph.initializers.get(name)
+    if tensor is not None and name not in graph.producer:
         if name in graph.graph_inputs:
             return None  # overridable at run time: not a constant
-        return tuple(graph.initializers[name].dims)
+        return tuple(tensor.dims)
     found = operand_const(graph, name) if operand else const(graph, name)
     return None if found is None else tuple(found.shape)
 
@@ -150,35 +200,43 @@ def scalar(graph: GraphIndex, value: str, what: str, node_id: int, max_rank: int
     """The value of a one-element constant (that does not raise the rank of a rank-`max_rank`
     operand), or a near miss naming it. (Names are looked up only for a near miss, here and
     in `reduce_axes`: a match reads them for nothing else.)"""
-    c = const(graph, value)
-    if c is None:
+    found = constant_scalar(graph, value)
+    if found is None:
+        c = const(graph, value)
+        if c is None:
+            raise NearMiss(
+                f"{what} '{value}' of '{graph.describe(node_id)}' is {constant_why(graph, value)}",
+                value,
+                (node_id,),
+            )
+        if c.size != 1:
+            raise NearMiss(
+                f"{what} '{value}' of '{graph.describe(node_id)}' has shape {list(c.shape)}, "
+                "expected a single value",
+                value,
+                (node_id,),
+            )
+        found = float(c.reshape(-1)[0]), c.ndim
+    number, ndim = found
+    if max_rank is not None and ndim > max_rank:
         raise NearMiss(
-            f"{what} '{value}' of '{graph.describe(node_id)}' is {constant_why(graph, value)}",
-            value,
-            (node_id,),
-        )
-    if c.size != 1:
-        raise NearMiss(
-            f"{what} '{value}' of '{graph.describe(node_id)}' has shape {list(c.shape)}, "
-            "expected a single value",
-            value,
-            (node_id,),
-        )
-    if max_rank is not None and c.ndim > max_rank:
-        raise NearMiss(
-            f"{what} '{value}' of '{graph.describe(node_id)}' has rank {c.ndim}, more than the "
+            f"{what} '{value}' of '{graph.describe(node_id)}' has rank {ndim}, more than the "
             f"input's {max_rank}",
             value,
             (node_id,),
         )
-    return float(c.reshape(-1)[0])
+    return number
+
+
+_REDUCE_ATTRS = {"keepdims": 1, "axes": None, "noop_with_empty_axes": 0}
 
 
 def reduce_axes(graph: GraphIndex, node_id: int, x_rank: int | None) -> list[int]:
     """The axes a Reduce* node averages over (attribute or input; empty = all), negative when
     the rank is known; a near miss if keepdims is not 1 or the axes are not constant."""
-    node = graph.node(node_id)
-    keepdims = attr(node, "keepdims", 1)
+    node = graph.nodes[node_id]
+    read = attrs(node, _REDUCE_ATTRS)
+    keepdims = read["keepdims"]
     if keepdims != 1:
         raise NearMiss(
             f"{node.op_type} '{graph.describe(node_id)}' has keepdims={keepdims}; the statistic "
@@ -197,10 +255,10 @@ def reduce_axes(graph: GraphIndex, node_id: int, x_rank: int | None) -> list[int
             )
         axes = [int(a) for a in c.reshape(-1)]
     else:
-        found = attr(node, "axes", None)
+        found = read["axes"]
         axes = [] if found is None else [int(a) for a in found]
     if not axes:
-        if attr(node, "noop_with_empty_axes", 0):
+        if read["noop_with_empty_axes"]:
             raise NearMiss(
                 f"{node.op_type} '{graph.describe(node_id)}' has no axes and "
                 "noop_with_empty_axes=1 (it reduces nothing)",
@@ -267,7 +325,7 @@ def epsilon(
     """The epsilon Add `add` adds to `operand` (the variance or mean square): a one-element
     constant, kept exactly. One that float32 holds goes in the float attribute; a double one
     of a double norm (x_type) travels as an input; any other is a near miss."""
-    node = graph.node(add)
+    node = graph.nodes[add]
     name = node.input[1] if node.input[0] == operand else node.input[0]
     value = scalar(graph, name, "epsilon", add, max_rank)
     if float(np.float32(value)) == value:

@@ -67,6 +67,7 @@ from ._walk import (
     Epsilon,
     NearMiss,
     attr,
+    attrs,
     const_shape,
     epsilon,
     follow,
@@ -227,13 +228,13 @@ def _widening_cast(graph: GraphIndex, value: str) -> int | None:
     source = graph.elem_type(value)
     if source is None:
         return None
-    node = graph.node(reader)
+    node = graph.nodes[reader]
     return reader if any(is_cast_to(node, t) for t in _WIDER.get(source, ())) else None
 
 
 def _reduced_axes(graph: GraphIndex, node_id: int, rank: int | None) -> int:
     """How many trailing axes a ReduceMean averages over, or a near miss saying why not."""
-    node = graph.node(node_id)
+    node = graph.nodes[node_id]
     axes = reduce_axes(graph, node_id, rank)
     if rank is None and any(a >= 0 for a in axes):
         raise NearMiss(
@@ -278,7 +279,7 @@ def _affine(
     reader = only_reader(graph, value)
     if reader is None:
         return None
-    node = graph.node(reader)
+    node = graph.nodes[reader]
     if node.op_type != op_type or node.domain != "" or list(node.input).count(value) != 1:
         return None
     param = node.input[1] if node.input[0] == value else node.input[0]
@@ -366,7 +367,7 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     k, eps = 1, Epsilon(0.0)
     try:
         k, eps = _statistics(graph, anchor, r2[0], var, square, add_eps, rank, widen is not None)
-        root = graph.node(sqrts[0])
+        root = graph.nodes[sqrts[0]]
         if root.op_type == "Pow":
             half = scalar(graph, root.input[1], "exponent", sqrts[0], rank)
             if half != 0.5:
@@ -383,14 +384,14 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     if widen is not None:
         back = only_reader(graph, out)
         x_type = graph.elem_type(x)
-        if back is None or not is_cast_to(graph.node(back), x_type):
+        if back is None or not is_cast_to(graph.nodes[back], x_type):
             return None  # statistics and output in the wide type: not this form
         members.append(back)
-        out = graph.node(back).output[0]
+        out = graph.nodes[back].output[0]
         notes = (
             f"statistics in float32 (stash_type=1); the original computes the mean in "
             f"{type_name(x_type)} and the variance in "
-            f"{type_name(attr(graph.node(widen), 'to', 0))} (Cast "
+            f"{type_name(attr(graph.nodes[widen], 'to', 0))} (Cast "
             f"'{graph.describe(widen)}'): equal within {type_name(x_type)} resolution",
         )
     params = {"Mul": "", "Add": ""}
@@ -401,16 +402,16 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         reader, params[op_type], broadcast = found
         problem = problem or broadcast
         members.append(reader)
-        out = follow(graph, graph.node(reader).output[0], members)
+        out = follow(graph, graph.nodes[reader].output[0], members)
     # A no-op Cast in front of the LayerNorm joins the match when only the LayerNorm reads it.
     while (
         (producer := graph.producer.get(x)) is not None
-        and is_noop_cast(graph, graph.node(producer))
+        and is_noop_cast(graph, graph.nodes[producer])
         and set(graph.readers(x)) <= {anchor, sub}
         and not graph.is_graph_output(x)
     ):
         members.insert(1, producer)
-        x = graph.node(producer).input[0]
+        x = graph.nodes[producer].input[0]
     stash_type = int(widen is not None)
     return _Norm(
         tuple(members),
@@ -444,10 +445,10 @@ def _statistics(
         raise NearMiss(
             f"ReduceMeans '{graph.describe(mean)}' and '{graph.describe(var)}' average over "
             "different axes",
-            graph.node(var).output[0],
+            graph.nodes[var].output[0],
             (var,),
         )
-    sq_node = graph.node(square)
+    sq_node = graph.nodes[square]
     if sq_node.op_type == "Pow":
         exponent = scalar(graph, sq_node.input[1], "exponent", square, rank)
         if exponent != 2.0:
@@ -458,9 +459,9 @@ def _statistics(
                 (square,),
             )
     if widened:  # far below the float16 output's resolution: float32 holds it well enough
-        value = scalar(graph, _other(graph.node(add_eps), variance), "epsilon", add_eps, rank)
+        value = scalar(graph, _other(graph.nodes[add_eps], variance), "epsilon", add_eps, rank)
         return k, Epsilon(float(np.float32(value)))
-    x_type = graph.elem_type(graph.node(mean).input[0])
+    x_type = graph.elem_type(graph.nodes[mean].input[0])
     return k, epsilon(graph, add_eps, variance, x_type, LAYERNORM_MATMUL.name, rank)
 
 
@@ -469,8 +470,12 @@ def _other(node: onnx.NodeProto, value: str) -> str:
     return node.input[1] if node.input[0] == value else node.input[0]
 
 
+_LAYERNORM_ATTRS = {"axis": -1, "epsilon": 1e-5, "stash_type": 1}
+
+
 def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
-    node = graph.node(anchor)
+    node = graph.nodes[anchor]
+    read = attrs(node, _LAYERNORM_ATTRS)
     scale = node.input[1] if len(node.input) > 1 else ""
     bias = node.input[2] if len(node.input) > 2 else ""
     return _Norm(
@@ -479,9 +484,9 @@ def _layernorm_op(graph: GraphIndex, anchor: int) -> _Norm:
         scale,
         bias,
         node.output[0],
-        int(attr(node, "axis", -1)),
-        Epsilon(float(attr(node, "epsilon", 1e-5))),
-        int(attr(node, "stash_type", 1)),
+        int(read["axis"]),
+        Epsilon(float(read["epsilon"])),
+        int(read["stash_type"]),
     )
 
 
@@ -548,7 +553,7 @@ class LayerNormMatMulPattern:
     ops: tuple[FusedOp, ...] = (LAYERNORM_MATMUL,)
 
     def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
-        node = graph.node(node_id)
+        node = graph.nodes[node_id]
         if node.op_type == "LayerNormalization":
             norm: _Norm | None = _layernorm_op(graph, node_id)
         elif not node.input or len(graph.consumers.get(node.input[0], ())) < 2:

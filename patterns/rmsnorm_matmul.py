@@ -232,7 +232,7 @@ def _last_axis_only(graph: GraphIndex, node_id: int, x: str) -> None:
         raise NearMiss(
             f"ReduceMean '{graph.describe(node_id)}' has axes {axes} but the rank of '{x}' is "
             "unknown, so they cannot be checked to be the last axis",
-            graph.node(node_id).output[0],
+            graph.nodes[node_id].output[0],
             (node_id,),
         )
     if axes != [-1]:
@@ -240,7 +240,7 @@ def _last_axis_only(graph: GraphIndex, node_id: int, x: str) -> None:
         raise NearMiss(
             f"ReduceMean '{graph.describe(node_id)}' averages over axes {axes} of {where}; "
             "RmsNormMatMul normalizes the last axis only ([-1])",
-            graph.node(node_id).output[0],
+            graph.nodes[node_id].output[0],
             (node_id,),
         )
 
@@ -253,7 +253,7 @@ def _gamma(
     reader = only_reader(graph, value)
     if reader is None:
         return None
-    node = graph.node(reader)
+    node = graph.nodes[reader]
     if node.op_type != "Mul" or node.domain != "" or list(node.input).count(value) != 1:
         return None
     gamma = node.input[1] if node.input[0] == value else node.input[0]
@@ -269,7 +269,7 @@ def _gamma(
 
 def _square_of(graph: GraphIndex, node_id: int) -> str | None:
     """x if node `node_id` is Pow(x, e) or Mul(x, x), else None."""
-    node = graph.node(node_id)
+    node = graph.nodes[node_id]
     if node.domain != "":
         return None
     if node.op_type == "Pow":
@@ -285,7 +285,7 @@ def _scaled_by_inverse(
     """The node computing x / std (Div(x, std), Mul(x, Reciprocal(std)), Mul(x, Div(1, std)))
     and the Div(1, std) node whose numerator must be checked; members get the inner nodes."""
     for r in graph.readers(std):
-        node = graph.node(r)
+        node = graph.nodes[r]
         if node.domain != "":
             continue
         if node.op_type == "Div" and list(node.input) == [x, std]:
@@ -300,7 +300,7 @@ def _scaled_by_inverse(
         muls = [
             m
             for m in readers_of(graph, inv, "Mul")
-            if sorted(graph.node(m).input) == sorted([x, inv])
+            if sorted(graph.nodes[m].input) == sorted([x, inv])
         ]
         if muls and x != inv:
             members += [r, *casts]
@@ -326,7 +326,7 @@ def _centered(graph: GraphIndex, x: str) -> bool:
 
 def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     """The decomposed RMSNorm around its ReduceMean `anchor`, or None if it is not one."""
-    r = graph.node(anchor)
+    r = graph.nodes[anchor]
     square = graph.producer.get(r.input[0])
     if square is None:
         return None
@@ -339,11 +339,11 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     if not adds:
         return None
     members.append(adds[0])
-    sqrts = readers_of(graph, follow(graph, graph.node(adds[0]).output[0], members), "Sqrt")
+    sqrts = readers_of(graph, follow(graph, graph.nodes[adds[0]].output[0], members), "Sqrt")
     if not sqrts:
         return None
     members.append(sqrts[0])
-    std = follow(graph, graph.node(sqrts[0]).output[0], members)
+    std = follow(graph, graph.nodes[sqrts[0]].output[0], members)
     found = _scaled_by_inverse(graph, x, std, members)
     if found is None:
         return None
@@ -356,7 +356,7 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
     problem: NearMiss | None = None
     eps = Epsilon(0.0)
     try:
-        sq = graph.node(square)
+        sq = graph.nodes[square]
         if sq.op_type == "Pow":
             exponent = scalar(graph, sq.input[1], "exponent", square, x_rank)
             if exponent != 2.0:
@@ -369,35 +369,35 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         _last_axis_only(graph, anchor, x)
         eps = epsilon(graph, adds[0], ms, graph.elem_type(x), RMSNORM_MATMUL.name, x_rank)
         if unit_div is not None:
-            one = scalar(graph, graph.node(unit_div).input[0], "numerator", unit_div, x_rank)
+            one = scalar(graph, graph.nodes[unit_div].input[0], "numerator", unit_div, x_rank)
             if one != 1.0:
                 raise NearMiss(
                     f"Div '{graph.describe(unit_div)}' divides {one:g} by the RMS; the inverse "
                     "RMS needs exactly 1",
-                    graph.node(unit_div).input[0],
+                    graph.nodes[unit_div].input[0],
                     (unit_div,),
                 )
     except NearMiss as miss:
         problem = miss
-    out = follow(graph, graph.node(divide).output[0], members)
+    out = follow(graph, graph.nodes[divide].output[0], members)
 
     # The float16 form: x is Cast up from a narrower float, and N is Cast back before gamma.
     notes: tuple[str, ...] = ()
     stash_type = 0
     up = graph.producer.get(x)
-    source = graph.node(up).input[0] if up is not None and graph.node(up).input else ""
+    source = graph.nodes[up].input[0] if up is not None and graph.nodes[up].input else ""
     narrow = graph.elem_type(source) if source else None
     if (
         up is not None
         and narrow is not None
-        and any(is_cast_to(graph.node(up), t) for t in _WIDER.get(narrow, ()))
+        and any(is_cast_to(graph.nodes[up], t) for t in _WIDER.get(narrow, ()))
     ):
         back = only_reader(graph, out)
-        if back is not None and not is_cast_to(graph.node(back), narrow):
+        if back is not None and not is_cast_to(graph.nodes[back], narrow):
             # Gemma's form: the weight multiplied in the wide type, then the Cast back.
             wide = _gamma(graph, out, x_rank)
-            after = None if wide is None else only_reader(graph, graph.node(wide[0]).output[0])
-            if wide is None or after is None or not is_cast_to(graph.node(after), narrow):
+            after = None if wide is None else only_reader(graph, graph.nodes[wide[0]].output[0])
+            if wide is None or after is None or not is_cast_to(graph.nodes[after], narrow):
                 return None  # the output stays in the wide type: not this form
             problem = problem or NearMiss(
                 f"gamma '{wide[1]}' of Mul '{graph.describe(wide[0])}' is applied in "
@@ -407,13 +407,13 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
                 (wide[0],),
             )
             members += [wide[0], after]
-            out = graph.node(after).output[0]
+            out = graph.nodes[after].output[0]
             return _Norm(tuple(members), source, "", out, eps, 1, 0, (), problem)
         if back is None:
             return None
         members.insert(0, up)
         members.append(back)
-        out = graph.node(back).output[0]
+        out = graph.nodes[back].output[0]
         stash_type = 1
         notes = (
             f"statistics in {type_name(graph.elem_type(x))} (Cast '{graph.describe(up)}'), "
@@ -424,25 +424,25 @@ def _decomposed(graph: GraphIndex, anchor: int) -> _Norm | None:
         # A no-op Cast in front joins the match when only the RMSNorm reads it.
         while (
             (producer := graph.producer.get(x)) is not None
-            and is_noop_cast(graph, graph.node(producer))
+            and is_noop_cast(graph, graph.nodes[producer])
             and set(graph.readers(x)) <= set(members)
             and not graph.is_graph_output(x)
         ):
             members.insert(0, producer)
-            x = graph.node(producer).input[0]
+            x = graph.nodes[producer].input[0]
     scale = ""
     gamma = _gamma(graph, out, x_rank)
     if gamma is not None:
         reader, scale, broadcast = gamma
         problem = problem or broadcast
         members.append(reader)
-        out = follow(graph, graph.node(reader).output[0], members)
+        out = follow(graph, graph.nodes[reader].output[0], members)
     return _Norm(tuple(members), x, scale, out, eps, stash_type, 1, notes, problem)
 
 
 def _norm_op(graph: GraphIndex, anchor: int) -> _Norm:
     """SimplifiedLayerNormalization / RMSNormalization, with its attributes checked."""
-    node = graph.node(anchor)
+    node = graph.nodes[anchor]
     x = node.input[0]
     scale = node.input[1] if len(node.input) > 1 else ""
     name = graph.describe(anchor)
@@ -546,7 +546,7 @@ class RmsNormMatMulPattern:
     ops: tuple[FusedOp, ...] = (RMSNORM_MATMUL,)
 
     def match(self, graph: GraphIndex, node_id: int) -> Match | Rejection | None:
-        node = graph.node(node_id)
+        node = graph.nodes[node_id]
         norm = (
             _decomposed(graph, node_id)
             if node.op_type == "ReduceMean"
