@@ -37,6 +37,13 @@ def counted_runs(monkeypatch: pytest.MonkeyPatch, kernel: Kernel) -> list[tuple[
     return calls
 
 
+def indexed(text: str) -> tuple[GraphIndex, onnx.NodeProto]:
+    """Model `text` (ONNX's text syntax) loaded and indexed as a fuse does it; its first node."""
+    loaded = load_model(onnx.parser.parse_model(text))
+    graph = GraphIndex.build(loaded.model.graph, loaded, {"": 17}, infer_types(loaded.model)[""])
+    return graph, loaded.model.graph.node[0]
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype"), [((1, 1, 8), F32), ((3, 17, 13), F16), ((256, 256, 8), F32)]
 )
@@ -88,20 +95,18 @@ def test_an_unfused_node_and_a_stage_of_the_same_op_share_one_run(
     kernel = get_kernel("", "LayerNormalization")
     assert kernel is not None
     ks.clear_memo()
-    model = onnx.parser.parse_model(
+    graph, node = indexed(
         """<ir_version: 9, opset_import: ["" : 17]>
         g (float16[7, 33, 40] x, float16[40] s, float16[40] b) => (float16[7, 33, 40] y) {
             y = LayerNormalization <axis = -1, epsilon = 0.001> (x, s, b)
         }"""
     )
-    loaded = load_model(model)
-    graph = GraphIndex.build(loaded.model.graph, loaded, {"": 17}, infer_types(loaded.model)[""])
     metas = [TensorMeta((7, 33, 40), F16), TensorMeta((40,), F16), TensorMeta((40,), F16)]
     attrs = {"axis": -1, "epsilon": float(np.float32(0.001))}
     direct = kernel.run(B910, metas, attrs, functional=False, timeline=False).stats.cycles
     calls = counted_runs(monkeypatch, kernel)
     decider = CostModelDecider.for_target("ascend910b", cache=False)
-    cycles, symbolic = decider.price_node(graph, loaded.model.graph.node[0])
+    cycles, symbolic = decider.price_node(graph, node)
     assert (cycles, symbolic) == (direct, False)
     assert ks.timed_cycles(kernel, metas, attrs, B910) == direct
     assert len(calls) == 1 and calls[0] == ((7, 33, 40), (40,), (40,))
@@ -137,7 +142,7 @@ def test_a_layernorm_with_constant_weights_is_timed_from_their_metas(
     kernel = get_kernel("", "LayerNormalization")
     assert kernel is not None
     ks.clear_memo()
-    model = onnx.parser.parse_model(
+    graph, node = indexed(
         """<ir_version: 9, opset_import: ["" : 17]>
         g (float[7, 33, 40] x) => (float[7, 33, 40] y)
         <float[40] s = {1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0,
@@ -146,15 +151,13 @@ def test_a_layernorm_with_constant_weights_is_timed_from_their_metas(
             y = LayerNormalization <axis = -1, epsilon = 0.001> (x, s, s)
         }"""
     )
-    loaded = load_model(model)
-    graph = GraphIndex.build(loaded.model.graph, loaded, {"": 17}, infer_types(loaded.model)[""])
     weights = np.arange(40, dtype=np.float32)
     attrs = {"axis": -1, "epsilon": float(np.float32(0.001))}
     arrays = [TensorMeta((7, 33, 40), F32), weights, weights]
     direct = kernel.run(B910, arrays, attrs, functional=False, timeline=False).stats.cycles
     calls = counted_runs(monkeypatch, kernel)
     decider = CostModelDecider.for_target("ascend910b", cache=False)
-    assert decider.price_node(graph, loaded.model.graph.node[0]) == (direct, False)
+    assert decider.price_node(graph, node) == (direct, False)
     metas = [TensorMeta((7, 33, 40), F32), TensorMeta((40,), F32), TensorMeta((40,), F32)]
     assert _staged.stage_cycles(B910, "LayerNormalization", metas, attrs) == direct
     assert calls == [((7, 33, 40), (40,), (40,))]  # the stage was the node's run, memoized
