@@ -64,8 +64,6 @@ class FusionResult:
         Raises `OutputError` (naming the path) for a folder, an unwritable place, or a path
         that would overwrite the input or its external data.
         """
-        if external is None and self.source.external:
-            external = True
         # fuser writes every tensor it makes inline: only an input's may be external. Else
         # inline unless past protobuf's limit (the inline write counts as it goes).
         return save_model(

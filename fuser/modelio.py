@@ -356,18 +356,16 @@ def save_model(
             model_file = batch.open(out)
             data_file = batch.open(data_path) if external else None
             extra_files = [(batch.open(p), data) for p, data in (extra or {}).items()]
-            written = False
             if data_file is None and streamable:
                 limit = PROTOBUF_LIMIT_BYTES if limited else None
-                written = _write_inline(model, model_file, out.parent, limit)
-                if not written:  # past the limit, nothing written yet: with external data
+                if not _write_inline(model, model_file, out.parent, limit):
+                    # past the limit, nothing written yet: with external data after all
                     external = True
                     check_output_paths([data_path], source)
                     data_file = batch.open(data_path)
-            if written:
-                pass
-            elif data_file is None:
-                model_file.write(model.SerializeToString(deterministic=True))
+            if data_file is None:
+                if not streamable:  # (a streamable one is written inline above)
+                    model_file.write(model.SerializeToString(deterministic=True))
             elif streamable:
                 _write_external(
                     model, model_file, data_file, data_path.name,
