@@ -354,9 +354,11 @@ class GraphIndex:
     _constants: dict[str, np.ndarray | None] = field(default_factory=dict)
     _runtime: dict[str, bool] = field(default_factory=dict)  # see `_runtime_dependent`
     _runtime_swept: bool = False  # `_sweep_runtime` done
-    # what each node reads (`read_names`, interned), by id (ids are dense: a list, not a
-    # dict); () once the node is gone
-    _reads: list[tuple[str, ...]] = field(default_factory=list)
+    # what each node that may hold subgraphs reads (`read_names`, interned: its inputs and
+    # what its subgraphs take from outside), by id, until it is gone. Any other node reads its
+    # non-empty inputs, read from its proto when asked (`_reads_of`): a tuple per node held
+    # 6 MB at 100k nodes, and a rewrite reads the inputs of the few nodes it removes.
+    _reads: dict[int, tuple[str, ...]] = field(default_factory=dict)
     _taken: set[str] | None = None  # main graph only: every value name in the model (lazy)
     # main graph only, `_taken` made without a walk (see `_model_names`): then the index's own
     # tables and `_retired` stand for the main graph's names, `_taken` holds the rest
@@ -427,12 +429,12 @@ class GraphIndex:
                 by_kind[kind] = [node_id]
             else:
                 same.append(node_id)
+            reads: Iterable[str]
             if op_type in _SUBGRAPH_OPS or domain not in ("", "ai.onnx"):
-                reads = tuple(map(intern, self.read_names(node)))
+                reads = reads_of[node_id] = tuple(map(intern, self.read_names(node)))
                 holders.add(node_id)
             else:
-                reads = tuple(map(intern, filter(None, node.input)))  # no Python frame
-            reads_of.append(reads)  # at `node_id`: ids are given in order from len(_reads)
+                reads = map(intern, filter(None, node.input))  # no Python frame
             solo = (node_id,)  # one tuple for every value only this node reads
             for name in reads:
                 readers = consumers.get(name)  # `_with_reader`, inline (a build's hot loop)
@@ -490,7 +492,7 @@ class GraphIndex:
         self.by_kind.setdefault((node.domain or "", node.op_type), []).append(node_id)
         if holder:
             self._holders.add(node_id)
-        self._reads.append(reads)  # at `node_id` (see `_index_nodes`)
+            self._reads[node_id] = reads
         consumers, producer = self.consumers, self.producer
         for name in reads:  # `_with_reader`'s common cases inline (a rewrite adds one node)
             readers = consumers.get(name)
@@ -507,6 +509,12 @@ class GraphIndex:
                     self._twice_produced(name, node)
                 producer[sys.intern(name)] = node_id
         return node_id
+
+    def _reads_of(self, node_id: int, node: onnx.NodeProto) -> Iterable[str]:
+        """What live node `node_id` (`node`) reads: `read_names`, from `_reads` for a node that
+        may hold subgraphs, else its non-empty inputs (not interned)."""
+        found = self._reads.get(node_id)
+        return filter(None, node.input) if found is None else found
 
     @staticmethod
     def read_names(node: onnx.NodeProto) -> list[str]:
@@ -534,7 +542,7 @@ class GraphIndex:
         readers: dict[int, list[int]] = {}
         for node_id in ids:
             count = 0
-            for name in self._reads[node_id]:
+            for name in self._reads_of(node_id, self.nodes[node_id]):
                 src = self.producer.get(name)
                 if src is None:
                     if not self._known_outside(name):
@@ -725,7 +733,7 @@ class GraphIndex:
         most of it anyway, and a forward pass does that work at a fraction of the walk's cost
         per node. Values made by later rewrites are answered by the walk."""
         self._runtime_swept = True
-        memo, nodes, reads = self._runtime, self.nodes, self._reads
+        memo, nodes, reads, intern = self._runtime, self.nodes, self._reads, sys.intern
         # The nodes that may be dependent whatever their inputs, found by kind: the others'
         # op_type and domain are not read (two strs made per node, most of a sweep's cost).
         kinds = [k for k in self.by_kind if k[1] in _NONDETERMINISTIC or may_hold_kind(*k)]
@@ -738,12 +746,13 @@ class GraphIndex:
                 node.op_type in _NONDETERMINISTIC or any(True for _ in _node_subgraphs(node))
             )
             if not dependent:
-                # `_reads`: the node's inputs, interned (and what its subgraphs read: only
-                # nodes with a subgraph have any, and those are dependent already)
-                for value in reads[node_id]:
+                # the node's inputs (and what its subgraphs read: only nodes with a subgraph
+                # have any, and those are dependent already)
+                for value in reads.get(node_id) or filter(None, node.input):
                     known = memo.get(value)
                     if known is None:  # not produced before this node: a leaf
-                        known = memo[value] = self._leaf_runtime_dependent(value)
+                        # interned: the key is the tables' str, not a new copy of the name
+                        known = memo[intern(value)] = self._leaf_runtime_dependent(value)
                     if known:
                         dependent = True
                         break
@@ -975,7 +984,8 @@ class GraphIndex:
                 node.input[i] = new
         _drop_reader(self.consumers, old, node_id)
         self.consumers[new] = _with_reader(self.consumers.get(new), node_id)
-        self._reads[node_id] = tuple(map(sys.intern, self.read_names(node)))
+        if node_id in self._reads:  # a node that may hold subgraphs: its reads are kept
+            self._reads[node_id] = tuple(map(sys.intern, self.read_names(node)))
         self._version += 1
         self.modified = True
 
@@ -1050,8 +1060,8 @@ class GraphIndex:
                     del producer[name]
             if member in holders:
                 self._retire_subgraphs(node)
-            gone, reads[member] = reads[member], none
-            for name in gone:
+            gone = reads.pop(member, None)
+            for name in filter(None, node.input) if gone is None else gone:
                 readers = consumers.get(name)  # `_drop_reader`, inline
                 if type(readers) is tuple:
                     if member in readers:
@@ -1142,8 +1152,8 @@ class GraphIndex:
             for out in node.output:
                 producer.pop(out, None)
             self.order[self.pos.pop(node_id)] = None
-            gone, self._reads[node_id] = self._reads[node_id], ()
-            for read in gone:
+            gone = self._reads.pop(node_id, None)
+            for read in filter(None, node.input) if gone is None else gone:
                 _drop_reader(consumers, read, node_id)
                 stack.append(read)
 

@@ -114,3 +114,51 @@ def test_a_placed_node_that_would_make_a_cycle_leaves_the_graph_as_it_was() -> N
     with pytest.raises(AssertionError, match="cycle through 'b'"):
         index.replace([0, 2], fused, placed=True)
     assert loaded.model.graph.SerializeToString() == before
+
+
+def _branch(value: str, out: str) -> onnx.GraphProto:
+    """A branch that reads `value` from the enclosing graph."""
+    y = helper.make_tensor_value_info(out, TensorProto.FLOAT, [2])
+    return helper.make_graph([helper.make_node("Identity", [value], [out])], out, [], [y])
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_what_a_subgraph_reads_leaves_its_readers_with_the_node(shuffled: bool) -> None:
+    # `c` (If) reads `cond` as an input and `a` and `b` only through its branches; `d` reads `c`
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="A"),
+        helper.make_node("Neg", ["x"], ["b"], name="B"),
+        helper.make_node(
+            "If", ["cond"], ["c"], name="C",
+            then_branch=_branch("a", "t"), else_branch=_branch("b", "e"),
+        ),
+        helper.make_node("Abs", ["c"], ["d"], name="D"),
+        helper.make_node("Add", ["d", "a"], ["y"], name="Y"),
+    ]  # fmt: skip
+    if shuffled:  # read before produced: the build sorts by what each node reads
+        nodes = [nodes[3], nodes[2], nodes[4], nodes[0], nodes[1]]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+        helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+    ]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", inputs, [y]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    loaded = load_model(model)
+    index = GraphIndex.build(loaded.model.graph, loaded, {"": 17}, TypeTable())
+    by_name = {index.nodes[i].name: i for i in index.nodes}
+    assert [index.nodes[i].name for i in index.live_nodes()] == ["A", "B", "C", "D", "Y"]
+    assert index.readers("a") == [by_name["C"], by_name["Y"]]
+    assert index.readers("b") == [by_name["C"]]
+    # D and its If fused into a node reading only `cond`: the If's branch reads go with it,
+    # and `b`, read by nothing else, dies with its producer B
+    fused = helper.make_node("CD", ["cond"], ["d"], domain="test")
+    new_id = index.replace([by_name["C"], by_name["D"]], fused)
+    assert index.readers("a") == [by_name["Y"]]
+    assert index.readers("b") == []
+    assert by_name["B"] not in index.nodes
+    assert index.readers("cond") == [new_id]
+    index.rewire_input(by_name["Y"], "a", "x")  # A is now read by nothing
+    assert index.readers("x") == [by_name["A"], by_name["Y"]]
+    assert index.readers("a") == []

@@ -58,8 +58,10 @@ def _fuse(index: GraphIndex, rng: random.Random, tries: int, *, given: bool) -> 
 
 def _tables(index: GraphIndex) -> tuple[object, ...]:
     consumers = {k: tuple(v) for k, v in index.consumers.items()}
+    # what each live node reads (kept for a node with subgraphs, else its proto's inputs)
+    reads = {i: tuple(index._reads_of(i, node)) for i, node in index.nodes.items()}
     return (
-        consumers, dict(index.producer), list(index.order), dict(index.pos), index._reads,
+        consumers, dict(index.producer), list(index.order), dict(index.pos), reads,
         list(index.initializers), sorted(index.nodes), index.by_kind, dict(index.node_names),
     )  # fmt: skip
 
