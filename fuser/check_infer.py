@@ -71,7 +71,7 @@ def _infer_view(
             table = TypeTable()
             for names, kinds in values:
                 table.add_types(names, kinds)
-            table.add_protos(model.graph.initializer)
+            table.add_initializers(model.graph.initializer)
             return {"": table}
     inferred = _inferred_by_path(view) if isinstance(view, str) and nested else None
     if inferred is None:
@@ -105,7 +105,7 @@ def _values_table(values: Message, model: onnx.ModelProto) -> TypeTable:
     table = TypeTable()
     for protos in (values.input, values.output, values.value_info):
         table.add_protos(protos)
-    table.add_protos(model.graph.initializer)
+    table.add_initializers(model.graph.initializer)
     return table
 
 

@@ -449,7 +449,7 @@ def _table(
         names = [v.name for v in values if v.name in known]
         table.add_types(names, [known[n] for n in names])
     table.add_types(new_names, new_types)
-    table.add_protos(source.graph.initializer)
+    table.add_initializers(source.graph.initializer)
     return table
 
 
