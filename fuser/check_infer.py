@@ -18,7 +18,7 @@ from google.protobuf.message import Message
 from .checkview import NodeScan, checker_view, inference_view, scan_nodes
 from .errors import FusionError, ModelLoadError
 from .graph import TypeTable, may_hold_subgraphs
-from .heap import release_freed
+from .heap import collector_paused, release_freed
 from .modelio import LoadedModel, unchanged_on_disk
 from .pieces import (
     PieceRefusedError,
@@ -189,6 +189,13 @@ def check_and_infer(
     view is the model itself, no tensor is external and its file is as it was read, the tools
     read that file: the same model, not serialized again. `scan`: `scan_nodes` of
     `loaded.model` as it is now, if made already."""
+    with collector_paused():  # a few objects per value of the graph, no cycles
+        return _check_and_infer(loaded, as_read, scan)
+
+
+def _check_and_infer(
+    loaded: LoadedModel, as_read: bool, scan: NodeScan | None
+) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
     view = checker_view(loaded.model, loaded, scan)
     if view.warnings:
         return None
