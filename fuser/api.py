@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +18,7 @@ from .decide import Decider
 from .errors import ModelLoadError, UsageError
 from .finish import FuseOptions, finish
 from .graph import TypeTable
+from .heap import collector_paused
 from .modelio import LoadedModel, ModelSource, load_model, save_model
 from .normalize import fill_outputs, normalize, sort_nodes
 from .registry import select
@@ -143,7 +142,7 @@ def fuse(
             {d: v for d, v in imports.items() if d},
             functions_mod.elem_types_from(types),
         )
-    with _collector_paused():
+    with collector_paused():  # the passes make a few objects per node
         log = engine.run_passes(loaded, chosen, decider, types, progress)
     seconds["match_rewrite"] = next(clock)
     report("finish", 0, 1)
@@ -176,20 +175,6 @@ def fuse(
         normalized=(*normalized, *warnings),
     )
     return FusionResult(loaded.model, summary, loaded, warnings, original, kept_types)
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while the passes run: they make a few objects
-    per node of the graph, and each collection of the oldest generation walks them all
-    (about a tenth of a large model's fuse); cycles made meanwhile are collected after."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _copy_of(loaded: LoadedModel) -> LoadedModel:

@@ -18,7 +18,7 @@ from google.protobuf.message import Message
 from .checkview import NodeScan, checker_view, inference_view, scan_nodes
 from .errors import FusionError, ModelLoadError
 from .graph import TypeTable, may_hold_subgraphs
-from .heap import release_freed
+from .heap import collector_paused, release_freed
 from .modelio import LoadedModel, unchanged_on_disk
 from .pieces import (
     PieceRefusedError,
@@ -71,7 +71,7 @@ def _infer_view(
             table = TypeTable()
             for names, kinds in values:
                 table.add_types(names, kinds)
-            table.add_protos(model.graph.initializer)
+            table.add_initializers(model.graph.initializer)
             return {"": table}
     inferred = _inferred_by_path(view) if isinstance(view, str) and nested else None
     if inferred is None:
@@ -105,7 +105,7 @@ def _values_table(values: Message, model: onnx.ModelProto) -> TypeTable:
     table = TypeTable()
     for protos in (values.input, values.output, values.value_info):
         table.add_protos(protos)
-    table.add_protos(model.graph.initializer)
+    table.add_initializers(model.graph.initializer)
     return table
 
 
@@ -189,6 +189,13 @@ def check_and_infer(
     view is the model itself, no tensor is external and its file is as it was read, the tools
     read that file: the same model, not serialized again. `scan`: `scan_nodes` of
     `loaded.model` as it is now, if made already."""
+    with collector_paused():  # a few objects per value of the graph, no cycles
+        return _check_and_infer(loaded, as_read, scan)
+
+
+def _check_and_infer(
+    loaded: LoadedModel, as_read: bool, scan: NodeScan | None
+) -> tuple[dict[str, TypeTable], tuple[str, ...]] | None:
     view = checker_view(loaded.model, loaded, scan)
     if view.warnings:
         return None

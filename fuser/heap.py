@@ -7,12 +7,16 @@ so the heap top cannot shrink), and everything fuse allocates afterwards comes o
 them in the resident size. `malloc_trim(0)` returns every free page to the system.
 
 Only glibc has `malloc_trim`; elsewhere (musl, macOS, Windows) `release_freed` does nothing.
+
+Beside it, `collector_paused`: Python's cyclic collector off while a stage makes many objects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -36,3 +40,19 @@ def release_freed() -> bool:
         return False
     trim(0)
     return True
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (on again after, where it was on): a stage
+    that makes a few objects per node of a large graph makes collections of the oldest
+    generation, and each walks every object the process holds (about a tenth of a large
+    model's passes; 0.2 s of a 100k-node CNN's check and inference). Cycles made meanwhile
+    are collected after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -25,10 +25,12 @@ last piece also takes the inputs and initializers no node reads, so every one is
   without a full tensor type (the checker wants a shape of a main graph's input), the piece's
   checker copy declares it with a placeholder type (`full_check=False` checks no types).
 - Inference types each value as it does in the whole graph: a node sees the same input types
-  and constant values. Inference names an unknown dim `unk__N`, the first N not yet taken in
-  the whole graph: each piece carries every such name taken so far (an extra value info), so
-  its names are the whole graph's. Where inference fails in any piece, the caller does what
-  it does when the whole graph's fails (both fail on the same node or the same initializer).
+  and constant values. Inference names an unknown dim `unk__N`, the first N not taken in the
+  graph it is given (`_Symbols`): a piece's own names start again from the lowest N its
+  types leave free, and are renumbered after it as the whole graph would have numbered them
+  (the k-th name a piece made is the k-th N free in the whole graph so far). Where inference
+  fails in any piece, the caller does what it does when the whole graph's fails (both fail on
+  the same node or the same initializer).
 
 The graph must be one these rules cover (`plan`): no subgraphs, IR version 4 or later, no
 sparse initializers, every graph output and value info a value some node defines, and no graph
@@ -37,6 +39,7 @@ output also an input or initializer. Others take the whole-graph route.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from collections import Counter
@@ -113,20 +116,6 @@ def _placeholder_type() -> bytes:
 _PLACEHOLDER_FIELD = _field(_VI_TYPE, _placeholder_type())
 
 
-def _symbol_carrier(name: str, dims: bytes) -> bytes:
-    """A value info (serialized) whose dims (`dims`: laid out dim_param dims) inference takes
-    as names in use: TypeProto.tensor_type (1) of elem_type (1) float and shape (2) of those
-    dims."""
-    tensor = b"\x08\x01" + _field(b"\x12", dims)
-    kind = _field(b"\x0a", tensor)
-    return _name_field(name) + _field(_VI_TYPE, kind)
-
-
-def _dim_fields(symbols: Iterable[str]) -> bytes:
-    """TensorShapeProto.dim (1) fields of Dimension.dim_param (2) `symbols`."""
-    return b"".join(_field(b"\x0a", _field(b"\x12", s.encode())) for s in symbols)
-
-
 # A generated dim as inference lays it out: a Dimension holding only its dim_param; and any
 # dim_param-shaped `unk__N` field (if these find more, the value infos are walked instead).
 _STRICT_SYMBOL = re.compile(rb"\x0a[\x07-\x7f]\x12[\x05-\x7d]unk__[0-9]+")
@@ -146,6 +135,97 @@ def _new_symbols(types: Sequence[bytes | None]) -> set[str]:
     if plain == sum(n for m, n in loose.items() if m[1] == len(m) - 2):
         return {s.decode() for s in found}
     return _type_symbols(onnx.TypeProto.FromString(t) for t in types if t)
+
+
+def _symbol_number(name: str) -> int | None:
+    """N of an `unk__N` name inference could make (N in decimal, no leading zero), else None."""
+    digits = name[len(_UNKNOWN_PREFIX) :]
+    if not (name.startswith(_UNKNOWN_PREFIX) and digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits) if digits == "0" or digits[0] != "0" else None
+
+
+class _Symbols:
+    """The N of the `unk__N` names taken in the whole graph so far: the graph's own and those
+    inference made in the pieces before. Inference, given a graph, names the k-th unknown dim
+    it makes `unk__N`, N the k-th number (from 0) that no dim of the graph's inputs, outputs
+    and value infos is named after; in the whole graph, that of a piece is the k-th number not
+    taken here. So a piece is inferred on its own (not with a value info carrying every name
+    taken: at 100k nodes each piece parsed some 50 thousand, and inference stepped over them
+    one by one for its first new name) and the names it made are renumbered (`renumbering`;
+    by rank, so a name it made that no type kept changes no other).
+
+    Every number below `dense` is taken, `dense` is not, and `above` holds the others taken,
+    ascending (usually none: each piece takes the lowest free numbers)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.dense = 0
+        self.above: list[int] = []
+        self._take([n for n in map(_symbol_number, names) if n is not None])
+
+    def _take(self, numbers: Iterable[int]) -> None:
+        taken = set(self.above)
+        taken.update(numbers)
+        dense = self.dense
+        while dense in taken:
+            taken.discard(dense)
+            dense += 1
+        self.dense = dense
+        self.above = sorted(n for n in taken if n > dense)
+
+    def _free(self, ranks: Sequence[int]) -> list[int]:
+        """The k-th free number (from 0) for each k of `ranks` (ascending, distinct)."""
+        found = []
+        base, passed, i, above = self.dense, 0, 0, self.above
+        for rank in ranks:  # `base` is free, the `passed`-th; every above[i:] exceeds it
+            number = base + rank - passed
+            while i < len(above) and above[i] <= number:
+                number += 1
+                i += 1
+            found.append(number)
+            base, passed = number, rank
+        return found
+
+    def renumbering(self, made: Iterable[str], given: Iterable[str]) -> dict[str, str]:
+        """The whole graph's names of the `unk__N` names a piece's inference made (`made`:
+        those in its results that are not among `given`, the dim names of the types the
+        piece was given), as far as they differ; the whole graph's names are taken from now
+        on. A piece's k-th name is its k-th number not given; in the whole graph, the k-th
+        number not taken."""
+        given_numbers = sorted({n for n in map(_symbol_number, given) if n is not None})
+        # a name inference made is one it could make (any other came with a given type)
+        given_set = set(given_numbers)
+        numbers = sorted({n for n in map(_symbol_number, made) if n is not None} - given_set)
+        ranks = [n - bisect.bisect_left(given_numbers, n) for n in numbers]
+        wholes = self._free(ranks)
+        self._take(wholes)
+        prefix = _UNKNOWN_PREFIX
+        return {
+            f"{prefix}{n}": f"{prefix}{w}" for n, w in zip(numbers, wholes, strict=True) if n != w
+        }
+
+
+def _rename_dims(kind: onnx.TypeProto, names: dict[str, str]) -> bool:
+    """Name the dims of `kind` as `names` says; whether any was renamed."""
+    changed = False
+    for dim in _dims(kind):
+        new = names.get(dim.dim_param)
+        if new is not None:
+            dim.dim_param = new
+            changed = True
+    return changed
+
+
+def _renamed_type(kind: bytes, names: dict[str, str]) -> bytes:
+    """`kind` (a serialized TypeProto) with its dims named as `names` says."""
+    parsed = onnx.TypeProto.FromString(kind)
+    return parsed.SerializeToString() if _rename_dims(parsed, names) else kind
+
+
+def _renamed_info(info: bytes, names: dict[str, str]) -> bytes:
+    """`info` (a serialized ValueInfoProto) with its type's dims named as `names` says."""
+    parsed = onnx.ValueInfoProto.FromString(info)
+    return parsed.SerializeToString() if _rename_dims(parsed.type, names) else info
 
 
 def may_go_in_pieces(model: onnx.ModelProto, nested: bool, check_only: bool = False) -> bool:
@@ -369,7 +449,7 @@ def _table(
         names = [v.name for v in values if v.name in known]
         table.add_types(names, [known[n] for n in names])
     table.add_types(new_names, new_types)
-    table.add_protos(source.graph.initializer)
+    table.add_initializers(source.graph.initializer)
     return table
 
 
@@ -430,8 +510,7 @@ def _walk(
     wanted = set().union(*(step.earlier for step in steps))
     outputs_wanted = {v.name: i for i, v in enumerate(graph.output)}
     model_infos = {v.name: i for i, v in enumerate(graph.value_info)}
-    symbols = _unknown_symbols((*graph.input, *graph.output, *graph.value_info))
-    symbol_dims = _dim_fields(sorted(symbols))
+    symbols = _Symbols(_unknown_symbols((*graph.input, *graph.output, *graph.value_info)))
     # typed values defined so far that are wanted: their value infos' bytes and types
     carried: dict[str, tuple[bytes, bytes]] = {}
     constants: dict[str, bytes] = {}  # Constant nodes defined so far, by output
@@ -451,7 +530,6 @@ def _walk(
         typed = [n for n in earlier if n in carried and _complete(carried[n][1])] if infer else []
         untyped = [n for n in earlier if n not in typed]
         loose = [n for n in untyped if n in carried] if infer else []
-        carrier = step.carrier
         own = sorted(model_infos[n] for n in step.named if n in model_infos)
         given = [carried[n][0] for n in shared if n in carried] if infer else []
         ends = [n for n in step.named if n in outputs_wanted]
@@ -467,11 +545,13 @@ def _walk(
         piece.initializer.extend(
             raw.initializer.take([initializers[n] for n in outer if n in initializers])
         )
-        piece.value_info.extend(raw.value_info.take(own))
+        own_infos = raw.value_info.take(own)
+        piece.value_info.extend(own_infos)
         piece.value_info.extend(given)
-        piece.output.extend(raw.output.take([outputs_wanted[n] for n in ends]))
-        declared = raw.input.take([inputs[n] for n in outer if n in inputs])
-        declared += [carried[n][0] for n in typed]
+        end_infos = raw.output.take([outputs_wanted[n] for n in ends])
+        piece.output.extend(end_infos)
+        graph_inputs = raw.input.take([inputs[n] for n in outer if n in inputs])
+        declared = graph_inputs + [carried[n][0] for n in typed]
         # the checker's inputs for the values of earlier pieces inference has no full type of
         # (inference must not see them: an untyped input is not an unknown one)
         stand_ins = [_name_field(n) + _PLACEHOLDER_FIELD for n in untyped]
@@ -486,7 +566,7 @@ def _walk(
                 onnx.checker.check_model(data, full_check=False)
             except onnx.checker.ValidationError as exc:
                 raise PieceRefusedError(str(exc)) from exc
-            same = not stand_ins and not loose and not symbols and not failed
+            same = not stand_ins and not loose and not failed
             infer_data = data if same else None
             del data
         if not failed:
@@ -494,10 +574,8 @@ def _walk(
                 piece.ClearField("input")
                 piece.input.extend(declared)
                 # value infos after the ones above: the types of earlier values too partial
-                # for a checked input, then the names (the checker's copy has neither)
+                # for a checked input (the checker's copy has none)
                 piece.value_info.extend([carried[n][0] for n in loose])
-                if symbols:
-                    piece.value_info.append(_symbol_carrier(carrier, symbol_dims))
                 infer_data = container.SerializeToString()
             del piece, container
             try:
@@ -515,31 +593,51 @@ def _walk(
                 end_names, end_types = _values(merged.output, ends_found)
                 del merged
                 # inference keeps the value infos it was given, in order, and appends the rest
-                first = len(own) + len(given) + len(loose) + bool(symbols)
+                first = len(own) + len(given) + len(loose)
                 made: Sequence[int] = range(first, len(names))
                 if any(n not in carried for n in shared):  # a Constant seen again
                     before = set(step.before)
                     made = [k for k in made if names[k] not in before]
+                kept = [*range(len(own)), *made]
+                # of `kept` and of the outputs, the types whose dims were renamed
+                renamed: set[int] = set()
+                ends_renamed: set[int] = set()
+                renames: dict[str, str] = {}
+                if _UNKNOWN_PREFIX.encode() in result:
+                    # the dim names of the types the piece was given (its inputs, value infos
+                    # and outputs): inference made none of them
+                    supplied: list[_Type] = [carried[n][1] for n in (*typed, *loose)]
+                    supplied += [carried[n][1] for n in shared if n in carried]
+                    raw_supplied = [*graph_inputs, *own_infos, *end_infos]
+                    if raw_supplied:
+                        parsed = classes.values.FromString(b"".join(raw_supplied))
+                        supplied += _values(parsed, raw_supplied)[1]
+                    renames = symbols.renumbering(
+                        _new_symbols([*(types[k] for k in kept), *end_types]),
+                        _new_symbols(supplied),
+                    )
+                    if renames:
+                        renamed = _rename_types(types, kept, renames)
+                        ends_renamed = _rename_types(end_types, range(len(end_types)), renames)
                 for k in range(len(own)):
                     existing.setdefault(names[k], types[k])
                 new_names += [names[k] for k in made]
                 new_types += [types[k] for k in made]
                 for end_name, end_type in zip(end_names, end_types, strict=True):
                     outputs.setdefault(end_name, end_type)
-                kept = [*range(len(own)), *made]
                 if wanted:
                     for k in kept:
                         kind = types[k]
                         if kind is not None and names[k] in wanted:
-                            carried[names[k]] = (infos[k], kind)
+                            info = _renamed_info(infos[k], renames) if k in renamed else infos[k]
+                            carried[names[k]] = (info, kind)
                     for k, end_name in enumerate(end_names):
                         kind = end_types[k]
                         if kind is not None and end_name in wanted:
-                            carried[end_name] = (ends_found[k], kind)
-                if _UNKNOWN_PREFIX.encode() in result:
-                    new = _new_symbols([*(types[k] for k in kept), *end_types]) - symbols
-                    symbols |= new
-                    symbol_dims += _dim_fields(sorted(new))
+                            info = ends_found[k]
+                            if k in ends_renamed:
+                                info = _renamed_info(info, renames)
+                            carried[end_name] = (info, kind)
                 del result, found, infos, ends_found
         for i in step.constants:
             constants[graph.node[i].output[0]] = raw.node[i]
@@ -547,15 +645,34 @@ def _walk(
     yield None if failed else (outputs, existing, new_names, new_types)
 
 
+def _rename_types(types: list[_Type], indices: Iterable[int], renames: dict[str, str]) -> set[int]:
+    """Rename the dims of `types[k]` for each k of `indices` as `renames` says (a piece's
+    names as the whole graph's, `_Symbols.renumbering`); returns the k whose type changed.
+    Equal types are renamed once (a piece's values repeat a few types)."""
+    done: dict[bytes, bytes] = {}
+    changed = set()
+    unknown = _UNKNOWN_PREFIX.encode()
+    for k in indices:
+        kind = types[k]
+        if kind is None or unknown not in kind:
+            continue
+        new = done.get(kind)
+        if new is None:
+            new = done[kind] = _renamed_type(kind, renames)
+        if new != kind:
+            types[k] = new
+            changed.add(k)
+    return changed
+
+
 @dataclass(frozen=True)
 class Step:
     """One piece of a graph: its nodes (`start`:`stop`); the names they read or write that are
     defined before the piece, in order, once each (`before`: of them, the graph's inputs and
     initializers, `outer`, and the values of earlier pieces, `earlier`); the graph outputs
-    and value infos they write (`named`, in order); its Constant nodes' indices; and a name
-    none of its nodes reads or writes (`carrier`: the value info carrying the unknown dims'
-    names). Not the names it reads and writes: a plan is held through the walk, and at
-    100k nodes those were some 40 MB."""
+    and value infos they write (`named`, in order); and its Constant nodes' indices. Not the
+    names it reads and writes: a plan is held through the walk, and at 100k nodes those were
+    some 40 MB."""
 
     start: int
     stop: int
@@ -564,7 +681,6 @@ class Step:
     earlier: list[str]
     named: list[str]
     constants: list[int]
-    carrier: str
 
 
 def _plan(
@@ -604,10 +720,7 @@ def _plan(
         earlier = [n for n in before if n not in outer]
         mine = [n for n in before if n in outer] if earlier else before
         ends = [n for n in written if n in named] if named else []
-        carrier = "fuser.unknown_dims"
-        while carrier in reads or carrier in written:
-            carrier += "_"
-        steps.append(Step(start, stop, before, mine, earlier, ends, constants, carrier))
+        steps.append(Step(start, stop, before, mine, earlier, ends, constants))
         defined.update(written)
         unread.difference_update(reads)
     return steps, unread

@@ -1,15 +1,21 @@
 """`release_freed` gives freed C heap back to the system: onnx's C++ checker and shape
 inference free a large model's parse on return, and glibc keeps those pages (they sit below
-memory still in use) unless asked."""
+memory still in use) unless asked.
+
+`collector_paused` keeps Python's cyclic collector off through a stage, and as it was after."""
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import platform
 
 import pytest
+from onnx import TensorProto, helper
 
-from fuser.heap import release_freed
+from fuser import check_infer
+from fuser.heap import collector_paused, release_freed
+from fuser.modelio import load_model
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
 
@@ -49,3 +55,40 @@ def test_without_malloc_trim_nothing_is_asked(monkeypatch):
 
     monkeypatch.setattr(heap.ctypes, "CDLL", lambda name: NoTrim())
     assert release_freed() is False
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_paused_inside_and_as_it_was_after(enabled):
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() == enabled
+        with pytest.raises(KeyError), collector_paused():
+            raise KeyError("inside")
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
+
+
+def test_check_and_infer_runs_with_the_collector_paused(monkeypatch):
+    """The load side's tools make a few objects per value: no collection walks them all."""
+    seen = []
+    real = check_infer.checker_view
+
+    def view(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(check_infer, "checker_view", view)
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert gc.isenabled()
+    assert check_infer.check_and_infer(load_model(model)) is not None
+    assert seen == [False] and gc.isenabled()

@@ -108,6 +108,52 @@ def test_unknown_dims_get_the_whole_graphs_names(monkeypatch):
     assert types["c3"].shape == (2, "unk__1")
 
 
+def _random_unknowns(seed: int) -> onnx.ModelProto:
+    """A seeded random graph of ops that make unknown dims (NonZero, Concat of unequal dims,
+    Add of two named dims) and ops that pass them on, whose own inputs, value infos and
+    outputs already name some dims unk__N (with gaps, out of order, one with a leading zero)."""
+    rng = np.random.default_rng(seed)
+    taken = [f"unk__{n}" for n in rng.choice(12, size=4, replace=False)] + ["unk__03", "n"]
+    inputs, values, nodes, infos = [], [], [], []
+    for i in range(3):
+        dims = [str(rng.choice(taken)), int(rng.integers(1, 4))]
+        inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, dims))
+        values.append(f"x{i}")
+    for i in range(int(rng.integers(12, 30))):
+        a, b = (str(rng.choice(values)) for _ in range(2))
+        kind = int(rng.integers(4))
+        if kind == 0:  # [2, unknown]: a new name
+            nodes.append(helper.make_node("NonZero", [a], [f"z{i}"]))
+            nodes.append(helper.make_node("Cast", [f"z{i}"], [f"v{i}"], to=TensorProto.FLOAT))
+        elif kind == 1:  # rank 2 again, first dims added up
+            nodes.append(helper.make_node("Flatten", [a], [f"fa{i}"]))
+            nodes.append(helper.make_node("Flatten", [b], [f"fb{i}"]))
+            nodes.append(helper.make_node("Concat", [f"fa{i}", f"fb{i}"], [f"v{i}"], axis=1))
+        elif kind == 2:
+            nodes.append(helper.make_node("Transpose", [a], [f"v{i}"]))
+        else:
+            nodes.append(helper.make_node("Relu", [a], [f"v{i}"]))
+        values.append(f"v{i}")
+        if rng.random() < 0.15:  # a value info of the model's own, partly named
+            infos.append(helper.make_tensor_value_info(f"v{i}", TensorProto.FLOAT, None))
+    outputs = [helper.make_tensor_value_info(values[-1], TensorProto.FLOAT, [None, None])]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, value_info=infos)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_random_unknown_dims_get_the_whole_graphs_names(seed, size, monkeypatch):
+    """Each piece's inference names its unknown dims on its own; renumbered, they are the
+    whole graph's names, whatever the names the model took already."""
+    monkeypatch.setattr(pieces, "PIECE_NODES", size)
+    monkeypatch.setattr(pieces, "MIN_NODES", 2)
+    types = _same(_random_unknowns(seed), monkeypatch)
+    assert isinstance(types, list)
+    named = {d for _, t in types if t.shape for d in t.shape if isinstance(d, str)}
+    assert any(d.startswith("unk__") for d in named)
+
+
 def test_a_constant_of_an_earlier_piece_still_shapes_a_reshape(monkeypatch):
     shape = helper.make_tensor("s", TensorProto.INT64, [2], [3, 2])
     model = _chain(8)
