@@ -99,13 +99,19 @@ def back_through_identity(graph: GraphIndex, value: str) -> str:
 def find(graph: GraphIndex, value: str) -> Found | Refused | None:
     """The activation reading `value` (see the module docstring)."""
     members: list[int] = []
-    v = through_identity(graph, value, members)
-    readers = list(graph.consumers.get(v, ()))  # `graph.readers(v)`, inline
+    consumers, nodes = graph.consumers, graph.nodes
+    readers = list(consumers.get(value, ()))  # `graph.readers(v)`, inline
+    # the Identity walk only where the one reader is an Identity (it steps no other node)
+    if len(readers) == 1 and nodes[readers[0]].op_type == "Identity":
+        v = through_identity(graph, value, members)
+        readers = list(consumers.get(v, ()))
+    else:
+        v = value
     if len(readers) == 1:
         # The common cases, decided without the general walk (which gives the same answer):
         # a lone Relu, Sigmoid or Tanh reading v, which is no graph output; a lone reader
         # that `_activation_shaped` refuses by its op alone (a residual Add, a Concat).
-        node = graph.nodes[readers[0]]
+        node = nodes[readers[0]]
         op = node.op_type
         if node.domain in ("", "ai.onnx"):
             if op in _PLAIN and node.input[0] == v and v not in graph.graph_outputs:
