@@ -99,20 +99,29 @@ def back_through_identity(graph: GraphIndex, value: str) -> str:
 def find(graph: GraphIndex, value: str) -> Found | Refused | None:
     """The activation reading `value` (see the module docstring)."""
     members: list[int] = []
-    v = through_identity(graph, value, members)
-    readers = list(graph.consumers.get(v, ()))  # `graph.readers(v)`, inline
+    consumers, nodes = graph.consumers, graph.nodes
+    readers = list(consumers.get(value, ()))  # `graph.readers(v)`, inline
+    # the Identity walk only where the one reader is an Identity (it steps no other node)
+    if len(readers) == 1 and nodes[readers[0]].op_type == "Identity":
+        v = through_identity(graph, value, members)
+        readers = list(consumers.get(v, ()))
+    else:
+        v = value
     if len(readers) == 1:
-        # The common case, decided without the general walk (which gives the same answer):
-        # a lone Relu, Sigmoid or Tanh reading v, which is no graph output.
-        node = graph.nodes[readers[0]]
+        # The common cases, decided without the general walk (which gives the same answer):
+        # a lone Relu, Sigmoid or Tanh reading v, which is no graph output; a lone reader
+        # that `_activation_shaped` refuses by its op alone (a residual Add, a Concat).
+        node = nodes[readers[0]]
         op = node.op_type
-        if (
-            op in _PLAIN
-            and node.domain in ("", "ai.onnx")
-            and node.input[0] == v
-            and v not in graph.graph_outputs
-        ):
-            return Found(_PLAIN[op], (*members, readers[0]), node.output[0])
+        if node.domain in ("", "ai.onnx"):
+            if op in _PLAIN and node.input[0] == v and v not in graph.graph_outputs:
+                return Found(_PLAIN[op], (*members, readers[0]), node.output[0])
+            if op not in _SHAPED_OPS:
+                return None
+    elif len(readers) == 2:
+        silu = _silu(graph, v, readers)
+        if silu is not None:
+            return Found(silu.activation, (*members, *silu.nodes), silu.out)
     shaped = [r for r in readers if _activation_shaped(graph, r, v)]
     if not shaped:
         return None
@@ -135,6 +144,35 @@ def find(graph: GraphIndex, value: str) -> Found | Refused | None:
 
 #: Activations without attributes or helper nodes, fused as they stand (see `_single`).
 _PLAIN = {op: Activation(op) for op in ("Relu", "Sigmoid", "Tanh")}
+#: The standard ops `_activation_shaped` may accept (any other reader is not one).
+_SHAPED_OPS = ACTIVATION_OPS | {"Div", "Pow", "Mul"}
+_SILU = Activation("Silu")
+
+
+def _silu(graph: GraphIndex, v: str, readers: list[int]) -> Found | None:
+    """`x * Sigmoid(x)` read off v's two readers as the general walk finds it (`_match`'s
+    `_times_x`, the first Sigmoid reader), or None (then the general walk decides): the form
+    exporters write for SiLU, decided without asking every reader whether it is
+    activation-shaped. v is no graph output (that is refused, by the general walk)."""
+    if v in graph.graph_outputs:
+        return None
+    nodes = graph.nodes
+    first, second = nodes[readers[0]], nodes[readers[1]]
+    std = ("", "ai.onnx")
+    if first.domain not in std or second.domain not in std:
+        return None
+    if first.op_type == "Sigmoid":
+        sig, r, mul, m = first, readers[0], second, readers[1]
+    elif second.op_type == "Sigmoid":
+        sig, r, mul, m = second, readers[1], first, readers[0]
+    else:
+        return None
+    if mul.op_type != "Mul" or sig.input[0] != v:
+        return None
+    s = sig.output[0]
+    if only_reader(graph, s) != m or _other_input(mul, v) != s:
+        return None
+    return Found(_SILU, (r, m), mul.output[0])
 
 
 class _Miss(Exception):  # noqa: N818 - a control-flow signal

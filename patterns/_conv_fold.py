@@ -122,10 +122,11 @@ def _gather(graph: GraphIndex, names: tuple[str, ...], epsilon: float) -> _Raw |
     if p_dtype is None:
         return None
     size = cout * p_dtype.itemsize
-    one = [cout]
-    for (data_type, location, data), tensor in zip(fields[1:], tensors[1:], strict=True):
+    for data_type, location, data in fields[1:]:
         if data_type != p_type or location == _EXTERNAL or len(data) != size:
             return None
+    one = [cout]
+    for tensor in tensors[1:]:
         if tensor.dims[:] != one:
             return None
     key = (dtype, p_dtype, len(w_data) // dtype.itemsize, cout, len(names) > 5, epsilon)
@@ -343,8 +344,16 @@ def _elements(key: _Key) -> int:
 def _bn_reader(graph: GraphIndex, conv_node: onnx.NodeProto) -> onnx.NodeProto | None:
     """The BatchNormalization a Conv's output feeds (through Identity nodes), as
     conv_bn_relu's match finds it, or None."""
-    value = through_identity(graph, conv_node.output[0], [])
+    value = conv_node.output[0]
     nodes = graph.nodes
+    readers = graph.consumers.get(value)
+    if readers and len(readers) == 1:
+        # the common case, a BN the Conv's one reader: the walk below would stop at it (it is
+        # no Identity) and take it
+        node = nodes[next(iter(readers))]
+        if node.op_type == "BatchNormalization" and node.domain == "" and node.input[0] == value:
+            return node
+    value = through_identity(graph, value, [])
     for r in graph.consumers.get(value, ()):
         node = nodes[r]
         if node.op_type == "BatchNormalization" and node.domain == "" and node.input[0] == value:

@@ -174,10 +174,22 @@ class ConvBnReluPattern:
         # each read of a proto's repeated field costs (~0.2 us an index): read once, as a list
         conv_in = conv_node.input[:]
         ids = [node_id]
-        conv_out = walk.through_identity(graph, conv_node.output[0], ids)
+        consumers = graph.consumers
+        conv_out = conv_node.output[0]
+        readers = consumers.get(conv_out, ())
+        # the Identity walk only where the one reader is an Identity: it stops at once at any
+        # other (`through_identity` stepping no node, a call saved per Conv)
+        if len(readers) == 1 and nodes[next(iter(readers))].op_type == "Identity":
+            conv_out = walk.through_identity(graph, conv_out, ids)
+            readers = consumers.get(conv_out, ())
         bn_id = None
-        for r in graph.consumers.get(conv_out, ()):  # a loop, not next(generator): a call less
-            if _bn_of(nodes[r], conv_out):
+        for r in readers:  # a loop, not next(generator): a call less
+            node = nodes[r]  # a standard BatchNormalization normalizing conv_out
+            if (
+                node.op_type == "BatchNormalization"
+                and node.domain == ""
+                and node.input[0] == conv_out
+            ):
                 bn_id = r
                 break
         bn = nodes[bn_id] if bn_id is not None else None
@@ -364,11 +376,6 @@ def _attribute_value(a: onnx.AttributeProto) -> Any:
 
 
 _BN_MODES = ("training_mode", "spatial")
-
-
-def _bn_of(node: onnx.NodeProto, value: str) -> bool:
-    """Whether `node` is a standard BatchNormalization normalizing `value`."""
-    return node.op_type == "BatchNormalization" and node.domain == "" and node.input[0] == value
 
 
 def _bn_problem(

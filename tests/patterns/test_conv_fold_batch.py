@@ -202,3 +202,32 @@ def test_the_pass_order_is_let_go_once_every_conv_is_covered() -> None:
     assert all(isinstance(m, Match) for m in found)
     for (values, _), m in zip(chains, found, strict=True):
         assert tuple(t.raw_data for t in m.new_initializers) == _formula(values)  # type: ignore[union-attr]
+
+
+def test_a_bn_behind_identity_nodes_is_folded_ahead_as_a_bn_read_directly() -> None:
+    """The prefetch finds each Conv's BN as the match does, through Identity nodes as well as
+    the BN that is the Conv's one reader: after the first match every other Conv's fold is
+    held, and each match gets the formula's bytes."""
+    from fuser.patterns import _conv_fold
+
+    rng = np.random.default_rng(13)
+    chains = [
+        (_chain_values(rng, 4, 2, np.float32, np.float32, i % 2 == 0, ""), 1) for i in range(4)
+    ]
+    model = _graph(chains, TensorProto.FLOAT)
+    for i in (1, 3):  # c1 and c3: Conv -> Identity -> Identity -> BN
+        bn = next(n for n in model.graph.node if n.name == f"c{i}.bn")
+        bn.input[0] = f"c{i}.id2"
+        at = [n.name for n in model.graph.node].index(f"c{i}.bn")
+        model.graph.node.insert(at, helper.make_node("Identity", [f"c{i}.id1"], [f"c{i}.id2"]))
+        model.graph.node.insert(at, helper.make_node("Identity", [f"c{i}.c"], [f"c{i}.id1"]))
+    loaded = load_model(model)
+    index = GraphIndex.build(loaded.model.graph, loaded, opset_map(loaded.model), TypeTable())
+    convs = index.anchored([("", "Conv")])
+    found = [conv_bn_relu.PATTERN.match(index, convs[0])]
+    assert _conv_fold.PREFETCH.held == 3
+    found += [conv_bn_relu.PATTERN.match(index, c) for c in convs[1:]]
+    assert _conv_fold.PREFETCH.held == 0
+    for (values, _), m in zip(chains, found, strict=True):
+        assert isinstance(m, Match)
+        assert tuple(t.raw_data for t in m.new_initializers) == _formula(values)
