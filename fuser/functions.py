@@ -126,27 +126,23 @@ def attach(model: onnx.ModelProto, elem_types: ElemTypes) -> int:
     opset = imports.get("", imports.get("ai.onnx", 0))
     found: dict[tuple[str, str], onnx.FunctionProto] = {}
     # Nodes of one model share a handful of bodies: build each (op, request) once. A node is
-    # first looked up by its raw attributes (serialized; the tiling ones left out), which
-    # costs a few microseconds; only a node unlike any before converts them to values.
+    # first looked up by its raw attributes (each serialized, tiling ones included: reading
+    # every attribute's name to leave those out cost as much as serializing it), which costs a
+    # few microseconds; only a node unlike any before converts them to values (`_build`,
+    # where tiling is left out: nodes that differ in tiling alone share a body).
     built: dict[tuple[Any, ...], Body] = {}
     variants: dict[tuple[Any, ...], str] = {}
     registered = fusedop.registered()
+    serialize = onnx.AttributeProto.SerializeToString
     for node in fused_nodes(model):
         op = registered.get(node.op_type)
         if op is None or op.body is None:
             node.ClearField("overload")
             continue
-        prefix = op.tiling_prefix
         inputs = list(node.input)  # each read of a repeated string field makes new strs
         raw = (
             op.name,
-            tuple(
-                [
-                    (a.name, a.SerializeToString())
-                    for a in node.attribute
-                    if not a.name.startswith(prefix)
-                ]
-            ),
+            tuple(map(serialize, node.attribute)),
             tuple(map(bool, inputs)),
             tuple(map(bool, node.output)),
             tuple([elem_types(n) if n else 0 for n in inputs]),

@@ -211,3 +211,58 @@ def test_an_inline_save_past_the_limit_goes_external_as_the_size_check_says(
 
 def _no_scratch(*args: object, **kwargs: object) -> None:
     raise OSError(28, "No space left on device")
+
+
+def _many(seed: int) -> onnx.ModelProto:
+    """A few thousand nodes and initializers of seeded random sizes, small ones (most), some
+    past 16 KB (a length prefix of three bytes) and some moved out by an external save, in a
+    random order: runs of elements of every mix of sizes."""
+    rng = np.random.default_rng(seed)
+    tensors, nodes = [], []
+    for i in range(int(rng.integers(2500, 3500))):
+        size = int(rng.choice([1, 3, 40, 5000], p=[0.6, 0.2, 0.15, 0.05]))
+        tensors.append(
+            numpy_helper.from_array(rng.standard_normal(size).astype(np.float32), f"w{i}")
+        )
+        nodes.append(helper.make_node("Identity", [f"w{i}"], [f"y{i}"], name="n" * (i % 7)))
+    graph = helper.make_graph(
+        nodes,
+        "many",
+        [],
+        [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in (0, 1)],
+        initializer=tensors,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("largest", [512, 5])
+def test_runs_of_any_length_and_size_lay_out_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, largest: int
+) -> None:
+    # elements are serialized a run at a time (runs growing while the elements are small):
+    # inline, the bytes are the model's own serialization; external, those of copying the
+    # model and externalizing the copy, wherever the runs begin and end
+    monkeypatch.setattr(stream_save, "RUN_ELEMENTS", largest)
+    model = _many(seed)
+    inline = save_model(model, tmp_path / "i" / "m.onnx", external=False)
+    assert inline[0].read_bytes() == model.SerializeToString(deterministic=True)
+    streamed = _save(model, tmp_path / "a.onnx", None, stream=True)
+    copied = _save(model, tmp_path / "b.onnx", None, stream=False)
+    assert streamed[0].replace(b"a.onnx.data", b"b.onnx.data") == copied[0]
+    assert streamed[1] == copied[1]
+
+
+def test_a_run_grows_from_one_element_up_to_its_bounds() -> None:
+    rng = np.random.default_rng(5)
+    count = 1
+    for _ in range(200):
+        elements = int(rng.integers(1, count + 1))
+        size = elements * int(rng.choice([1, 100, 10_000, 10**7]))
+        after = stream_save.next_run(count, elements, size)
+        assert 1 <= after <= min(stream_save.RUN_ELEMENTS, 8 * count)
+        each = size // elements
+        assert after == 1 or after * each <= stream_save.RUN_BYTES  # about that many bytes
+        count = after
+    assert stream_save.next_run(1, 1, 10) == 8  # small elements: 8 times as many
+    assert stream_save.next_run(512, 512, 512 * 10**7) == 1  # large ones: one at a time
