@@ -20,7 +20,6 @@ import contextlib
 import errno
 import os
 import re
-import secrets
 import signal
 import threading
 from collections.abc import Iterator
@@ -40,7 +39,9 @@ ANONYMOUS_FILES = bool(_O_TMPFILE) and _PROC_FD.is_dir()
 
 def temp_name(target: Path) -> Path:
     """A fresh named temp path beside `target`, of the form `TEMP_PATTERN` describes."""
-    return target.with_name(f".{target.name}.fuser-{os.getpid()}-{secrets.token_hex(6)}.tmp")
+    # os.urandom, not `secrets`: secrets imports hmac and so hashlib, which loads OpenSSL
+    # (3.5 MB resident, fuser/digest.py) for six random bytes.
+    return target.with_name(f".{target.name}.fuser-{os.getpid()}-{os.urandom(6).hex()}.tmp")
 
 
 def remove_stale_temps(target: Path) -> list[Path]:

@@ -17,7 +17,6 @@ warm-cache `fuse` searches neither side of a decision.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import sqlite3
@@ -26,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .digest import sha256_hex
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tilings (
@@ -77,7 +78,7 @@ class CacheKey:
 
             version = __version__
         text = json.dumps({k: _plain(v) for k, v in sorted(attrs.items())}, sort_keys=True)
-        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        digest = sha256_hex(text.encode())[:16]
         return cls(op, tuple(shapes), dtype, target, version, digest)
 
     def columns(self) -> tuple[str, str, str, str, str, str]:
@@ -104,7 +105,7 @@ class CacheEntry:
 def _plain(v: Any) -> Any:
     if hasattr(v, "SerializeToString"):
         # A tensor or graph attribute (ConstantOfShape's value, an If branch): its bytes name it.
-        return hashlib.sha256(v.SerializeToString(deterministic=True)).hexdigest()
+        return sha256_hex(v.SerializeToString(deterministic=True))
     if isinstance(v, bytes):
         return v.decode(errors="replace")
     if isinstance(v, list | tuple):

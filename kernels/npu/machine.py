@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ...digest import sha256_hex
 from .errors import TargetError
 
 SHIPPED_TARGETS: tuple[str, ...] = ("ascend910b", "ascend910", "ascend310p")
@@ -115,7 +115,7 @@ class Machine:
         """A short digest of every number of the target: tilings and prices cached for one
         version of a target are not reused for another of the same name."""
         text = repr(dataclasses.replace(self, sources=MappingProxyType({})))
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
+        return sha256_hex(text.encode())[:12]
 
     @property
     def read_bytes_per_cycle(self) -> float:

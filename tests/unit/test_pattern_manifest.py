@@ -57,11 +57,22 @@ def test_listing_commands_import_no_heavy_library(args: list[str]) -> None:
         assert "conv_bn_relu" in done.stdout
 
 
-def test_a_fuse_does_not_import_pydantic(tmp_path: Path) -> None:
-    # typer 0.29 coerces each CLI parameter through a pydantic TypeAdapter: pydantic's import
-    # cost every command about 0.1 s and 7 MB (pyproject.toml keeps typer below 0.29)
-    probe = PROBE.format(heavy=repr(("pydantic",)))
-    args = ["fuse", "example:resnet", "-o", str(tmp_path / "out.onnx"), "-q", "--no-cache"]
+# What a fuse must not load, and why (issue 10: each is start-up time and resident memory):
+# typer 0.29 coerces each CLI parameter through a pydantic TypeAdapter (about 0.1 s and 7 MB;
+# pyproject.toml keeps typer below 0.29); hashlib loads OpenSSL (3.5 MB; fuser/digest.py);
+# rich.progress is only `tune`'s (1.1 MB; fuse draws its bar with fuser/cli_progress.py).
+NOT_FOR_A_FUSE = ("pydantic", "_hashlib", "rich.progress")
+
+
+def test_a_fuse_with_a_tuning_cache_does_not_import_what_it_does_not_need(
+    tmp_path: Path,
+) -> None:
+    probe = PROBE.format(heavy=repr(NOT_FOR_A_FUSE))
+    cache = tmp_path / "cache.sqlite"  # a cache written: its keys are SHA-256 digests
+    # A file, not a built-in example: those draw their weights with numpy.random, which
+    # imports hashlib itself.
+    model = Path(__file__).parents[1] / "data" / "exported" / "cnn-ts13.onnx"
+    args = ["fuse", str(model), "-o", str(tmp_path / "out.onnx"), "-q", "--cache", str(cache)]
     done = subprocess.run(
         [sys.executable, "-c", probe, *args],
         capture_output=True,
@@ -71,4 +82,6 @@ def test_a_fuse_does_not_import_pydantic(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out.onnx").stat().st_size > 0
-    assert done.stdout.strip().splitlines()[-1].split() == ["LOADED"], "fuse imported pydantic"
+    assert cache.stat().st_size > 0
+    loaded = done.stdout.strip().splitlines()[-1].split()
+    assert loaded == ["LOADED"], f"fuse imported {loaded[1:]}"
