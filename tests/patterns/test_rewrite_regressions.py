@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
+from fuser.kernels.softmax import onnxruntime_zeroes_subnormal_exp, softmax_rows
 from onnx import TensorProto, helper, numpy_helper
 
 from fuser.ort import session
@@ -463,10 +464,11 @@ def test_float32_constant_rows_with_tiny_epsilon_match_float64(
 def test_softmax_topk_matches_onnxruntime_on_denormal_probabilities(
     order: str, kernel: str
 ) -> None:
-    """Logits 100+ below the row's max give float32 denormal probabilities (exp(-103.6) is
-    about 1e-45). onnxruntime 1.32's Softmax keeps them (it does not flush: logits
-    [0, -300, -103.6, -200], k=2 give indices [0, 2] there), so the fused op must keep them
-    too, or the index chosen among the "zeros" changes."""
+    """Logits 87+ below the row's max give float32 subnormal probabilities (exp(-103.6) is
+    about 1e-45). onnxruntime's Softmax keeps them on an AVX-512 CPU (logits
+    [0, -300, -103.6, -200], k=2 give indices [0, 2]) and makes them 0 on an AVX2 one
+    (indices [0, 1]: the lowest index among equal zeros): the fused op must do as the
+    host's does, or the index chosen among the "zeros" changes."""
     if order == "softmax_topk":
         nodes = [
             helper.make_node("Softmax", ["x"], ["p"], axis=-1),
@@ -497,7 +499,33 @@ def test_softmax_topk_matches_onnxruntime_on_denormal_probabilities(
     expected_v, expected_i = _run_original(model, {"x": x})
     actual_v, actual_i = _run_fused(result.model, {"x": x}, kernel)
     if order == "softmax_topk":
-        assert list(expected_i[0][:2]) == [0, 2]
+        zeroed = onnxruntime_zeroes_subnormal_exp()
+        assert list(expected_i[0][:2]) == ([0, 1] if zeroed else [0, 2])
     np.testing.assert_array_equal(actual_i, expected_i)
     # values: float32 rounding apart (a few ulps; among denormals ulps are 1.4e-45 each)
     np.testing.assert_allclose(actual_v, expected_v, rtol=1e-5, atol=1e-44)
+
+
+def test_the_zeroed_softmax_terms_are_those_of_this_hosts_onnxruntime() -> None:
+    """Logits swept across the subnormal range of exp (0 down to -110 below the row's max,
+    rows with other maxima): fuser's float32 softmax is 0 exactly where onnxruntime's is,
+    and equal to it elsewhere to a few ulps."""
+    rng = np.random.default_rng(RNG_SEED)
+    sweep = np.linspace(-110, 0, 4000, dtype=np.float32)
+    x = np.stack([sweep, sweep + 0.5, sweep - 3.25, rng.uniform(-110, 0, 4000)]).astype(np.float32)
+    x[:, 0] = [0.0, 0.5, -3.25, 0.0]  # each row's max, at a known place
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["x"], ["p"], axis=-1)],
+        "sweep",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4000])],
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, [4, 4000])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    ort_session = onnxruntime.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    expected = ort_session.run(None, {"x": x})[0]
+    actual = softmax_rows(x, np.dtype(np.float32))
+    assert ((expected == 0) == (actual == 0)).all()
+    assert (expected > 0).sum() > 4 * 600  # the sweep reaches well into the normal range
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-44)
