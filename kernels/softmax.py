@@ -44,11 +44,11 @@ def softmax_steps(dtype: np.dtype, per_row: int) -> list[VecStep]:
 
 def softmax_rows(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Softmax along the last axis computed in float32, returned in `dtype`; the terms this
-    host's onnxruntime computes as 0 are 0 (`host_zeroed_exp`)."""
+    host's onnxruntime computes as 0 are 0 (`zero_host_underflows`)."""
     x32 = x.astype(F32, copy=False)
     shifted = x32 - x32.max(axis=-1, keepdims=True)
     e = np.exp(shifted)
-    e[host_zeroed_exp(shifted)] = 0
+    zero_host_underflows(e, shifted)
     e /= e.sum(axis=-1, keepdims=True)
     return e.astype(dtype, copy=False)
 
@@ -57,26 +57,31 @@ def softmax_rows(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 _LOG2E = np.float32(1.44269504088896341)
 
 
-def host_zeroed_exp(shifted: np.ndarray) -> np.ndarray:
-    """Where onnxruntime's float32 Softmax on this host makes exp(x - max) exactly 0: `shifted`
-    is x - max in float32. The result feeds TopK, whose pick among "zeros" this decides.
+def zero_host_underflows(e: np.ndarray, shifted: np.ndarray) -> None:
+    """Set to 0, in place, the terms e = exp(x - max) that onnxruntime's float32 Softmax on
+    this host computes as exactly 0; `shifted` is x - max in float32 (e's shape). The zeros
+    feed TopK, whose pick among them this decides.
 
     MLAS (onnxruntime's CPU kernels) has two Softmax exps. Its AVX2 (and SSE2 and NEON) kernel
     forms 2^m, m = rint((x - max) * log2 e), from the exponent bits alone: for m <= -127 the
     term is 0, while m = -126 still gives subnormals (exp(-87.65) = 8.6e-39 is kept,
     exp(-87.7) is 0). Its AVX-512 kernel scales with VSCALEFPS and keeps every subnormal
     (exp(-103.6) = 1.4e-45). Which one runs depends on the CPU, so the host is asked once
-    (`onnxruntime_zeroes_subnormal_exp`). All False where it keeps them, or for float64."""
-    if shifted.dtype != F32 or not onnxruntime_zeroes_subnormal_exp():
-        return np.zeros(shifted.shape, dtype=bool)
-    return np.rint(shifted * _LOG2E) <= -127
+    (`onnxruntime_zeroes_subnormal_exp`); nothing changes where it keeps them, or for float64."""
+    if shifted.dtype == F32 and onnxruntime_zeroes_subnormal_exp():
+        e[np.rint(shifted * _LOG2E) <= -127] = 0
 
 
 @functools.cache
 def onnxruntime_zeroes_subnormal_exp() -> bool:
-    """Whether this host's onnxruntime (CPU provider) computes a float32 Softmax term of
-    exp(-90) = 8.2e-40, a subnormal, as 0 (MLAS's AVX2 kernel) rather than keeping it (its
-    AVX-512 kernel): one Softmax of two values, run once per process."""
+    """Whether this host's onnxruntime computes a float32 Softmax term of exp(-90) = 8.2e-40,
+    a subnormal, as 0 (MLAS's AVX2 kernel) rather than keeping it (its AVX-512 kernel)."""
+    p = onnxruntime_softmax(np.array([[0.0, -90.0]], F32))
+    return bool(p[0, 1] == 0)
+
+
+def onnxruntime_softmax(x: np.ndarray) -> np.ndarray:
+    """onnxruntime's (CPU provider) float32 Softmax of `x` along its last axis."""
     import onnx
     import onnxruntime as ort
     from onnx import helper
@@ -84,9 +89,9 @@ def onnxruntime_zeroes_subnormal_exp() -> bool:
     value = helper.make_tensor_value_info
     graph = helper.make_graph(
         [helper.make_node("Softmax", ["x"], ["p"], axis=-1)],
-        "subnormal_exp_probe",
-        [value("x", onnx.TensorProto.FLOAT, [1, 2])],
-        [value("p", onnx.TensorProto.FLOAT, [1, 2])],
+        "softmax",
+        [value("x", onnx.TensorProto.FLOAT, list(x.shape))],
+        [value("p", onnx.TensorProto.FLOAT, list(x.shape))],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
     options = ort.SessionOptions()
@@ -94,8 +99,8 @@ def onnxruntime_zeroes_subnormal_exp() -> bool:
     session = ort.InferenceSession(
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
-    (p,) = session.run(None, {"x": np.array([[0.0, -90.0]], F32)})
-    return bool(p[0, 1] == 0)
+    (p,) = session.run(None, {"x": x.astype(F32, copy=False)})
+    return np.asarray(p)
 
 
 def sigmoid_rows(x32: np.ndarray) -> np.ndarray:

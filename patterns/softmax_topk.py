@@ -90,13 +90,13 @@ def _infer(
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     """Softmax along `axis`, computed in float64, rounded to x's dtype; a float32 softmax's
-    terms that this host's onnxruntime computes as 0 are 0 (`host_zeroed_exp`)."""
-    from fuser.kernels.softmax import host_zeroed_exp
+    terms that this host's onnxruntime computes as 0 are 0 (`zero_host_underflows`)."""
+    from fuser.kernels.softmax import zero_host_underflows
 
     x64 = x.astype(np.float64)
     e = np.exp(x64 - x64.max(axis=axis, keepdims=True))
     if x.dtype == np.float32:
-        e[host_zeroed_exp(x - x.max(axis=axis, keepdims=True))] = 0
+        zero_host_underflows(e, x - x.max(axis=axis, keepdims=True))
     return (e / e.sum(axis=axis, keepdims=True)).astype(x.dtype)
 
 
